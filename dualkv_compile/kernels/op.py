@@ -1,0 +1,183 @@
+"""``shared_prompt_attention``: the one attention op of the packed stream.
+
+Two ``torch.library`` custom ops, ``dualkv::attention_fwd`` and
+``dualkv::attention_bwd``, with fake implementations (so they trace under
+``torch.compile`` with dynamic shapes) and the backward registered as the
+forward's autograd formula. The implementation is chosen by the ``backend``
+argument, resolved before tracing so that the compiled graph holds a concrete
+choice:
+
+    "reference"  exact PyTorch (dense mask, fp32 softmax); any device
+    "flex"       FlexAttention with a two-region BlockMask; CUDA
+    "triton"     the hand-written Triton kernel; CUDA (and CPU under TRITON_INTERPRET=1)
+    "auto"       CPU -> reference; CUDA -> triton where it supports the input, else flex
+
+Tensor convention: q ``[1, Hq, T, D]``, k and v ``[1, Hkv, T, D]`` (the
+``scaled_dot_product_attention`` layout with batch 1), Hq a multiple of Hkv.
+The op returns the output in q's dtype; ``lse`` (float32, ``[1, Hq, T]``) is
+saved for the backward.
+
+Each backend is a module with the same three functions:
+    supports(q) -> None, or why it cannot run q
+    forward(q, k, v, segs, scale) -> (out, lse)
+    backward(dout, q, k, v, out, lse, segs, scale, deterministic) -> (dq, dk, dv) A request for a backend that cannot run the input
+raises ``ValueError``; nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Optional
+
+import torch
+
+from ..layout import Segments, SharedPromptLayout
+from . import reference
+from .reference import check_qkv
+
+log = logging.getLogger("dualkv_compile")
+
+__all__ = ["shared_prompt_attention", "BACKENDS", "resolve_backend"]
+
+BACKENDS = ("auto", "reference", "flex", "triton")
+
+
+def _impl(backend: str):
+    if backend == "reference":
+        return reference
+    if backend == "flex":
+        from . import flex
+
+        return flex
+    if backend == "triton":
+        from . import triton_attention
+
+        return triton_attention
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """The concrete backend for ``backend`` on q's device, dtype and head dim; ``ValueError`` if it cannot run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if q.device.type != "cuda":
+            return "reference"
+        from . import triton_attention
+
+        return "triton" if triton_attention.supports(q) is None else "flex"
+    if backend == "reference":
+        return backend
+    why = _impl(backend).supports(q)
+    if why is not None:
+        raise ValueError(f"backend={backend!r} cannot run this input: {why}")
+    return backend
+
+
+def _segments(seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len) -> Segments:
+    return Segments(seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len)
+
+
+@torch.library.custom_op("dualkv::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+    prefix_start: torch.Tensor,
+    prefix_len: torch.Tensor,
+    max_seg_len: int,
+    max_prefix_len: int,
+    scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    segs = _segments(seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len)
+    out, lse = _impl(backend).forward(q, k, v, segs, scale)
+    return out.contiguous(), lse.float().contiguous()
+
+
+@attention_fwd.register_fake
+def _(q, k, v, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len, scale, backend):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("dualkv::attention_bwd", mutates_args=())
+def attention_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+    prefix_start: torch.Tensor,
+    prefix_len: torch.Tensor,
+    max_seg_len: int,
+    max_prefix_len: int,
+    scale: float,
+    backend: str,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    segs = _segments(seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len)
+    dq, dk, dv = _impl(backend).backward(dout, q, k, v, out, lse, segs, scale, deterministic=deterministic)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len, scale, backend, deterministic):
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+        torch.empty_like(v, memory_format=torch.contiguous_format),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len, scale, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, seg_start, seg_len, prefix_start, prefix_len)
+    ctx.max_lens = (max_seg_len, max_prefix_len)
+    ctx.scale, ctx.backend = scale, backend
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, seg_start, seg_len, prefix_start, prefix_len = ctx.saved_tensors
+    # lse is an internal output (saved for the backward); its gradient is never needed.
+    dq, dk, dv = attention_bwd(
+        dout, q, k, v, out, lse, seg_start, seg_len, prefix_start, prefix_len,
+        *ctx.max_lens, ctx.scale, ctx.backend, torch.are_deterministic_algorithms_enabled(),
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def shared_prompt_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: SharedPromptLayout | Segments,
+    scale: Optional[float] = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention over the packed stream: prompt causal, each response over prompt + itself causal, one softmax.
+
+    ``layout`` is a ``SharedPromptLayout`` or its ``attention_segments``.
+    Returns ``[1, Hq, T, D]`` in q's dtype. Differentiable in q, k and v.
+    Under ``torch.use_deterministic_algorithms(True)`` the backward avoids atomics.
+    """
+    segs = layout.attention_segments if isinstance(layout, SharedPromptLayout) else layout
+    if not isinstance(segs, Segments):
+        raise ValueError(f"layout must be a SharedPromptLayout or Segments, got {type(layout).__name__}")
+    check_qkv(q, k, v, q.shape[2])
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"k must have the same number of tokens as q ({q.shape[2]}), got {k.shape[2]}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    concrete = resolve_backend(backend, q)
+    out, _ = attention_fwd(q, k, v, *segs, scale, concrete)
+    return out
