@@ -1,5 +1,26 @@
-"""dualkv_compile: compute each shared prompt once in GRPO-style policy updates."""
-from .kernels.op import shared_prompt_attention
-from .layout import SharedPromptLayout, Segments, detect, pack, unpack
+"""dualkv_compile: compute each shared prompt once in GRPO-style policy updates.
 
-__all__ = ["SharedPromptLayout", "Segments", "detect", "pack", "unpack", "shared_prompt_attention"]
+``torch.compile(model, backend="dualkv")`` packs the rows of a batch that
+share a prompt into one stream (prompt once, then each response) across the
+whole model, with attention lowered to ``shared_prompt_attention``.
+"""
+from .backend import DualKVConfig, dualkv_backend, register as _register, reports
+from .explain import Explanation, explain
+from .kernels.op import shared_prompt_attention
+from .layout import Segments, SharedPromptLayout, detect, pack, unpack
+
+_register()
+
+__all__ = [
+    "DualKVConfig",
+    "Explanation",
+    "Segments",
+    "SharedPromptLayout",
+    "detect",
+    "dualkv_backend",
+    "explain",
+    "pack",
+    "reports",
+    "shared_prompt_attention",
+    "unpack",
+]

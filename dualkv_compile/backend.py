@@ -1,8 +1,310 @@
-"""Placeholder backend: compiles the graph unchanged with Inductor (replaced by the pass in issue 4)."""
+"""The "dualkv" torch.compile backend and its runtime wrapper.
+
+``torch.compile(model, backend="dualkv")`` hands each Dynamo graph to
+``dualkv_backend``, which
+
+1. compiles the graph unchanged with the inner compiler (the fallback);
+2. analyses its token axes and attention (``passes.token_axes``); a graph
+   that cannot be rewritten is refused, with the reason logged on the
+   "dualkv_compile" logger and kept for ``explain()``;
+3. builds the packed graph (``passes.pack_graph``), compiled lazily on the
+   first rewritten call with the inner compiler and dynamic token counts, so
+   new layouts (P, N, R_i, group count) do not recompile it.
+
+Per call the wrapper detects the layout from the token inputs (one host
+sync), runs the fallback when nothing is shared or rho is below
+``min_rho``, and otherwise runs the packed graph and returns outputs in the
+caller's layout, equal at every non-padding position and zero at padding.
+On the first rewritten call (``verify=True``) it evaluates the attention
+masks the original graph builds and compares them with the causal,
+padding-aware pattern the layout implies; a mismatch (sliding window,
+bidirectional, bias) disables the rewrite for that graph.
+"""
+
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import logging
+from typing import Any, Callable, Optional
 
-def dualkv_backend(gm, example_inputs, **kwargs):
-    from torch._inductor.compile_fx import compile_fx
+import torch
+import torch.fx as fx
 
-    return compile_fx(gm, example_inputs)
+from .layout import SharedPromptLayout, detect
+from .passes.pack_graph import PACKED_INPUTS, pack_graph
+from .passes.token_axes import Kind, Refusal, TokenAxes, analyze_token_axes, find_token_inputs
+
+log = logging.getLogger("dualkv_compile")
+
+__all__ = ["DualKVConfig", "dualkv_backend", "GraphReport", "reports"]
+
+
+@dataclasses.dataclass
+class DualKVConfig:
+    """Options, given as ``torch.compile(..., backend="dualkv", options={...})``.
+
+    min_rho           rewrite a call only if its token reduction is at least this
+    group_size        rows per group, if the caller knows it (verified, not searched)
+    min_shared        shortest shared prefix (tokens) that makes rows a group
+    inner             "inductor" or "aot_eager": compiles both the fallback and the packed graph
+    verify            check the graph's attention masks against the layout on the first rewritten call
+    attention_backend "auto", "reference", "flex" or "triton" (see kernels.op)
+    verify_max_elements  skip the mask check when a mask would hold more elements than this
+    """
+
+    min_rho: float = 1.1
+    group_size: Optional[int] = None
+    min_shared: int = 1
+    inner: str = "inductor"
+    verify: bool = True
+    attention_backend: str = "auto"
+    verify_max_elements: int = 1 << 26
+
+    @classmethod
+    def from_options(cls, options: Optional[dict]) -> "DualKVConfig":
+        options = dict(options or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ValueError(f"options: unknown dualkv option(s) {unknown}; expected some of {sorted(names)}")
+        cfg = cls(**options)
+        if cfg.inner not in ("inductor", "aot_eager", "eager"):
+            raise ValueError(f"options['inner'] must be 'inductor', 'aot_eager' or 'eager', got {cfg.inner!r}")
+        return cfg
+
+
+@dataclasses.dataclass
+class GraphReport:
+    """What happened to one Dynamo graph; ``explain()`` prints these."""
+
+    graph_id: int
+    num_nodes: int
+    num_attention: int
+    rewritten: bool
+    reason: Optional[str] = None
+    calls: int = 0
+    packed_calls: int = 0
+    packed_compiles: int = 0
+    last_layout: Optional[str] = None
+    last_stats: Any = None
+    fallback_reasons: list[str] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        head = f"graph {self.graph_id}: {self.num_nodes} nodes, {self.num_attention} attention"
+        if not self.rewritten:
+            return f"{head} - REFUSED: {self.reason}"
+        lines = [f"{head} - rewritten; {self.calls} calls, {self.packed_calls} packed, packed graph compiled {self.packed_compiles}x"]
+        if self.last_stats is not None:
+            lines.append(f"  last layout: {self.last_layout}")
+            lines.append(f"  {self.last_stats}")
+        for r in self.fallback_reasons[-3:]:
+            lines.append(f"  ran unpacked: {r}")
+        return "\n".join(lines)
+
+
+_reports: list[GraphReport] = []
+_graph_ids = itertools.count()
+
+
+def reports() -> list[GraphReport]:
+    """Reports of every graph the backend has seen in this process (most recent last)."""
+    return list(_reports)
+
+
+def _inner_compile(gm: fx.GraphModule, example_inputs, cfg: DualKVConfig, mode: Optional[str]):
+    if cfg.inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        config_patches = _mode_patches(mode)
+        return compile_fx(gm, example_inputs, config_patches=config_patches)
+    if cfg.inner == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+    return gm.forward
+
+
+def _mode_patches(mode: Optional[str]) -> dict:
+    if mode in (None, "default"):
+        return {}
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
+def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options: Optional[dict] = None):
+    """The torch.compile backend (registered as "dualkv")."""
+    cfg = DualKVConfig.from_options(options)
+    fallback = _inner_compile(gm, example_inputs, cfg, mode)
+    report = GraphReport(next(_graph_ids), len(gm.graph.nodes), 0, rewritten=False)
+    _reports.append(report)
+    try:
+        token_inputs = find_token_inputs(gm.graph)
+        axes = analyze_token_axes(gm, token_inputs)
+        report.num_attention = len(axes.attention)
+        if not axes.attention:
+            raise Refusal("no attention in this graph (nothing couples tokens, so packing saves only per-token work once the layout is known; a graph break may split the model)")
+        if axes.refusals:
+            raise Refusal("; ".join(axes.refusals))
+        backend = _resolve_attention_backend(cfg.attention_backend, axes)
+        packed = pack_graph(gm, axes, backend)
+    except Refusal as e:
+        report.reason = str(e)
+        log.warning("dualkv: graph %d refused, running it unchanged: %s", report.graph_id, e)
+        return fallback
+    report.rewritten = True
+    log.info("dualkv: graph %d rewritten (%d attention)", report.graph_id, len(axes.attention))
+    return PackedRunner(gm, axes, packed, fallback, cfg, mode, report)
+
+
+def _resolve_attention_backend(backend: str, axes: TokenAxes) -> str:
+    from .kernels.op import resolve_backend
+
+    q = axes.attention[0].q.meta["example_value"]
+    probe = torch.empty((1, q.shape[1], 1, q.shape[3]), dtype=q.dtype, device=q.device)
+    return resolve_backend(backend, probe)
+
+
+class PackedRunner:
+    """Runtime wrapper: detect, decide, pack, run, unpack (see the module docstring)."""
+
+    def __init__(self, gm, axes: TokenAxes, packed: fx.GraphModule, fallback, cfg: DualKVConfig, mode, report: GraphReport):
+        self.axes, self.packed_gm, self.fallback, self.cfg, self.mode, self.report = axes, packed, fallback, cfg, mode, report
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.input_index = {role: placeholders.index(node) for role, node in axes.token_inputs.items()}
+        self.compiled: Optional[Callable] = None
+        self.verified = not cfg.verify
+        self.disabled: Optional[str] = None
+        self.mask_gm = _mask_graph(gm, axes) if cfg.verify else None
+
+    def _compile_packed(self):
+        def count_compiles(gm, example_inputs):
+            self.report.packed_compiles += 1
+            if self.cfg.inner == "inductor":
+                from torch._inductor.compile_fx import compile_fx
+
+                return compile_fx(gm, example_inputs, config_patches=_mode_patches(self.mode))
+            if self.cfg.inner == "aot_eager":
+                from torch._dynamo.backends.debugging import aot_eager
+
+                return aot_eager(gm, example_inputs)
+            return gm.forward
+
+        return torch.compile(self.packed_gm, backend=count_compiles, fullgraph=True, dynamic=None)
+
+    def __call__(self, *args):
+        self.report.calls += 1
+        if self.disabled:
+            return self.fallback(*args)
+        ids = args[self.input_index["input_ids"]]
+        mask = args[self.input_index["attention_mask"]] if "attention_mask" in self.input_index else None
+        pos = args[self.input_index["position_ids"]] if "position_ids" in self.input_index else None
+        try:
+            layout = detect(ids, mask, pos, group_size=self.cfg.group_size, min_shared=self.cfg.min_shared)
+        except ValueError as e:
+            return self._unpacked(args, f"layout: {e}")
+        stats = layout.stats()
+        self.report.last_layout, self.report.last_stats = repr(layout), stats
+        if stats.rho < self.cfg.min_rho:
+            return self._unpacked(args, f"rho {stats.rho:.2f} below min_rho {self.cfg.min_rho}")
+        if not self.verified:
+            why = self._verify(args, layout, mask)
+            if why is not None:
+                self.disabled = why
+                self.report.rewritten = False
+                self.report.reason = f"disabled on its first call: {why}"
+                log.warning("dualkv: graph %d disabled: %s", self.report.graph_id, why)
+                return self.fallback(*args)
+            self.verified = True
+        if self.compiled is None:
+            self.compiled = self._compile_packed()
+        extra = _packed_inputs(layout)
+        for t in extra[:8]:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        self.report.packed_calls += 1
+        return self.compiled(*args, *extra)
+
+    def _unpacked(self, args, why: str):
+        self.report.fallback_reasons.append(why)
+        log.info("dualkv: graph %d runs unpacked: %s", self.report.graph_id, why)
+        return self.fallback(*args)
+
+    def _verify(self, args, layout: SharedPromptLayout, mask) -> Optional[str]:
+        """None if every attention mask of the graph is the causal, padding-aware mask of the layout."""
+        B, S = layout.batch_size, layout.seq_len
+        valid = layout.valid.view(B, S)
+        starts_nonzero = any(s > 0 for g in layout.groups for s in g.starts)
+        for m in self.axes.attention:
+            if m.mask is None and m.is_causal and starts_nonzero:
+                return f"{m.output.name}: causal attention without a mask attends to left padding, which packing removes"
+        if self.mask_gm is None:
+            return None
+        if B * S * S > self.cfg.verify_max_elements:
+            log.info("dualkv: mask check skipped for graph %d (B*S*S = %d elements)", self.report.graph_id, B * S * S)
+            return None
+        with torch.no_grad():
+            masks = self.mask_gm(*args)
+        q = torch.arange(S, device=valid.device)
+        expect = valid[:, None, :] & (q[None, None, :] <= q[None, :, None])  # [B, Sq, Skv]
+        for name, m in zip(self.mask_names, masks):
+            allowed = _allowed(m)
+            if allowed is None:
+                return f"{name}: the attention mask carries values other than 0 and -inf/min (a bias); not a pure mask"
+            rows = valid[:, None, :, None]  # only valid queries' rows are specified
+            if bool(((allowed ^ expect[:, None]) & rows).any()):
+                return f"{name}: the attention mask is not causal with key padding (sliding window, bidirectional or custom mask)"
+        return None
+
+    @property
+    def mask_names(self):
+        return [m.output.name for m in self.axes.attention if m.mask is not None]
+
+
+def _allowed(m: torch.Tensor) -> Optional[torch.Tensor]:
+    if m.dtype == torch.bool:
+        return m
+    neg = (m <= torch.finfo(m.dtype).min / 2) | torch.isneginf(m)
+    if not bool(((m == 0) | neg).all()):
+        return None
+    return m == 0
+
+
+def _mask_graph(gm: fx.GraphModule, axes: TokenAxes) -> Optional[fx.GraphModule]:
+    """A copy of ``gm`` that returns the attention masks (as the original graph builds them)."""
+    masks = [m.mask for m in axes.attention if m.mask is not None]
+    if not masks:
+        return None
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            break
+        env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(tuple(env[m] for m in masks))
+    g.eliminate_dead_code()
+    return fx.GraphModule(gm, g, class_name="AttentionMasks")
+
+
+def _packed_inputs(layout: SharedPromptLayout) -> list:
+    segs = layout.attention_segments
+    return [
+        layout.pack_index,
+        layout.pack_index % layout.seq_len,
+        layout.unpack_index,
+        layout.valid,
+        segs.seg_start,
+        segs.seg_len,
+        segs.prefix_start,
+        segs.prefix_len,
+        segs.max_seg_len,
+        segs.max_prefix_len,
+    ]
+
+
+def register() -> None:
+    """Register "dualkv" with Dynamo (the entry point does this for installed packages)."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "dualkv" not in _BACKENDS:
+        register_backend(name="dualkv")(dualkv_backend)

@@ -1,0 +1,166 @@
+"""Find the attention computations of a Dynamo FX graph.
+
+Contract
+    Input: a torch-level FX graph as Dynamo hands it to a backend (nodes carry
+    ``meta["example_value"]``).
+    Output: one ``AttentionMatch`` per attention, in graph order, naming its
+    q/k/v nodes (``[B, H, S, D]``), its mask node (or None), whether it is
+    causal, its scale, and the node whose value is the attention output. The
+    graph is not modified.
+
+Recognised forms
+    * ``scaled_dot_product_attention(q, k, v, attn_mask=..., dropout_p=...,
+      is_causal=..., scale=..., enable_gqa=...)``, as Hugging Face's "sdpa"
+      implementation traces to.
+    * Hugging Face's "eager" attention: ``matmul(q, k.transpose(2, 3)) * scale
+      (+ mask) -> softmax(dim=-1) (-> .to(dtype)) (-> dropout) -> matmul(., v)``.
+An attention with dropout that can be active is reported through
+``AttentionMatch.refusal``; so is a non-causal attention without a mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+__all__ = ["AttentionMatch", "find_attention"]
+
+_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+_MATMUL = {torch.matmul, operator.matmul}
+_SOFTMAX = {F.softmax, torch.softmax}
+_CASTS = {"to", "float", "type_as", "contiguous"}
+
+
+@dataclasses.dataclass
+class AttentionMatch:
+    output: fx.Node
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    mask: Optional[fx.Node]
+    is_causal: bool
+    scale: Optional[float]
+    kind: str  # "sdpa" or "eager"
+    nodes: tuple[fx.Node, ...] = ()  # the eager pattern's internal nodes
+    refusal: Optional[str] = None
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _is_method(node, names) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
+
+
+def _scalar(x) -> Optional[float]:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def find_attention(graph: fx.Graph) -> list[AttentionMatch]:
+    matches = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in _SDPA:
+            matches.append(_match_sdpa(node))
+        elif node.target in _SOFTMAX:
+            m = _match_eager(node)
+            if m is not None:
+                matches.append(m)
+    return matches
+
+
+def _match_sdpa(node: fx.Node) -> AttentionMatch:
+    q, k, v = node.args[:3]
+    mask = _arg(node, 3, "attn_mask")
+    dropout = _arg(node, 4, "dropout_p", 0.0)
+    is_causal = bool(_arg(node, 5, "is_causal", False))
+    scale = _arg(node, 6, "scale")
+    m = AttentionMatch(node, q, k, v, mask, is_causal, scale, "sdpa")
+    if not isinstance(dropout, (int, float)) or dropout != 0:
+        m.refusal = f"{node.name}: attention dropout_p={dropout} couples the copies of a shared prompt (dropout in training mode)"
+    elif mask is None and not is_causal:
+        m.refusal = f"{node.name}: bidirectional attention (no mask, is_causal=False) is not the causal pattern the kernels implement"
+    elif not isinstance(scale, (int, float, type(None))):
+        m.refusal = f"{node.name}: attention scale is not a constant"
+    return m
+
+
+def _match_eager(softmax: fx.Node) -> Optional[AttentionMatch]:
+    dim = _arg(softmax, 1, "dim")
+    x = softmax.args[0]
+    if dim not in (-1, 3) or not isinstance(x, fx.Node):
+        return None
+    internal = [softmax]
+    mask = None
+    if x.op == "call_function" and x.target in (operator.add, torch.add):
+        a, b = x.args[:2]
+        internal.append(x)
+        x, mask = (a, b) if _reaches_matmul(a) else (b, a)
+    scale = 1.0
+    while isinstance(x, fx.Node) and x.op == "call_function" and x.target in (operator.mul, operator.truediv):
+        a, b = x.args[:2]
+        s = _scalar(b) if isinstance(a, fx.Node) else _scalar(a)
+        if s is None:
+            return None
+        scale = scale * s if x.target is operator.mul else scale / s
+        internal.append(x)
+        x = a if isinstance(a, fx.Node) else b
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target in _MATMUL):
+        return None
+    q, kt = x.args[:2]
+    internal.append(x)
+    if not (_is_method(kt, {"transpose"}) and sorted(_norm_dims(kt)) in ([2, 3],)):
+        return None
+    k = kt.args[0]
+    internal.append(kt)
+    # Walk forward to the matmul with v through casts and dropout.
+    y, refusal = softmax, None
+    while True:
+        users = list(y.users)
+        if len(users) != 1:
+            return None
+        u = users[0]
+        if _is_method(u, _CASTS):
+            internal.append(u)
+            y = u
+            continue
+        if u.op == "call_function" and u.target in (F.dropout, torch.dropout):
+            p = _arg(u, 1, "p", 0.5)
+            training = _arg(u, 2, "training", True)
+            if p != 0 and training is not False:
+                refusal = f"{u.name}: attention dropout p={p} in training mode couples the copies of a shared prompt"
+            internal.append(u)
+            y = u
+            continue
+        break
+    if not (u.op == "call_function" and u.target in _MATMUL and u.args[0] is y):
+        return None
+    v = u.args[1]
+    if mask is None and refusal is None:
+        refusal = f"{u.name}: eager attention without a mask is bidirectional, not the causal pattern the kernels implement"
+    return AttentionMatch(u, q, k, v, mask, False, scale, "eager", tuple(internal), refusal)
+
+
+def _norm_dims(node: fx.Node) -> list[int]:
+    ndim = node.args[0].meta["example_value"].dim()
+    return [d % ndim for d in node.args[1:3]]
+
+
+def _reaches_matmul(x) -> bool:
+    while isinstance(x, fx.Node) and x.op == "call_function" and x.target in (operator.mul, operator.truediv):
+        x = x.args[0] if isinstance(x.args[0], fx.Node) else x.args[1]
+    return isinstance(x, fx.Node) and x.op == "call_function" and x.target in _MATMUL
+
+
+def default_scale(q: fx.Node) -> float:
+    return 1.0 / math.sqrt(q.meta["example_value"].shape[-1])

@@ -1,0 +1,218 @@
+"""Rewrite: the packed graph of a static-shape Dynamo graph.
+
+Contract
+    Input: the original ``GraphModule`` and its ``TokenAxes`` (no refusals),
+    the attention backend to call.
+    Output: a new ``GraphModule`` taking the original placeholders followed by
+    ``PACKED_INPUTS`` (the layout's index tensors, segments and their maxima)
+    and returning the original outputs, in the original layout, equal to the
+    original program's at every non-padding position (zeros at padding).
+
+How
+    Every node gets up to two translations. The *packed* one (TOKEN nodes)
+    runs on the packed stream: token axes ``[b, s]`` become ``[1, T]``, shape
+    arguments are re-derived from the tags (``b -> 1``, ``s -> T * f``,
+    ``bs -> T * f``), each attention becomes ``dualkv::attention_fwd`` on the
+    layout's segments, and COLUMN values (``arange(S)``, ``[1, S]`` position
+    ids) are gathered at each token's column. The *original* one is the node
+    copied unchanged; a TOKEN node's original value is ``unpack`` of its packed
+    one, emitted just before the first node that needs it (graph outputs, and
+    ops that leave the token-local region such as a shift along the sequence).
+    Dead-code elimination then drops what nothing reads, the attention masks
+    among it, so ``[B, S, ...]`` values are built only where an original-layout
+    consumer reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..kernels import op as attention_op
+from .attention_match import AttentionMatch, default_scale
+from .packed_ops import gather_columns, pack_tokens, unpack_merged, unpack_tokens
+from .token_axes import Kind, Refusal, TokenAxes
+
+log = logging.getLogger("dualkv_compile")
+
+__all__ = ["pack_graph", "PACKED_INPUTS"]
+
+PACKED_INPUTS = (
+    "pack_index", "col_index", "unpack_index", "valid",
+    "seg_start", "seg_len", "prefix_start", "prefix_len", "max_seg_len", "max_prefix_len",
+)
+
+
+def _ev(n):
+    return n.meta.get("example_value") if isinstance(n, fx.Node) else None
+
+
+class _Packer:
+    def __init__(self, gm: fx.GraphModule, axes: TokenAxes, backend: str):
+        self.gm, self.axes, self.backend = gm, axes, backend
+        self.B, self.S = axes.B, axes.S
+        self.g = fx.Graph()
+        self.packed: dict[fx.Node, fx.Node] = {}
+        self.orig: dict[fx.Node, fx.Node] = {}
+        self.attn = {m.output: m for m in axes.attention}
+
+    # ------------------------------------------------------------ lookups
+    def packed_of(self, n: fx.Node) -> fx.Node:
+        if n in self.packed:
+            return self.packed[n]
+        info = self.axes.info[n]
+        if info.kind is Kind.COLUMN:
+            s_dim = info.tags.index("s")
+            p = self.g.call_function(gather_columns, (self.orig_of(n), self.inp["col_index"], s_dim))
+        elif info.kind is Kind.NONE:
+            p = self.orig_of(n)
+        else:
+            raise Refusal(f"{n.name}: needed on the packed stream but computed in the original layout ({info.cause})")
+        self.packed[n] = p
+        return p
+
+    def orig_of(self, n: fx.Node) -> fx.Node:
+        if n in self.orig:
+            return self.orig[n]
+        info = self.axes.info[n]
+        if info.kind is not Kind.TOKEN:
+            raise AssertionError(f"{n.name} has no original translation yet")
+        tags, shape = info.tags, _ev(n).shape
+        p = self.packed[n]
+        if "bs" in tags:
+            d = tags.index("bs")
+            if shape[d] != self.B * self.S:
+                raise Refusal(f"{n.name}: leaves the packed region with a merged token axis of size {shape[d]}")
+            o = self.g.call_function(unpack_merged, (p, self.inp["unpack_index"], self.inp["valid"], d))
+        else:
+            b, s = tags.index("b"), tags.index("s")
+            if shape[b] != self.B or shape[s] != self.S:
+                raise Refusal(f"{n.name}: leaves the packed region with token axes of sizes {shape[b]}, {shape[s]}")
+            o = self.g.call_function(unpack_tokens, (p, self.inp["unpack_index"], self.inp["valid"], self.B, self.S, b, s))
+        self.orig[n] = o
+        return o
+
+    # ------------------------------------------------------------ translation
+    def run(self) -> fx.GraphModule:
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        for n in placeholders:
+            new = self.g.placeholder(n.name, type_expr=n.type)
+            new.meta = dict(n.meta)
+            self.orig[n] = new
+        self.inp = {name: self.g.placeholder(name) for name in PACKED_INPUTS}
+        self.T = self.g.call_method("size", (self.inp["pack_index"], 0))
+        for n in self.gm.graph.nodes:
+            if n.op == "placeholder":
+                info = self.axes.info[n]
+                if info.kind is Kind.TOKEN:
+                    b, s = info.tags.index("b"), info.tags.index("s")
+                    self.packed[n] = self.g.call_function(pack_tokens, (self.orig[n], self.inp["pack_index"], b, s))
+                continue
+            if n.op == "output":
+                out = fx.map_arg(n.args[0], self.orig_of)
+                self.g.output(out)
+                continue
+            info = self.axes.info[n]
+            if info.kind is Kind.TOKEN:
+                self.packed[n] = self.emit_packed(n)
+            else:
+                self.orig[n] = self.copy(n, self.orig_of)
+        self.g.eliminate_dead_code()
+        self.g.lint()
+        return fx.GraphModule(self.gm, self.g, class_name="PackedGraph")
+
+    def copy(self, n: fx.Node, lookup) -> fx.Node:
+        args = fx.map_arg(n.args, lookup)
+        kwargs = fx.map_arg(n.kwargs, lookup)
+        new = self.g.create_node(n.op, n.target, args, kwargs, name=n.name)
+        new.meta = dict(n.meta)
+        return new
+
+    def emit_packed(self, n: fx.Node) -> fx.Node:
+        if n in self.attn:
+            return self.emit_attention(self.attn[n])
+        args = fx.map_arg(n.args, self.packed_of)
+        kwargs = fx.map_arg(n.kwargs, self.packed_of)
+        args, kwargs = self.rewrite_shapes(n, args, kwargs)
+        new = self.g.create_node(n.op, n.target, args, kwargs, name=n.name + "_packed")
+        return new
+
+    def emit_attention(self, m: AttentionMatch) -> fx.Node:
+        q, k, v = (self.packed_of(x) for x in (m.q, m.k, m.v))
+        scale = m.scale if m.scale is not None else default_scale(m.q)
+        i = self.inp
+        res = self.g.call_function(
+            torch.ops.dualkv.attention_fwd.default,
+            (q, k, v, i["seg_start"], i["seg_len"], i["prefix_start"], i["prefix_len"],
+             i["max_seg_len"], i["max_prefix_len"], float(scale), self.backend),
+        )
+        out = self.g.call_function(operator.getitem, (res, 0), name=m.output.name + "_packed")
+        want = _ev(m.output).dtype
+        if want != _ev(m.q).dtype:
+            out = self.g.call_method("to", (out, want))
+        return out
+
+    # ------------------------------------------------------------ shapes
+    def token_size(self, tag: str, size: int):
+        unit = self.S if tag == "s" else self.B * self.S if tag == "bs" else self.B
+        if tag == "b":
+            return 1
+        factor = size // unit
+        return self.T if factor == 1 else self.g.call_function(operator.mul, (self.T, factor))
+
+    def rewrite_shapes(self, n: fx.Node, args, kwargs):
+        tags = self.axes.info[n].tags
+        out_shape = list(_ev(n).shape) if isinstance(_ev(n), torch.Tensor) else []
+        target = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        if target in ("view", "reshape", "expand"):
+            sizes_in_tuple = len(args) == 2 and isinstance(args[1], (tuple, list))
+            sizes = list(args[1] if sizes_in_tuple else args[1:])
+            for d, tag in enumerate(tags):
+                if tag is None:
+                    continue
+                if target == "expand":
+                    sizes[d] = 1 if tag == "b" else -1
+                elif sizes[d] != -1:
+                    sizes[d] = self.token_size(tag, out_shape[d])
+            args = (args[0], tuple(sizes)) if sizes_in_tuple else (args[0], *sizes)
+        elif target == "unflatten":
+            dim, sizes = args[1], list(args[2])
+            dim %= len(_ev(n.args[0]).shape)
+            for j in range(len(sizes)):
+                tag = tags[dim + j]
+                if tag is not None and sizes[j] != -1:
+                    sizes[j] = self.token_size(tag, out_shape[dim + j])
+            args = (args[0], dim, tuple(sizes))
+        elif n.op == "call_function" and n.target is operator.getitem and isinstance(_ev(n.args[0]), torch.Tensor):
+            args = (args[0], self._full_slices(n))
+        return args, kwargs
+
+    def _full_slices(self, n: fx.Node):
+        """Slices along token axes are full (the analysis checked); drop their bounds so they stay full at T."""
+        src_tags = self.axes.info[n.args[0]].tags
+        idx = n.args[1]
+        single = not isinstance(idx, tuple)
+        idx = (idx,) if single else idx
+        n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+        out, d = [], 0
+        for i in idx:
+            if i is Ellipsis:
+                d += len(src_tags) - n_real
+                out.append(i)
+            elif i is None:
+                out.append(i)
+            else:
+                out.append(slice(None) if isinstance(i, slice) and src_tags[d] is not None else i)
+                d += 1
+        return out[0] if single else tuple(out)
+
+
+def pack_graph(gm: fx.GraphModule, axes: TokenAxes, backend: str) -> fx.GraphModule:
+    """The packed ``GraphModule`` of ``gm`` (see the module docstring for its contract)."""
+    if axes.refusals:
+        raise Refusal("; ".join(axes.refusals))
+    return _Packer(gm, axes, backend).run()

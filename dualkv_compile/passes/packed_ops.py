@@ -1,0 +1,51 @@
+"""The small functions the rewritten graph calls to move values between layouts.
+
+Each takes the token axes of its value as plain ints, so the rewrite can call
+it on any value: ``[..., B@b_dim, ..., S@s_dim, ...]`` in the original layout,
+the same rank with the batch axis of size 1 and the sequence axis of size T
+in the packed one. All are ordinary torch ops (traceable by Dynamo,
+differentiable: ``unpack_tokens``' backward sums the gradients of a shared
+token over the rows that read it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["pack_tokens", "gather_columns", "unpack_tokens", "pack_merged", "unpack_merged"]
+
+
+def pack_tokens(x: torch.Tensor, pack_index: torch.Tensor, b_dim: int, s_dim: int) -> torch.Tensor:
+    """Original ``[.., B, .., S, ..]`` -> packed ``[.., 1, .., T, ..]``."""
+    y = x.movedim((b_dim, s_dim), (0, 1))
+    y = y.reshape(-1, *y.shape[2:]).index_select(0, pack_index).unsqueeze(0)
+    return y.movedim((0, 1), (b_dim, s_dim))
+
+
+def gather_columns(x: torch.Tensor, col_index: torch.Tensor, s_dim: int) -> torch.Tensor:
+    """A value that depends on the column only: ``[.., S, ..]`` -> ``[.., T, ..]``."""
+    return x.index_select(s_dim, col_index)
+
+
+def unpack_tokens(
+    x: torch.Tensor, unpack_index: torch.Tensor, valid: torch.Tensor, B: int, S: int, b_dim: int, s_dim: int
+) -> torch.Tensor:
+    """Packed ``[.., 1, .., T, ..]`` -> original ``[.., B, .., S, ..]``, zeros at padding."""
+    y = x.movedim((b_dim, s_dim), (0, 1)).squeeze(0)
+    y = y.index_select(0, unpack_index)
+    y = torch.where(valid.view(-1, *([1] * (y.dim() - 1))), y, y.new_zeros(()))
+    y = y.reshape(B, S, *y.shape[1:])
+    return y.movedim((0, 1), (b_dim, s_dim))
+
+
+def pack_merged(x: torch.Tensor, pack_index: torch.Tensor, bs_dim: int) -> torch.Tensor:
+    """Original ``[.., B*S, ..]`` -> packed ``[.., T, ..]``."""
+    return x.index_select(bs_dim, pack_index)
+
+
+def unpack_merged(x: torch.Tensor, unpack_index: torch.Tensor, valid: torch.Tensor, bs_dim: int) -> torch.Tensor:
+    """Packed ``[.., T, ..]`` -> original ``[.., B*S, ..]``, zeros at padding."""
+    y = x.index_select(bs_dim, unpack_index)
+    shape = [1] * y.dim()
+    shape[bs_dim] = -1
+    return torch.where(valid.view(shape), y, y.new_zeros(()))
