@@ -35,18 +35,20 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain(model_or_fn, *args, options: Optional[dict] = None, file: Optional[TextIO] = sys.stdout, **kwargs) -> Explanation:
+def explain(
+    model_or_fn, *args, options: Optional[dict] = None, file: Optional[TextIO] = None, quiet: bool = False, **kwargs
+) -> Explanation:
     """Compile ``model_or_fn`` with the dualkv backend, call it once on ``args``/``kwargs`` and report.
 
     Resets Dynamo's caches first, so every graph is compiled (and reported)
-    afresh. The report is written to ``file`` (stdout by default; None for
-    silence) and returned, with the call's output.
+    afresh. The report is written to ``file`` (stdout by default) unless
+    ``quiet``, and returned with the call's output.
     """
     torch._dynamo.reset()
     start = len(reports())
     compiled = torch.compile(model_or_fn, backend=functools.partial(dualkv_backend, options=options))
     output = compiled(*args, **kwargs)
     result = Explanation(reports()[start:], output)
-    if file is not None:
-        print(result, file=file)
+    if not quiet:
+        print(result, file=file if file is not None else sys.stdout)
     return result

@@ -35,7 +35,7 @@ import torch.fx as fx
 from ..kernels import op as attention_op
 from .attention_match import AttentionMatch, default_scale
 from .packed_ops import gather_columns, pack_tokens, unpack_merged, unpack_tokens
-from .token_axes import Kind, Refusal, TokenAxes
+from .token_axes import Kind, Refusal, TokenAxes, shape_of
 
 log = logging.getLogger("dualkv_compile")
 
@@ -81,7 +81,7 @@ class _Packer:
         info = self.axes.info[n]
         if info.kind is not Kind.TOKEN:
             raise AssertionError(f"{n.name} has no original translation yet")
-        tags, shape = info.tags, _ev(n).shape
+        tags, shape = info.tags, shape_of(n)
         p = self.packed[n]
         if "bs" in tags:
             d = tags.index("bs")
@@ -92,7 +92,8 @@ class _Packer:
             b, s = tags.index("b"), tags.index("s")
             if shape[b] != self.B or shape[s] != self.S:
                 raise Refusal(f"{n.name}: leaves the packed region with token axes of sizes {shape[b]}, {shape[s]}")
-            o = self.g.call_function(unpack_tokens, (p, self.inp["unpack_index"], self.inp["valid"], self.B, self.S, b, s))
+            B, S = (self.orig[x] if isinstance(x, fx.Node) else x for x in (self.axes.B_arg, self.axes.S_arg))
+            o = self.g.call_function(unpack_tokens, (p, self.inp["unpack_index"], self.inp["valid"], B, S, b, s))
         self.orig[n] = o
         return o
 
@@ -166,7 +167,7 @@ class _Packer:
 
     def rewrite_shapes(self, n: fx.Node, args, kwargs):
         tags = self.axes.info[n].tags
-        out_shape = list(_ev(n).shape) if isinstance(_ev(n), torch.Tensor) else []
+        out_shape = shape_of(n) if isinstance(_ev(n), torch.Tensor) else []
         target = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
         if target in ("view", "reshape", "expand"):
             sizes_in_tuple = len(args) == 2 and isinstance(args[1], (tuple, list))

@@ -71,6 +71,8 @@ class TokenAxes:
     attention: list[AttentionMatch]
     token_inputs: dict[str, fx.Node]
     refusals: list[str]
+    B_arg: Any = None  # B as the original graph spells it: an int, or a SymInt placeholder
+    S_arg: Any = None
 
 
 class Refusal(Exception):
@@ -123,6 +125,18 @@ def _ev(x):
     return x.meta.get("example_value") if isinstance(x, fx.Node) else None
 
 
+def hint(x) -> int:
+    """A size as an int: symbolic sizes (dynamic-shape graphs) by the example's value."""
+    if isinstance(x, torch.SymInt):
+        return int(x.node.hint)
+    return int(x)
+
+
+def shape_of(x) -> list[int]:
+    """The example shape of node ``x`` (hints for symbolic sizes)."""
+    return [hint(d) for d in _ev(x).shape]
+
+
 def _is_tensor(x) -> bool:
     return isinstance(_ev(x), torch.Tensor)
 
@@ -145,12 +159,18 @@ def analyze_token_axes(gm: fx.GraphModule, token_inputs: dict[str, fx.Node]) -> 
     if ids is None:
         raise _refuse("no input_ids placeholder: the layout is detected from token ids")
     if _ev(ids).dim() != 2:
-        raise _refuse(f"input_ids has shape {list(_ev(ids).shape)}, expected [B, S]")
-    B, S = _ev(ids).shape
+        raise _refuse(f"input_ids has shape {shape_of(ids)}, expected [B, S]")
+    B, S = shape_of(ids)
+    B_arg, S_arg = B, S
     for node in graph.find_nodes(op="placeholder"):
         ev = _ev(node)
-        if isinstance(ev, torch.SymInt) or (isinstance(ev, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in ev.shape)):
-            raise _refuse(f"{node.name}: dynamic-shape graph (symbolic sizes); dualkv rewrites static-shape graphs")
+        if isinstance(ev, torch.SymInt):
+            # Dynamic-shape graphs pass B and S as SymInt placeholders.
+            expr = ev.node.expr
+            if isinstance(_ev(ids).shape[0], torch.SymInt) and expr == _ev(ids).shape[0].node.expr:
+                B_arg = node
+            if isinstance(_ev(ids).shape[1], torch.SymInt) and expr == _ev(ids).shape[1].node.expr:
+                S_arg = node
         name = node.name.lower()
         if "past_key" in name or "cache" in name and "cache_position" not in name:
             raise _refuse(f"{node.name}: a KV cache is passed in; packed training needs the full sequence in one call")
@@ -179,7 +199,7 @@ def analyze_token_axes(gm: fx.GraphModule, token_inputs: dict[str, fx.Node]) -> 
             refusals.append(m.refusal)
         elif info[m.output].kind is not Kind.TOKEN:
             refusals.append(f"{m.output.name}: attention cannot run on the packed stream: {info[m.output].cause}")
-    return TokenAxes(B, S, info, matches, token_inputs, refusals)
+    return TokenAxes(B, S, info, matches, token_inputs, refusals, B_arg, S_arg)
 
 
 def _tags_guess(node) -> Tags:
@@ -259,11 +279,12 @@ def _kind(tags: Tags) -> Kind:
 
 
 def _input_info(role: str, ev, B: int, S: int) -> NodeInfo:
+    shape = [hint(d) for d in ev.shape]
     if role == "inputs_embeds":
         return NodeInfo(Kind.TOKEN, ("b", "s") + (None,) * (ev.dim() - 2))
-    if ev.dim() != 2 or ev.shape[1] != S or ev.shape[0] not in (1, B):
-        return NodeInfo(Kind.ORIG, _tags_guess_shape(ev), cause=f"{role} has shape {list(ev.shape)}, expected [B, S]")
-    if ev.shape[0] == 1 and B > 1:
+    if ev.dim() != 2 or shape[1] != S or shape[0] not in (1, B):
+        return NodeInfo(Kind.ORIG, _tags_guess_shape(ev), cause=f"{role} has shape {shape}, expected [B, S]")
+    if shape[0] == 1 and B > 1:
         return NodeInfo(Kind.COLUMN, (None, "s"))
     return NodeInfo(Kind.TOKEN, ("b", "s"))
 
@@ -276,7 +297,7 @@ def _creation_info(node: fx.Node, ev, B: int, S: int) -> NodeInfo:
     if node.op == "call_function" and node.target is torch.arange and isinstance(ev, torch.Tensor):
         # arange(S) is the column index (positions, cache_position); arange(B)
         # the row index, which only a mask builds on.
-        if ev.numel() == S and S != B:
+        if ev.dim() == 1 and hint(ev.shape[0]) == S and S != B:
             return NodeInfo(Kind.COLUMN, ("s",))
     if isinstance(ev, torch.Tensor):
         return NodeInfo(Kind.NONE, (None,) * ev.dim())
@@ -383,20 +404,16 @@ def _broadcast(node, info, B, S) -> NodeInfo:
             continue
         off = n - a_ev.dim()
         for d in range(a_ev.dim()):
-            if tags[off + d] is not None and a_ev.shape[d] > 1:
-                raise _Fail(f"combines a constant of length {a_ev.shape[d]} with the {tags[off + d]} axis")
+            if tags[off + d] is not None and hint(a_ev.shape[d]) > 1:
+                raise _Fail(f"combines a constant of length {hint(a_ev.shape[d])} with the {tags[off + d]} axis")
     t = tuple(tags)
     return NodeInfo(_kind(t), t)
 
 
-def _view_shape(node) -> list[int]:
-    return list(_ev(node).shape)
-
-
 def _view(node, info, B, S) -> NodeInfo:
     src = node.args[0]
-    in_shape = list(_ev(src).shape)
-    out_shape = _view_shape(node)
+    in_shape = shape_of(src)
+    out_shape = shape_of(node)
     in_tags = info[src].tags
     groups = _group_dims(in_shape, out_shape)
     out: list[Optional[str]] = [None] * len(out_shape)
@@ -486,14 +503,15 @@ def _move(node, info, B, S) -> NodeInfo:
         t.insert(d, None)
     elif target == "squeeze":
         out_ev = _ev(node)
-        in_shape = list(_ev(src).shape)
+        in_shape = shape_of(src)
         dims = args if args else tuple(range(n))
         dims = {d % n for d in (dims[0] if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims)}
         t = [tag for d, tag in enumerate(t) if not (d in dims and in_shape[d] == 1)]
         assert len(t) == out_ev.dim()
     elif target == "expand":
         sizes = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
-        in_shape = list(_ev(src).shape)
+        sizes = [hint(_ev(x)) if isinstance(x, fx.Node) else x for x in sizes]
+        in_shape = shape_of(src)
         extra = len(sizes) - n
         new = [None] * extra + t
         for d in range(n):
@@ -537,8 +555,9 @@ def _getitem(node, info, B, S) -> NodeInfo:
             out.append(None)
         elif isinstance(i, slice):
             if t[d] is not None:
-                size = src_ev.shape[d]
-                full = i.start in (None, 0) and (i.stop is None or (isinstance(i.stop, int) and i.stop >= size)) and i.step in (None, 1)
+                size = hint(src_ev.shape[d])
+                stop = hint(_ev(i.stop)) if isinstance(i.stop, fx.Node) else i.stop
+                full = i.start in (None, 0) and (stop is None or stop >= size) and i.step in (None, 1)
                 if not full:
                     raise _Fail("slice along a token axis (shift or truncation)")
             out.append(t[d])

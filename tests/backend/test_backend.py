@@ -1,0 +1,220 @@
+"""The dualkv backend end to end on CPU: exactness against the uncompiled model, refusals, recompiles, explain()."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import dualkv_compile
+from dualkv_compile.backend import dualkv_backend
+
+from .tiny_decoder import TinyDecoder
+
+transformers = pytest.importorskip("transformers")
+
+
+def grpo_batch(groups, vocab, left_pad=2, right_pad=1, seed=0, share_response_tokens=0):
+    """Rows [pad | prompt | response | pad] for groups of (prompt_len, [response lens]); returns ids, mask, positions.
+
+    ``share_response_tokens`` makes the responses of each group start with that many equal tokens.
+    """
+    g = torch.Generator().manual_seed(seed)
+    rows = [(P, r) for P, rs in groups for r in rs]
+    S = left_pad + max(P for P, _ in rows) + max(r for _, r in rows) + right_pad
+    ids = torch.zeros(len(rows), S, dtype=torch.long)
+    mask = torch.zeros(len(rows), S, dtype=torch.long)
+    b = 0
+    for P, rs in groups:
+        prompt = torch.randint(1, vocab, (P,), generator=g)
+        lead = torch.randint(1, vocab, (share_response_tokens,), generator=g)
+        lp = left_pad + (max(pp for pp, _ in groups) - P)  # prompts left-padded to one length
+        for r in rs:
+            resp = torch.randint(1, vocab, (r,), generator=g)
+            resp[: min(r, share_response_tokens)] = lead[: min(r, share_response_tokens)]
+            ids[b, lp : lp + P] = prompt
+            ids[b, lp + P : lp + P + r] = resp
+            mask[b, lp : lp + P + r] = 1
+            b += 1
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    return ids, mask, pos
+
+
+BATCHES = {
+    "one_group": [(7, [3, 5, 4, 2])],
+    "three_groups": [(6, [3, 4]), (4, [2, 5, 1]), (8, [2])],
+    "ragged_padding": [(5, [1, 6, 0, 3])],
+}
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _check_model(model, batches, inner="aot_eager", forward=None, tol=1e-5):
+    """Compile a copy with dualkv; compare logits at valid positions and every parameter gradient."""
+    forward = forward or (lambda m, ids, mask, pos: m(input_ids=ids, attention_mask=mask).logits)
+    ref_model = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=functools.partial(dualkv_backend, options={"inner": inner}))
+    for ids, mask, pos in batches:
+        vocab_proj = torch.randn(forward(ref_model, ids, mask, pos).shape[-1], generator=torch.Generator().manual_seed(1))
+        out = forward(compiled, ids, mask, pos)
+        ref = forward(ref_model, ids, mask, pos)
+        valid = mask.bool()
+        assert _rel(out[valid], ref[valid]) <= tol
+        (out[valid] @ vocab_proj).sum().backward()
+        (ref[valid] @ vocab_proj).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            if q.grad is None:
+                assert p.grad is None or p.grad.abs().max() == 0, name
+                continue
+            assert _rel(p.grad, q.grad) <= tol, name
+        model.zero_grad(set_to_none=True)
+        ref_model.zero_grad(set_to_none=True)
+
+
+def _hf_model(family, impl, layers=2):
+    cfgs = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }
+    Config, Model = cfgs[family]
+    cfg = Config(
+        vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, use_cache=False,
+    )
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    return Model(cfg).train()
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
+def test_hf_exact(family, impl):
+    torch._dynamo.reset()
+    model = _hf_model(family, impl)
+    batches = [grpo_batch(BATCHES[k], 101, seed=i) for i, k in enumerate(BATCHES)]
+    batches.append(grpo_batch([(5, [3, 4, 2])], 101, seed=7, share_response_tokens=2))
+    _check_model(model, batches)
+    rewritten = [r for r in dualkv_compile.reports() if r.rewritten]
+    assert rewritten and sum(r.packed_calls for r in rewritten) >= len(batches)
+
+
+def test_no_sharing_falls_back():
+    torch._dynamo.reset()
+    model = _hf_model("qwen3", "sdpa", layers=1)
+    ids, mask, pos = grpo_batch([(3, [4]), (5, [2]), (2, [6])], 101)
+    _check_model(model, [(ids, mask, pos)])
+    report = dualkv_compile.reports()[-1]
+    assert report.packed_calls == 0 and report.fallback_reasons and "rho" in report.fallback_reasons[-1]
+
+
+def test_prefix_sharing_changes_token_counts():
+    ids, mask, pos = grpo_batch([(7, [3, 5, 4, 2])], 101)
+    layout = dualkv_compile.detect(ids, mask)
+    # 4 rows of 7 shared + their own tokens: 4*7 + 14 before, 7 + 14 after.
+    assert (layout.stats().tokens_before, layout.stats().tokens_after) == (42, 21)
+
+
+def test_inductor_inner_compiler_exact():
+    torch._dynamo.reset()
+    model = _hf_model("qwen3", "sdpa", layers=1)
+    _check_model(model, [grpo_batch(BATCHES["three_groups"], 101)], inner="inductor")
+
+
+def _tiny_forward(m, ids, mask, pos):
+    return m(ids, pos)
+
+
+@pytest.mark.parametrize(
+    "coupling, reason",
+    [
+        ("cumsum", "cumulative sum along the sequence"),
+        ("bidirectional", "bidirectional"),
+        ("dropout", "dropout"),
+    ],
+)
+def test_refusals_report_reason_and_stay_correct(coupling, reason):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyDecoder(coupling=coupling).train()
+    ids, mask, pos = grpo_batch(BATCHES["one_group"], 61, left_pad=0)
+    if coupling == "dropout":
+        # Random masks: compare against the same graph run eagerly with the same seed.
+        compiled = torch.compile(model, backend=functools.partial(dualkv_backend, options={"inner": "eager"}))
+        torch.manual_seed(5)
+        out = compiled(ids, pos)
+        torch.manual_seed(5)
+        ref = model(ids, pos)
+        assert torch.equal(out, ref)
+    else:
+        _check_model(model, [(ids, mask, pos)], forward=_tiny_forward)
+    report = dualkv_compile.reports()[-1]
+    assert not report.rewritten and reason in report.reason
+
+
+def test_tiny_decoder_rewritten_exact():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyDecoder().train()
+    batches = [grpo_batch(BATCHES[k], 61, left_pad=0, seed=i) for i, k in enumerate(BATCHES)]
+    _check_model(model, batches, forward=_tiny_forward)
+    assert all(r.rewritten for r in dualkv_compile.reports()[-2:])
+
+
+def test_sliding_window_mask_disables_rewrite():
+    torch._dynamo.reset()
+    model = _hf_model("qwen2", "sdpa", layers=1)
+    model.config.use_sliding_window = True
+    model.config.sliding_window = 4
+    model.config.layer_types = ["sliding_attention"]
+    for layer in model.model.layers:
+        layer.attention_type = "sliding_attention"
+        layer.self_attn.sliding_window = 4
+    model.model.has_sliding_layers = True
+    ids, mask, pos = grpo_batch([(9, [4, 5])], 101)
+    _check_model(model, [(ids, mask, pos)])
+    report = dualkv_compile.reports()[-1]
+    assert not report.rewritten and "not causal with key padding" in report.reason
+
+
+def test_recompilation_is_bounded():
+    """20 steps with different P, N, R_i and group counts compile the packed graph a bounded number of times."""
+    torch._dynamo.reset()
+    model = _hf_model("qwen3", "sdpa", layers=1)
+    compiled = torch.compile(model, backend=functools.partial(dualkv_backend, options={"inner": "aot_eager"}))
+    g = torch.Generator().manual_seed(0)
+    start = len(dualkv_compile.reports())
+    for step in range(20):
+        n_groups = 1 + step % 3
+        groups = [
+            (int(torch.randint(3, 12, (1,), generator=g)), [int(x) for x in torch.randint(1, 8, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g)])
+            for _ in range(n_groups)
+        ]
+        ids, mask, _ = grpo_batch(groups, 101, seed=step)
+        compiled(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    new = dualkv_compile.reports()[start:]
+    packed_compiles = sum(r.packed_compiles for r in new)
+    graphs = len(new)
+    print(f"20 steps: {graphs} Dynamo graphs, packed graph compiled {packed_compiles} times")
+    assert sum(r.packed_calls for r in new) == 20
+    assert graphs <= 2 and packed_compiles <= 4
+
+
+def test_explain_reports_layout_and_refusals(capsys):
+    model = _hf_model("qwen3", "sdpa", layers=1)
+    ids, mask, _ = grpo_batch(BATCHES["one_group"], 101)
+    result = dualkv_compile.explain(model, input_ids=ids, attention_mask=mask, options={"inner": "aot_eager"})
+    text = capsys.readouterr().out
+    assert "1 rewritten" in text and "rho 2.00x" in text and "tokens 42 -> 21" in text
+    assert result.rewritten and not result.refused
+    refused = dualkv_compile.explain(TinyDecoder(coupling="cumsum"), ids, _, quiet=True)
+    assert refused.refused and "cumulative sum" in refused.refused[0].reason
+
+
+def test_bad_option_names_argument():
+    with pytest.raises(ValueError, match="unknown dualkv option"):
+        torch.compile(TinyDecoder(), backend="dualkv", options={"min_rh": 2})(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
