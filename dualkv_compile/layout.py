@@ -363,10 +363,10 @@ def _build(B, S, device, starts, ends, lcps, bounds) -> SharedPromptLayout:
     unpack_index = torch.zeros(B * S, dtype=torch.long, device=device)
     unpack_index.index_copy_(0, flat_dst, packed_src)
     valid = torch.zeros(B * S, dtype=torch.bool, device=device)
-    valid[flat_dst] = True
+    valid.index_fill_(0, flat_dst, True)  # not valid[flat_dst] = True: that syncs on CUDA
 
     segs = _host_segments(groups)
-    seg = torch.tensor(segs, dtype=torch.int32).reshape(-1, 4).to(device)
+    seg = _to_device(torch.tensor(segs, dtype=torch.int32).reshape(-1, 4), device)
     return SharedPromptLayout(
         batch_size=B,
         seq_len=S,
@@ -395,6 +395,18 @@ def _host_segments(groups: Sequence[Group]) -> list[tuple[int, int, int, int]]:
     return segs
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without synchronising it.
+
+    A plain host-to-CUDA copy from pageable memory waits for the whole stream;
+    from pinned memory with ``non_blocking=True`` it is queued like a kernel
+    (the caching host allocator keeps the pinned buffer alive until it is done).
+    """
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _expand_runs(runs, total: int, device) -> tuple[torch.Tensor, ...]:
     """For runs ``(a, b, ..., n)``: the concatenations of ``arange(a, a + n)``, ``arange(b, b + n)``, ...
 
@@ -405,7 +417,7 @@ def _expand_runs(runs, total: int, device) -> tuple[torch.Tensor, ...]:
     runs = [r for r in runs if r[-1] > 0]
     if not runs:
         return tuple(torch.zeros(0, dtype=torch.long, device=device) for _ in range(width))
-    t = torch.tensor(runs, dtype=torch.long).to(device)
+    t = _to_device(torch.tensor(runs, dtype=torch.long), device)
     n = t[:, -1]
     run = torch.repeat_interleave(torch.arange(len(runs), device=device), n, output_size=total)
     within = torch.arange(total, device=device) - (torch.cumsum(n, 0) - n)[run]
@@ -428,6 +440,8 @@ def unpack(x: torch.Tensor, layout: SharedPromptLayout) -> torch.Tensor:
     T = layout.num_tokens
     if x.dim() < 1 or x.shape[0] != T:
         raise ValueError(f"x must have shape [T, ...] with T={T}, got {list(x.shape)}")
+    if T == 0:  # every row empty: index_select cannot read from an empty axis
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
     out = x.index_select(0, layout.unpack_index)
     valid = layout.valid.view(-1, *([1] * (x.dim() - 1)))
     out = torch.where(valid, out, out.new_zeros(()))
