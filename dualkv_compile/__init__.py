@@ -8,6 +8,7 @@ from .backend import DualKVConfig, dualkv_backend, register as _register, report
 from .explain import Explanation, explain
 from .kernels.op import shared_prompt_attention
 from .layout import Segments, SharedPromptLayout, detect, pack, unpack
+from .policy_loss import policy_loss
 
 _register()
 
@@ -20,6 +21,7 @@ __all__ = [
     "dualkv_backend",
     "explain",
     "pack",
+    "policy_loss",
     "reports",
     "shared_prompt_attention",
     "unpack",

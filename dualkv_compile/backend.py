@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from .layout import SharedPromptLayout, detect
+from .layout import SharedPromptLayout, detect, previous_token_index
 from .passes.pack_graph import PACKED_INPUTS, pack_graph
 from .passes.token_axes import Kind, Refusal, TokenAxes, analyze_token_axes, find_token_inputs
 
@@ -228,7 +228,7 @@ class PackedRunner:
         if self.compiled is None:
             self.compiled = self._compile_packed()
         extra = _packed_inputs(layout)
-        for t in extra[:8]:
+        for t in extra[:9]:
             torch._dynamo.maybe_mark_dynamic(t, 0)
         self.report.packed_calls += 1
         return self.compiled(*args, *extra)
@@ -301,6 +301,7 @@ def _packed_inputs(layout: SharedPromptLayout) -> list:
         layout.pack_index % layout.seq_len,
         layout.unpack_index,
         layout.valid,
+        previous_token_index(segs, layout.num_tokens),
         segs.seg_start,
         segs.seg_len,
         segs.prefix_start,

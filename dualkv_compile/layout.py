@@ -37,7 +37,7 @@ import torch
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["SharedPromptLayout", "Segments", "Group", "LayoutStats", "detect", "pack", "unpack", "dense_mask"]
+__all__ = ["SharedPromptLayout", "Segments", "Group", "LayoutStats", "detect", "pack", "unpack", "dense_mask", "previous_token_index"]
 
 
 class Segments(NamedTuple):
@@ -204,6 +204,22 @@ def dense_mask(segs: Segments, num_tokens: int) -> torch.Tensor:
     own = (kv >= start[:, None]) & (kv <= q[:, None])
     prefix = (kv >= pstart[:, None]) & (kv < (pstart + plen)[:, None])
     return own | prefix
+
+
+def previous_token_index(segs: Segments, num_tokens: int) -> torch.Tensor:
+    """int64 [T]: for each packed token, the packed token before it in its rows.
+
+    Inside a segment that is ``t - 1``; for the first token of a response it
+    is the last token of its group's shared prefix (read by every row of the
+    group: DESIGN.md, semantics 5); the first token of a shared prefix has no
+    predecessor and maps to itself.
+    """
+    seg = segment_ids(segs, num_tokens)
+    t = torch.arange(num_tokens, device=seg.device)
+    first = segs.seg_start.long()[seg] == t
+    plen = segs.prefix_len.long()[seg]
+    before_prefix_end = segs.prefix_start.long()[seg] + plen - 1
+    return torch.where(first, torch.where(plen > 0, before_prefix_end, t), t - 1)
 
 
 # --------------------------------------------------------------------------- detection

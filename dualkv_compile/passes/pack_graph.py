@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from ..kernels import op as attention_op
 from .attention_match import AttentionMatch, default_scale
-from .packed_ops import gather_columns, pack_tokens, unpack_merged, unpack_tokens
+from .packed_ops import gather_columns, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
 from .token_axes import Kind, Refusal, TokenAxes, shape_of
 
 log = logging.getLogger("dualkv_compile")
@@ -42,7 +42,7 @@ log = logging.getLogger("dualkv_compile")
 __all__ = ["pack_graph", "PACKED_INPUTS"]
 
 PACKED_INPUTS = (
-    "pack_index", "col_index", "unpack_index", "valid",
+    "pack_index", "col_index", "unpack_index", "valid", "prev_index",
     "seg_start", "seg_len", "prefix_start", "prefix_len", "max_seg_len", "max_prefix_len",
 )
 
@@ -58,6 +58,7 @@ class _Packer:
         self.g = fx.Graph()
         self.packed: dict[fx.Node, fx.Node] = {}
         self.orig: dict[fx.Node, fx.Node] = {}
+        self.prev: dict[fx.Node, fx.Node] = {}
         self.attn = {m.output: m for m in axes.attention}
 
     # ------------------------------------------------------------ lookups
@@ -75,6 +76,15 @@ class _Packer:
         self.packed[n] = p
         return p
 
+    def packed_at_targets(self, n: fx.Node) -> fx.Node:
+        """For an op on next-token values: a shift-0 token operand read at each token's predecessor."""
+        info = self.axes.info[n]
+        if info.kind is not Kind.TOKEN or info.shift:
+            return self.packed_of(n)
+        if n not in self.prev:
+            self.prev[n] = self.g.call_function(previous_tokens, (self.packed_of(n), self.inp["prev_index"], info.tags.index("s")))
+        return self.prev[n]
+
     def orig_of(self, n: fx.Node) -> fx.Node:
         if n in self.orig:
             return self.orig[n]
@@ -83,17 +93,21 @@ class _Packer:
             raise AssertionError(f"{n.name} has no original translation yet")
         tags, shape = info.tags, shape_of(n)
         p = self.packed[n]
+        slen = info.slen
         if "bs" in tags:
             d = tags.index("bs")
-            if shape[d] != self.B * self.S:
+            if shape[d] != self.B * self.S or info.shift or slen != self.S:
                 raise Refusal(f"{n.name}: leaves the packed region with a merged token axis of size {shape[d]}")
             o = self.g.call_function(unpack_merged, (p, self.inp["unpack_index"], self.inp["valid"], d))
         else:
             b, s = tags.index("b"), tags.index("s")
-            if shape[b] != self.B or shape[s] != self.S:
+            if shape[b] != self.B or shape[s] != slen:
                 raise Refusal(f"{n.name}: leaves the packed region with token axes of sizes {shape[b]}, {shape[s]}")
             B, S = (self.orig[x] if isinstance(x, fx.Node) else x for x in (self.axes.B_arg, self.axes.S_arg))
-            o = self.g.call_function(unpack_tokens, (p, self.inp["unpack_index"], self.inp["valid"], B, S, b, s))
+            truncate = info.shift == 0 and slen == self.S - 1
+            o = self.g.call_function(
+                unpack_tokens, (p, self.inp["unpack_index"], self.inp["valid"], B, S, b, s, info.shift, truncate)
+            )
         self.orig[n] = o
         return o
 
@@ -136,8 +150,15 @@ class _Packer:
     def emit_packed(self, n: fx.Node) -> fx.Node:
         if n in self.attn:
             return self.emit_attention(self.attn[n])
-        args = fx.map_arg(n.args, self.packed_of)
-        kwargs = fx.map_arg(n.kwargs, self.packed_of)
+        lookup = self.packed_of
+        # Where next-token values meet shift-0 values (the analysis allows
+        # that for pointwise ops and gathers only), read the latter at each
+        # token's predecessor. The slice x[:, 1:] that makes a shift-1 value is
+        # the identity on the packed stream.
+        if self.axes.info[n].shift and not (n.op == "call_function" and n.target is operator.getitem):
+            lookup = self.packed_at_targets
+        args = fx.map_arg(n.args, lookup)
+        kwargs = fx.map_arg(n.kwargs, lookup)
         args, kwargs = self.rewrite_shapes(n, args, kwargs)
         new = self.g.create_node(n.op, n.target, args, kwargs, name=n.name + "_packed")
         return new
@@ -158,10 +179,11 @@ class _Packer:
         return out
 
     # ------------------------------------------------------------ shapes
-    def token_size(self, tag: str, size: int):
-        unit = self.S if tag == "s" else self.B * self.S if tag == "bs" else self.B
+    def token_size(self, tag: str, size: int, slen: int):
+        """The packed size of a dim tagged ``tag`` whose original size is ``size`` (``slen`` columns)."""
         if tag == "b":
             return 1
+        unit = slen if tag == "s" else self.B * slen
         factor = size // unit
         return self.T if factor == 1 else self.g.call_function(operator.mul, (self.T, factor))
 
@@ -178,7 +200,7 @@ class _Packer:
                 if target == "expand":
                     sizes[d] = 1 if tag == "b" else -1
                 elif sizes[d] != -1:
-                    sizes[d] = self.token_size(tag, out_shape[d])
+                    sizes[d] = self.token_size(tag, out_shape[d], self.axes.info[n].slen)
             args = (args[0], tuple(sizes)) if sizes_in_tuple else (args[0], *sizes)
         elif target == "unflatten":
             dim, sizes = args[1], list(args[2])
@@ -186,7 +208,7 @@ class _Packer:
             for j in range(len(sizes)):
                 tag = tags[dim + j]
                 if tag is not None and sizes[j] != -1:
-                    sizes[j] = self.token_size(tag, out_shape[dim + j])
+                    sizes[j] = self.token_size(tag, out_shape[dim + j], self.axes.info[n].slen)
             args = (args[0], dim, tuple(sizes))
         elif n.op == "call_function" and n.target is operator.getitem and isinstance(_ev(n.args[0]), torch.Tensor):
             args = (args[0], self._full_slices(n))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pack_tokens", "gather_columns", "unpack_tokens", "pack_merged", "unpack_merged"]
+__all__ = ["pack_tokens", "gather_columns", "unpack_tokens", "previous_tokens", "pack_merged", "unpack_merged"]
 
 
 def pack_tokens(x: torch.Tensor, pack_index: torch.Tensor, b_dim: int, s_dim: int) -> torch.Tensor:
@@ -28,14 +28,40 @@ def gather_columns(x: torch.Tensor, col_index: torch.Tensor, s_dim: int) -> torc
 
 
 def unpack_tokens(
-    x: torch.Tensor, unpack_index: torch.Tensor, valid: torch.Tensor, B: int, S: int, b_dim: int, s_dim: int
+    x: torch.Tensor,
+    unpack_index: torch.Tensor,
+    valid: torch.Tensor,
+    B: int,
+    S: int,
+    b_dim: int,
+    s_dim: int,
+    shift: int = 0,
+    truncate: bool = False,
 ) -> torch.Tensor:
-    """Packed ``[.., 1, .., T, ..]`` -> original ``[.., B, .., S, ..]``, zeros at padding."""
+    """Packed ``[.., 1, .., T, ..]`` -> original ``[.., B, .., S, ..]``, zeros at padding.
+
+    ``shift=1``: the value of ``x[:, 1:]``-style next-token values, ``S - 1``
+    columns, column c holding the token at c + 1 (zero where c or c + 1 is
+    padding). ``truncate``: the ``x[:, :-1]`` view, ``S - 1`` columns.
+    """
     y = x.movedim((b_dim, s_dim), (0, 1)).squeeze(0)
-    y = y.index_select(0, unpack_index)
-    y = torch.where(valid.view(-1, *([1] * (y.dim() - 1))), y, y.new_zeros(()))
-    y = y.reshape(B, S, *y.shape[1:])
+    if shift:
+        index = unpack_index.view(B, S)[:, 1:].reshape(-1)
+        keep = (valid.view(B, S)[:, 1:] & valid.view(B, S)[:, :-1]).reshape(-1)
+        columns = S - 1
+    else:
+        index, keep, columns = unpack_index, valid, S
+    y = y.index_select(0, index)
+    y = torch.where(keep.view(-1, *([1] * (y.dim() - 1))), y, y.new_zeros(()))
+    y = y.reshape(B, columns, *y.shape[1:])
+    if truncate:
+        y = y[:, : S - 1]
     return y.movedim((0, 1), (b_dim, s_dim))
+
+
+def previous_tokens(x: torch.Tensor, prev_index: torch.Tensor, s_dim: int) -> torch.Tensor:
+    """Each packed token's predecessor's value (the last shared token for a response's first token)."""
+    return x.index_select(s_dim, prev_index)
 
 
 def pack_merged(x: torch.Tensor, pack_index: torch.Tensor, bs_dim: int) -> torch.Tensor:

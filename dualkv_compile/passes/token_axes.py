@@ -61,10 +61,18 @@ class NodeInfo:
     kind: Kind
     tags: Tags = ()
     cause: Optional[str] = None  # for ORIG: the first reason in its ancestry
+    # TOKEN values only. shift 1: column c holds the value of the token at
+    # column c + 1 (``x[:, 1:]``, the next-token targets). slen: the length of
+    # the sequence axis in the original layout (S, or S - 1 after ``x[:, :-1]``
+    # or ``x[:, 1:]``). The packed value is the same either way: one per token.
+    shift: int = 0
+    slen: Optional[int] = None
 
 
 @dataclasses.dataclass
 class TokenAxes:
+    """``info`` per node; ``B``/``S`` the batch's sizes; ``B_arg``/``S_arg`` as the graph spells them."""
+
     B: int
     S: int
     info: dict[fx.Node, NodeInfo]
@@ -100,13 +108,13 @@ _POINTWISE_FUNCS = {
     torch.maximum, torch.minimum, torch.erf, torch.reciprocal, torch.square, torch.masked_fill,
     F.silu, F.gelu, F.relu, F.tanh, F.sigmoid, F.softplus, F.mish, F.leaky_relu, torch._C._nn.gelu,
     torch.nn.functional.hardtanh, torch.log1p, torch.expm1, torch.sign, torch.logical_and, torch.logical_or,
-    torch.logical_not, torch.nan_to_num,
+    torch.logical_not, torch.nan_to_num, torch.gather,
 }
 _POINTWISE_METHODS = {
     "to", "float", "half", "bfloat16", "double", "type_as", "contiguous", "clone", "detach", "pow", "rsqrt",
     "sqrt", "exp", "log", "sin", "cos", "neg", "abs", "sigmoid", "tanh", "mul", "add", "sub", "div", "clamp",
     "type", "masked_fill", "requires_grad_", "__and__", "__or__", "__invert__", "long", "int", "bool",
-    "log1p", "expm1", "square", "reciprocal", "float_power", "nan_to_num", "where", "fill_", "zero_",
+    "log1p", "expm1", "square", "reciprocal", "float_power", "nan_to_num", "where", "fill_", "zero_", "gather",
 }
 _REDUCE_METHODS = {"mean", "sum", "amax", "amin", "norm", "var", "std", "logsumexp", "prod"}
 _REDUCE_FUNCS = {torch.mean, torch.sum, torch.amax, torch.amin, torch.norm, torch.var, torch.std, torch.logsumexp}
@@ -215,7 +223,7 @@ def _attention_info(m: AttentionMatch, info) -> NodeInfo:
             return NodeInfo(Kind.ORIG, cause=cause)
         if i.tags != ("b", None, "s", None):
             return NodeInfo(Kind.ORIG, cause=f"{name} has token axes {i.tags}, expected [b, heads, s, dim]")
-    return NodeInfo(Kind.TOKEN, ("b", None, "s", None))
+    return NodeInfo(Kind.TOKEN, ("b", None, "s", None), slen=qkv[0].slen)
 
 
 def _flat_inputs(node: fx.Node) -> list[fx.Node]:
@@ -256,7 +264,30 @@ def _rule(node: fx.Node, info, token_inputs, B, S) -> NodeInfo:
         return _same(node, info)
     if not isinstance(ev, (torch.Tensor, tuple, list)):
         raise _Fail(f"{_op_name(node)} of a token value gives a non-tensor")
-    return _token_rule(node, info, B, S)
+    res = _token_rule(node, info, B, S)
+    if res.kind in (Kind.TOKEN, Kind.COLUMN) and res.slen is None:
+        _inherit_shift(node, res, info)
+    return res
+
+
+def _inherit_shift(node: fx.Node, res: NodeInfo, info) -> None:
+    """A result's shift and sequence length follow its token operands.
+
+    Operands of different shifts meet in the next-token pattern (log-probs at
+    column c with the ids at column c + 1): the result is indexed by the
+    target token (shift 1) and the rewrite reads the shift-0 operand at each
+    token's predecessor. Only pointwise ops and gathers may mix shifts.
+    """
+    toks = [info[a] for a in node.all_input_nodes if info[a].kind in (Kind.TOKEN, Kind.COLUMN)]
+    shifts = {i.shift for i in toks}
+    res.shift = max(shifts)
+    res.slen = min(i.slen for i in toks)
+    if len(shifts) > 1:
+        pointwise = node.op == "call_function" and node.target in _POINTWISE_FUNCS or node.op == "call_method" and node.target in _POINTWISE_METHODS
+        if not pointwise:
+            raise _Fail(f"{_op_name(node)} combines values shifted along the sequence")
+        if any(i.kind is Kind.COLUMN and i.shift == 0 for i in toks):
+            raise _Fail("combines a column value with next-token values")
 
 
 def _arg(node: fx.Node, index: int, name: str, default=None):
@@ -281,12 +312,12 @@ def _kind(tags: Tags) -> Kind:
 def _input_info(role: str, ev, B: int, S: int) -> NodeInfo:
     shape = [hint(d) for d in ev.shape]
     if role == "inputs_embeds":
-        return NodeInfo(Kind.TOKEN, ("b", "s") + (None,) * (ev.dim() - 2))
+        return NodeInfo(Kind.TOKEN, ("b", "s") + (None,) * (ev.dim() - 2), slen=S)
     if ev.dim() != 2 or shape[1] != S or shape[0] not in (1, B):
         return NodeInfo(Kind.ORIG, _tags_guess_shape(ev), cause=f"{role} has shape {shape}, expected [B, S]")
     if shape[0] == 1 and B > 1:
-        return NodeInfo(Kind.COLUMN, (None, "s"))
-    return NodeInfo(Kind.TOKEN, ("b", "s"))
+        return NodeInfo(Kind.COLUMN, (None, "s"), slen=S)
+    return NodeInfo(Kind.TOKEN, ("b", "s"), slen=S)
 
 
 def _tags_guess_shape(ev) -> Tags:
@@ -298,7 +329,7 @@ def _creation_info(node: fx.Node, ev, B: int, S: int) -> NodeInfo:
         # arange(S) is the column index (positions, cache_position); arange(B)
         # the row index, which only a mask builds on.
         if ev.dim() == 1 and hint(ev.shape[0]) == S and S != B:
-            return NodeInfo(Kind.COLUMN, ("s",))
+            return NodeInfo(Kind.COLUMN, ("s",), slen=S)
     if isinstance(ev, torch.Tensor):
         return NodeInfo(Kind.NONE, (None,) * ev.dim())
     return NodeInfo(Kind.NONE)
@@ -306,7 +337,7 @@ def _creation_info(node: fx.Node, ev, B: int, S: int) -> NodeInfo:
 
 def _same(node, info) -> NodeInfo:
     i = info[node.args[0]]
-    return NodeInfo(_kind(i.tags), i.tags)
+    return NodeInfo(_kind(i.tags), i.tags, shift=i.shift, slen=i.slen)
 
 
 def _token_rule(node: fx.Node, info, B: int, S: int) -> NodeInfo:
@@ -382,6 +413,10 @@ def _broadcast(node, info, B, S) -> NodeInfo:
     if not isinstance(ev, torch.Tensor):
         raise _Fail("pointwise op without a tensor result")
     n = ev.dim()
+    if node.target in ("gather", torch.gather):
+        dim = _arg(node, 1, "dim")
+        if not isinstance(dim, int) or info[node.args[0]].tags[dim % n] is not None:
+            raise _Fail("gather along a token axis")
     tags: list[Optional[str]] = [None] * n
     for a in node.all_input_nodes:
         a_ev = _ev(a)
@@ -415,6 +450,7 @@ def _view(node, info, B, S) -> NodeInfo:
     in_shape = shape_of(src)
     out_shape = shape_of(node)
     in_tags = info[src].tags
+    S = info[src].slen or S  # x[:, :-1] and x[:, 1:] have S - 1 columns
     groups = _group_dims(in_shape, out_shape)
     out: list[Optional[str]] = [None] * len(out_shape)
     for ins, outs in groups:
@@ -546,6 +582,7 @@ def _getitem(node, info, B, S) -> NodeInfo:
     n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
     out: list[Optional[str]] = []
     d = 0
+    shift, slen = info[src].shift, info[src].slen
     for i in idx:
         if i is Ellipsis:
             take = n - n_real
@@ -555,11 +592,9 @@ def _getitem(node, info, B, S) -> NodeInfo:
             out.append(None)
         elif isinstance(i, slice):
             if t[d] is not None:
-                size = hint(src_ev.shape[d])
-                stop = hint(_ev(i.stop)) if isinstance(i.stop, fx.Node) else i.stop
-                full = i.start in (None, 0) and (stop is None or stop >= size) and i.step in (None, 1)
-                if not full:
-                    raise _Fail("slice along a token axis (shift or truncation)")
+                seq = _sequence_slice(i, hint(src_ev.shape[d]), t[d], info[src])
+                if seq is not None:
+                    shift, slen = seq
             out.append(t[d])
             d += 1
         elif isinstance(i, int):
@@ -570,7 +605,26 @@ def _getitem(node, info, B, S) -> NodeInfo:
             raise _Fail(f"index {i!r}")
     out.extend(t[d:])
     tt = tuple(out)
-    return NodeInfo(_kind(tt), tt)
+    return NodeInfo(_kind(tt), tt, shift=shift, slen=slen)
+
+
+def _sequence_slice(i: slice, size: int, tag: str, src: NodeInfo) -> Optional[tuple[int, int]]:
+    """None for a full slice; ``(shift, slen)`` for ``[:-1]`` (drop the last column) or ``[1:]`` (the next tokens)."""
+    stop = hint(_ev(i.stop)) if isinstance(i.stop, fx.Node) else i.stop
+    start = hint(_ev(i.start)) if isinstance(i.start, fx.Node) else i.start
+    if i.step not in (None, 1):
+        raise _Fail("strided slice along a token axis")
+    start = 0 if start is None else start
+    stop = size if stop is None else (stop + size if stop < 0 else min(stop, size))
+    if (start, stop) == (0, size):
+        return None
+    if tag != "s" or src.kind is not Kind.TOKEN or src.slen != size or src.shift != 0:
+        raise _Fail("slice along a token axis (other than one next-token shift)")
+    if (start, stop) == (0, size - 1):
+        return 0, size - 1
+    if (start, stop) == (1, size):
+        return 1, size - 1
+    raise _Fail("slice along a token axis (other than one next-token shift)")
 
 
 def _cat(node, info) -> NodeInfo:

@@ -1,0 +1,194 @@
+"""@policy_loss: parity with the undecorated loss, and no [B, S, V] tensor in the rewritten graph."""
+
+from __future__ import annotations
+
+import copy
+
+import expecttest
+import pytest
+import torch
+from torch.fx.passes.shape_prop import ShapeProp
+
+import dualkv_compile
+from dualkv_compile.backend import _packed_inputs
+from dualkv_compile.passes.pack_graph import pack_graph
+from dualkv_compile.passes.token_axes import analyze_token_axes, find_token_inputs
+
+from .test_backend import _hf_model, _rel, grpo_batch
+
+VOCAB = 101
+
+
+def make_batch(groups, seed=0, left_pad=2):
+    ids, mask, _ = grpo_batch(groups, VOCAB, left_pad=left_pad, seed=seed)
+    B, S = ids.shape
+    g = torch.Generator().manual_seed(seed + 100)
+    response = torch.zeros_like(mask)
+    b = 0
+    for P, rs in groups:
+        for r in rs:
+            cols = mask[b].nonzero().flatten()
+            response[b, cols[P:]] = 1  # the row's tokens after its prompt
+            b += 1
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "response_mask": response,
+        "old_logp": torch.randn(B, S - 1, generator=g) * 0.1 - 4.6,
+        "ref_logp": torch.randn(B, S - 1, generator=g) * 0.1 - 4.6,
+        "advantages": torch.randn(B, generator=g),
+    }
+
+
+def token_logp_and_entropy(model, batch, temperature=0.7):
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = logits[:, :-1] / temperature
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    token_logp = logp.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return token_logp, entropy
+
+
+def clipped_objective(batch, token_logp, eps=0.2):
+    ratio = torch.exp(token_logp - batch["old_logp"])
+    adv = batch["advantages"][:, None]
+    return -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+
+
+def grpo_token_mean(model, batch):
+    logp, _ = token_logp_and_entropy(model, batch)
+    m = batch["response_mask"][:, 1:].float()
+    return (clipped_objective(batch, logp) * m).sum() / m.sum()
+
+
+def dr_grpo_seq_mean_token_sum(model, batch):
+    logp, _ = token_logp_and_entropy(model, batch)
+    m = batch["response_mask"][:, 1:].float()
+    return (clipped_objective(batch, logp) * m).sum(-1).mean()
+
+
+def seq_mean_token_mean(model, batch):
+    logp, _ = token_logp_and_entropy(model, batch)
+    m = batch["response_mask"][:, 1:].float()
+    return ((clipped_objective(batch, logp) * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+
+
+def with_entropy_and_kl(model, batch, beta=0.04, ent_coef=0.01):
+    logp, entropy = token_logp_and_entropy(model, batch)
+    m = batch["response_mask"][:, 1:].float()
+    delta = batch["ref_logp"] - logp
+    kl = torch.exp(delta) - delta - 1  # the k3 estimator against reference log-probs
+    per_token = clipped_objective(batch, logp) + beta * kl - ent_coef * entropy
+    return (per_token * m).sum() / m.sum()
+
+
+LOSSES = [grpo_token_mean, dr_grpo_seq_mean_token_sum, seq_mean_token_mean, with_entropy_and_kl]
+GROUPS = [(6, [3, 4, 1, 5]), (4, [2, 5]), (7, [3])]
+
+
+@pytest.mark.parametrize("loss_fn", LOSSES, ids=lambda f: f.__name__)
+def test_parity_with_undecorated_loss(loss_fn):
+    torch._dynamo.reset()
+    model = _hf_model("qwen3", "sdpa", layers=2)
+    ref_model = copy.deepcopy(model)
+    decorated = dualkv_compile.policy_loss(loss_fn, inner="aot_eager")
+    for seed, groups in enumerate([GROUPS, [(5, [2, 6, 3])]]):
+        batch = make_batch(groups, seed=seed)
+        loss = decorated(model, batch)
+        ref = loss_fn(ref_model, batch)
+        assert _rel(loss.detach(), ref.detach()) <= 1e-5
+        loss.backward()
+        ref.backward()
+        for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            assert _rel(p.grad, q.grad) <= 1e-5, name
+        model.zero_grad(set_to_none=True)
+        ref_model.zero_grad(set_to_none=True)
+    rewritten = [r for r in dualkv_compile.reports() if r.rewritten]
+    assert rewritten and rewritten[-1].packed_calls >= 1
+
+
+def test_decorator_with_options_and_bad_option():
+    @dualkv_compile.policy_loss(group_size=4, min_rho=1.0, inner="aot_eager")
+    def loss(model, batch):
+        return grpo_token_mean(model, batch)
+
+    torch._dynamo.reset()
+    model = _hf_model("qwen3", "sdpa", layers=1)
+    batch = make_batch([(6, [3, 4, 1, 5]), (4, [2, 5, 2, 2])])
+    assert torch.isfinite(loss(model, batch))
+    assert dualkv_compile.reports()[-1].last_stats.num_groups == 2
+    with pytest.raises(ValueError, match="unknown dualkv option"):
+        dualkv_compile.policy_loss(min_rh=2)
+
+
+def _packed_loss_graph(loss_fn, model, batch):
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(loss_fn, backend=capture, dynamic=False)(model, batch)
+    gm, example_inputs = graphs[0]
+    axes = analyze_token_axes(gm, find_token_inputs(gm.graph))
+    packed = pack_graph(gm, axes, "reference")
+    layout = dualkv_compile.detect(batch["input_ids"], batch["attention_mask"])
+    ShapeProp(packed).propagate(*example_inputs, *_packed_inputs(layout))
+    return packed, layout
+
+
+@pytest.mark.parametrize("loss_fn", [grpo_token_mean, with_entropy_and_kl], ids=lambda f: f.__name__)
+def test_no_batch_by_sequence_by_vocab_tensor(loss_fn):
+    model = _hf_model("qwen3", "sdpa", layers=1)
+    batch = make_batch(GROUPS)
+    B, S = batch["input_ids"].shape
+    packed, layout = _packed_loss_graph(loss_fn, model, batch)
+    shapes = {
+        n.name: tuple(n.meta["tensor_meta"].shape)
+        for n in packed.graph.nodes
+        if isinstance(n.meta.get("tensor_meta"), torch.fx.passes.shape_prop.TensorMetadata)
+    }
+    vocab_sized = {k: v for k, v in shapes.items() if v and v[-1] == VOCAB}
+    assert vocab_sized, "the lm_head output should be in the graph"
+    T = layout.num_tokens
+    assert all(v[:-1] == (1, T) for v in vocab_sized.values()), vocab_sized
+    assert not any(len(v) >= 3 and v[0] == B and v[-1] == VOCAB for v in shapes.values())
+
+
+class TestLossGraph(expecttest.TestCase):
+    def test_loss_graph_tail_after_rewrite(self):
+        """Graph diff of the loss part: log_softmax and the next-token gather on the packed stream, then unpack of [B, S-1]."""
+        model = _hf_model("qwen3", "sdpa", layers=1)
+        batch = make_batch(GROUPS)
+        packed, _ = _packed_loss_graph(grpo_token_mean, model, batch)
+        lines = [line.split(";")[0].strip() for line in packed.code.splitlines()]
+        start = next(i for i, line in enumerate(lines) if line.startswith("logits_packed = "))
+        tail = "\n".join(line for line in lines[start:] if line)
+        self.assertExpectedInline(tail, """\
+logits_packed = torch._C._nn.linear(hidden_states_17_packed, l_model_modules_lm_head_parameters_weight_, None)
+getitem_13_packed = logits_packed[(slice(None, None, None), slice(None, None, None))]
+logits_1_packed = getitem_13_packed / 0.7
+float_2_packed = logits_1_packed.float()
+logp_packed = torch.log_softmax(float_2_packed, dim = -1)
+getitem_14_packed = pack_tokens[(slice(None, None, None), slice(None, None, None))]
+unsqueeze_3_packed = getitem_14_packed.unsqueeze(-1)
+previous_tokens = dualkv_compile_passes_packed_ops_previous_tokens(logp_packed, prev_index, 1)
+gather_packed = previous_tokens.gather(-1, unsqueeze_3_packed)
+token_logp_packed = gather_packed.squeeze(-1)
+getitem_15 = l_batch_response_mask_[(slice(None, None, None), slice(1, None, None))]
+m = getitem_15.float()
+unpack_tokens_1 = dualkv_compile_passes_packed_ops_unpack_tokens(token_logp_packed, unpack_index, valid, 7, 15, 0, 1, 1, False)
+sub = unpack_tokens_1 - l_batch_old_logp_
+ratio = torch.exp(sub)
+adv = l_batch_advantages_[(slice(None, None, None), None)]
+mul_19 = ratio * adv
+clamp = ratio.clamp(0.8, 1.2)
+mul_20 = clamp * adv
+minimum = torch.minimum(mul_19, mul_20)
+neg_3 = -minimum
+mul_21 = neg_3 * m
+sum_2 = mul_21.sum()
+sum_3 = m.sum()
+truediv_1 = sum_2 / sum_3
+return (truediv_1,)""")
