@@ -165,7 +165,10 @@ def analyze_token_axes(gm: fx.GraphModule, token_inputs: dict[str, fx.Node]) -> 
     refusals: list[str] = []
     ids = token_inputs.get("input_ids")
     if ids is None:
-        raise _refuse("no input_ids placeholder: the layout is detected from token ids")
+        raise _refuse(
+            "no input_ids among this graph's inputs: the layout is detected from token ids "
+            "(a graph break may have split the model, leaving this part without them)"
+        )
     if _ev(ids).dim() != 2:
         raise _refuse(f"input_ids has shape {shape_of(ids)}, expected [B, S]")
     B, S = shape_of(ids)

@@ -135,6 +135,7 @@ def _tiny_forward(m, ids, mask, pos):
         ("cumsum", "cumulative sum along the sequence"),
         ("bidirectional", "bidirectional"),
         ("dropout", "dropout"),
+        ("batchnorm", "batch_norm mixes values across the batch"),
     ],
 )
 def test_refusals_report_reason_and_stay_correct(coupling, reason):
@@ -220,3 +221,35 @@ def test_bad_option_names_argument():
     # Dynamo wraps backend errors; the message names the bad option and the valid ones.
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=r"unknown dualkv option\(s\) \['min_rh'\]"):
         torch.compile(TinyDecoder(), backend="dualkv", options={"min_rh": 2})(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_graph_break_splits_model_rest_refused_and_exact():
+    """A graph break after the attention block: the first graph is rewritten (outputs unpacked), the head's graph refused."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyDecoder(coupling="graph_break").train()
+    ids, mask, pos = grpo_batch(BATCHES["one_group"], 61, left_pad=0)
+    start = len(dualkv_compile.reports())
+    _check_model(model, [(ids, mask, pos)], forward=_tiny_forward)
+    new = dualkv_compile.reports()[start:]
+    assert [r.rewritten for r in new] == [True, False]
+    assert "graph break" in new[1].reason
+
+
+def test_kv_cache_passed_in_is_refused_and_exact():
+    from transformers import DynamicCache
+
+    torch._dynamo.reset()
+    model = _hf_model("qwen3", "sdpa", layers=1).eval()
+    ids, mask, _ = grpo_batch(BATCHES["one_group"], 101, left_pad=0, right_pad=0)
+    prefix, rest = ids[:, :4], ids[:, 4:]
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=prefix, past_key_values=cache, use_cache=True)
+        ref_cache = copy.deepcopy(cache)
+        compiled = torch.compile(model, backend=functools.partial(dualkv_backend, options={"inner": "aot_eager"}))
+        out = compiled(input_ids=rest, past_key_values=cache, use_cache=True).logits
+        ref = model(input_ids=rest, past_key_values=ref_cache, use_cache=True).logits
+    assert _rel(out, ref) <= 1e-5
+    report = dualkv_compile.reports()[-1]
+    assert not report.rewritten and "KV cache" in report.reason
