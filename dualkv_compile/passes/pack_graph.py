@@ -164,7 +164,7 @@ class _Packer:
         return new
 
     def emit_attention(self, m: AttentionMatch) -> fx.Node:
-        q, k, v = (self.packed_of(x) for x in (m.q, m.k, m.v))
+        q, k, v = (self.packed_of(_unrepeated_kv(x, self.axes)) for x in (m.q, m.k, m.v))
         scale = m.scale if m.scale is not None else default_scale(m.q)
         i = self.inp
         res = self.g.call_function(
@@ -232,6 +232,30 @@ class _Packer:
                 out.append(slice(None) if isinstance(i, slice) and src_tags[d] is not None else i)
                 d += 1
         return out[0] if single else tuple(out)
+
+
+def _unrepeated_kv(x: fx.Node, axes: TokenAxes) -> fx.Node:
+    """The K/V before Hugging Face's ``repeat_kv`` (``[:, :, None]`` -> expand -> reshape), if ``x`` is its result.
+
+    The attention op does GQA itself, so it reads each KV head once instead
+    of a copy per query head (and its backward sums dK/dV per KV head).
+    """
+    if not (x.op == "call_method" and x.target == "reshape"):
+        return x
+    e = x.args[0]
+    if not (isinstance(e, fx.Node) and e.op == "call_method" and e.target == "expand"):
+        return x
+    g = e.args[0]
+    if not (isinstance(g, fx.Node) and g.op == "call_function" and g.target is operator.getitem):
+        return x
+    src, idx = g.args
+    full = slice(None, None, None)
+    if idx != (full, full, None, full, full) or axes.info[src].tags != ("b", None, "s", None):
+        return x
+    src_shape, out_shape = shape_of(src), shape_of(x)
+    if len(out_shape) != 4 or out_shape[1] % src_shape[1] or [out_shape[i] for i in (0, 2, 3)] != [src_shape[i] for i in (0, 2, 3)]:
+        return x
+    return src
 
 
 def pack_graph(gm: fx.GraphModule, axes: TokenAxes, backend: str) -> fx.GraphModule:

@@ -71,7 +71,7 @@ def forward(self, L_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter
         axes = analyze_token_axes(gm, find_token_inputs(gm.graph))
         packed = pack_graph(gm, axes, "reference")
         self.assertExpectedInline(normalise(packed.code), """\
-def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter.Parameter, pos.weight : torch.nn.parameter.Parameter, l_position_ids_ : torch.Tensor, norm.weight : torch.nn.parameter.Parameter, l_self_modules_norm_parameters_bias_ : torch.nn.parameter.Parameter, qkv.weight : torch.nn.parameter.Parameter, out.weight : torch.nn.parameter.Parameter, head.weight : torch.nn.parameter.Parameter, pack_index, col_index, unpack_index, valid, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len):
+def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter.Parameter, pos.weight : torch.nn.parameter.Parameter, l_position_ids_ : torch.Tensor, norm.weight : torch.nn.parameter.Parameter, l_self_modules_norm_parameters_bias_ : torch.nn.parameter.Parameter, qkv.weight : torch.nn.parameter.Parameter, out.weight : torch.nn.parameter.Parameter, head.weight : torch.nn.parameter.Parameter, pack_index, col_index, unpack_index, valid, prev_index, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len):
     size = pack_index.size(0)
     pack_tokens = dualkv_compile_passes_packed_ops_pack_tokens(l_input_ids_, pack_index, 0, 1)
     pack_tokens_1 = dualkv_compile_passes_packed_ops_pack_tokens(l_position_ids_, pack_index, 0, 1)
@@ -92,7 +92,7 @@ def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter
     linear_1_packed = torch._C._nn.linear(reshape_packed, out.weight, None)
     h_1_packed = h_packed + linear_1_packed
     linear_2_packed = torch._C._nn.linear(h_1_packed, head.weight, None)
-    unpack_tokens = dualkv_compile_passes_packed_ops_unpack_tokens(linear_2_packed, unpack_index, valid, 3, 7, 0, 1)
+    unpack_tokens = dualkv_compile_passes_packed_ops_unpack_tokens(linear_2_packed, unpack_index, valid, 3, 7, 0, 1, 0, False)
     return (unpack_tokens,)""")
 
     def test_hf_qwen3_attention_block_after(self):
@@ -114,7 +114,7 @@ def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter
         axes = analyze_token_axes(gm, find_token_inputs(gm.graph))
         packed = pack_graph(gm, axes, "reference")
         self.assertExpectedInline(normalise(packed.code), """\
-def forward(self, l_kwargs_input_ids_ : torch.Tensor, model_modules_embed_tokens.weight : torch.nn.parameter.Parameter, l_kwargs_attention_mask_ : torch.Tensor, l_self_modules_model_modules_rotary_emb_buffers_inv_freq_ : torch.Tensor, model_modules_layers_modules_0_modules_input_layernorm.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_self_attn_modules_q_proj.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_self_attn_modules_q_norm.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_self_attn_modules_k_proj.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_self_attn_modules_k_norm.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_self_attn_modules_v_proj.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_self_attn_modules_o_proj.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_post_attention_layernorm.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_mlp_modules_gate_proj.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_mlp_modules_up_proj.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_mlp_modules_down_proj.weight : torch.nn.parameter.Parameter, model_modules_norm.weight : torch.nn.parameter.Parameter, lm_head.weight : torch.nn.parameter.Parameter, pack_index, col_index, unpack_index, valid, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len):
+def forward(self, l_kwargs_input_ids_ : torch.Tensor, model_modules_embed_tokens.weight : torch.nn.parameter.Parameter, l_kwargs_attention_mask_ : torch.Tensor, l_self_modules_model_modules_rotary_emb_buffers_inv_freq_ : torch.Tensor, model_modules_layers_modules_0_modules_input_layernorm.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_self_attn_modules_q_proj.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_self_attn_modules_q_norm.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_self_attn_modules_k_proj.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_self_attn_modules_k_norm.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_self_attn_modules_v_proj.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_self_attn_modules_o_proj.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_post_attention_layernorm.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_mlp_modules_gate_proj.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_mlp_modules_up_proj.weight : torch.nn.parameter.Parameter, model_modules_layers_modules_0_modules_mlp_modules_down_proj.weight : torch.nn.parameter.Parameter, model_modules_norm.weight : torch.nn.parameter.Parameter, lm_head.weight : torch.nn.parameter.Parameter, pack_index, col_index, unpack_index, valid, prev_index, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len):
     size = pack_index.size(0)
     pack_tokens = dualkv_compile_passes_packed_ops_pack_tokens(l_kwargs_input_ids_, pack_index, 0, 1)
     inputs_embeds_packed = torch.nn.functional.embedding(pack_tokens, model_modules_embed_tokens.weight, None, None, 2.0, False, False)
@@ -185,13 +185,7 @@ def forward(self, l_kwargs_input_ids_ : torch.Tensor, model_modules_embed_tokens
     cat_2_packed = torch.cat((neg_1_packed, x1_1_packed), dim = -1)
     mul_12_packed = cat_2_packed * gather_columns_1
     k_embed_packed = mul_11_packed + mul_12_packed
-    getitem_10_packed = k_embed_packed[(slice(None, None, None), slice(None, None, None), None, slice(None, None, None), slice(None, None, None))]
-    hidden_states_7_packed = getitem_10_packed.expand(1, 1, 2, -1, 8)
-    key_packed = hidden_states_7_packed.reshape(1, 2, size, 8)
-    getitem_11_packed = value_states_packed[(slice(None, None, None), slice(None, None, None), None, slice(None, None, None), slice(None, None, None))]
-    hidden_states_8_packed = getitem_11_packed.expand(1, 1, 2, -1, 8)
-    value_packed = hidden_states_8_packed.reshape(1, 2, size, 8)
-    attention_fwd_default = torch.ops.dualkv.attention_fwd.default(q_embed_packed, key_packed, value_packed, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len, 0.3535533905932738, 'reference')
+    attention_fwd_default = torch.ops.dualkv.attention_fwd.default(q_embed_packed, k_embed_packed, value_states_packed, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len, 0.3535533905932738, 'reference')
     attn_output_packed = attention_fwd_default[0]
     attn_output_1_packed = attn_output_packed.reshape(1, -1, size, 8)
     transpose_3_packed = attn_output_1_packed.transpose(1, 2)
@@ -224,5 +218,5 @@ def forward(self, l_kwargs_input_ids_ : torch.Tensor, model_modules_embed_tokens
     hidden_states_16_packed = model_modules_norm.weight * to_15_packed
     hidden_states_17_packed = hidden_states_16_packed[(slice(None, None, None), slice(None, None, None), slice(None, None, None))]
     logits_packed = torch._C._nn.linear(hidden_states_17_packed, lm_head.weight, None)
-    unpack_tokens_1 = dualkv_compile_passes_packed_ops_unpack_tokens(logits_packed, unpack_index, valid, 3, 7, 0, 1)
+    unpack_tokens_1 = dualkv_compile_passes_packed_ops_unpack_tokens(logits_packed, unpack_index, valid, 3, 7, 0, 1, 0, False)
     return (unpack_tokens_1,)""")
