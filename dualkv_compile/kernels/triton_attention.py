@@ -1,0 +1,348 @@
+"""The hand-written Triton kernels of shared-prompt attention, behind the op's backend protocol.
+
+    supports(q) -> None, or why the kernels cannot run q
+    forward(q, k, v, segs, scale) -> (out, lse)
+    backward(dout, q, k, v, out, lse, segs, scale, deterministic) -> (dq, dk, dv)
+
+The kernels (``triton_fwd.py``, ``triton_bwd.py``) take the layout only as
+int32 tensors; this module turns ``Segments`` into per-launch tile schedules
+with a few small device ops (no host sync) and picks block sizes from a small
+per-head-dim table. Changing P, N or R_i therefore never recompiles: the
+grids come from the host ints T, the number of segments and the head counts.
+
+Assumes (on top of ``Segments``): a segment's non-empty prefix is exactly one
+earlier segment, and the segments that read the same prefix are consecutive,
+as ``SharedPromptLayout`` builds them. Offsets inside one head must fit in
+int32 (``T * token_stride < 2**31``); ``forward`` checks it.
+
+Backward modes: ``deterministic=True`` uses the KV-major dK/dV kernel with
+all query heads of a kv head in one program plus the Q-major dQ kernel; no
+atomics anywhere, bitwise reproducible. The default mode uses whatever the
+tuning table marks fastest, which may add float32 atomics (``head_split`` > 1
+spreads the query heads of a kv head over programs; ``atomic_dq`` adds dQ
+from the KV-major kernel instead of recomputing it).
+
+Runs on CUDA (compute capability 8.0+; tuned for Hopper) and, for tests, on
+CPU under ``TRITON_INTERPRET=1``, which must be set before this package's
+kernel modules are first imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import weakref
+from typing import Optional
+
+import torch
+
+from ..layout import Segments
+
+log = logging.getLogger("dualkv_compile")
+
+__all__ = ["supports", "forward", "backward", "KernelConfig", "Config", "config_for", "HOPPER_CONFIGS"]
+
+LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Launch parameters of the three kernels for one head dim.
+
+    ``fwd`` and ``dq`` tile query rows by ``block_m`` and walk keys by
+    ``block_n``; ``dkdv`` tiles keys by ``block_n`` and walks query rows by
+    ``block_m``. ``head_split`` and ``atomic_dq`` apply to the default
+    (non-deterministic) backward only.
+    """
+
+    fwd: KernelConfig
+    dkdv: KernelConfig
+    dq: KernelConfig
+    head_split: int = 1
+    atomic_dq: bool = False
+
+
+# Hopper (H100 / H200), bf16/fp16, measured with benchmarks/triton_tune.py
+# (see benchmarks/results/triton_tuning.md). Keyed by the padded head dim.
+# D=128 is the measured one (fwd 128x128 w8 s3 beat 128x64 and 64x64 tiles and 2 or 4
+# stages; backward: 3 stages beat 2 and 4, head_split=2 beat 1 and 4, atomic dQ lost);
+# D=64 and 256 follow from it (untuned beyond the correctness checks).
+HOPPER_CONFIGS: dict[int, Config] = {
+    64: Config(
+        fwd=KernelConfig(128, 64, 4, 3),
+        dkdv=KernelConfig(64, 128, 8, 3),
+        dq=KernelConfig(128, 64, 8, 3),
+        head_split=2,
+    ),
+    128: Config(
+        fwd=KernelConfig(128, 128, 8, 3),
+        dkdv=KernelConfig(64, 128, 8, 3),
+        dq=KernelConfig(128, 64, 8, 3),
+        head_split=2,
+    ),
+    256: Config(
+        fwd=KernelConfig(64, 64, 4, 2),
+        dkdv=KernelConfig(32, 64, 8, 1),
+        dq=KernelConfig(64, 32, 8, 1),
+    ),
+}
+# Other CUDA GPUs: conservative tiles that fit 100 KB of shared memory (untuned).
+_GENERIC_CONFIGS: dict[int, Config] = {
+    64: Config(KernelConfig(128, 64, 4, 2), KernelConfig(64, 64, 4, 2), KernelConfig(64, 64, 4, 2)),
+    128: Config(KernelConfig(64, 64, 4, 2), KernelConfig(64, 64, 8, 1), KernelConfig(64, 64, 8, 1)),
+    256: Config(KernelConfig(64, 32, 4, 1), KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 1)),
+}
+# float32 inputs on GPU (a correctness path, not a fast one): "tf32x3" products, whose
+# split operands need small tiles to fit shared memory.
+_FP32_CUDA_CONFIG = Config(KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 1))
+# The interpreter runs programs one by one in numpy: small tiles keep tests quick
+# and still exercise many blocks, ragged edges and diagonals.
+_INTERPRET_CONFIG = Config(KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1))
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def supports(q: torch.Tensor) -> Optional[str]:
+    """None if the kernels can run q (device, dtype, head dim); else the reason."""
+    if q.dtype not in _DTYPES:
+        return f"dtype {q.dtype} is not supported (bfloat16, float16, float32)"
+    D = q.shape[-1]
+    if not 16 <= D <= 256:
+        return f"head dim {D} is not supported (16 to 256)"
+    if q.device.type == "cuda":
+        if torch.cuda.get_device_capability(q.device) < (8, 0):
+            return "the Triton kernels need a CUDA GPU of compute capability 8.0 or newer"
+        return None
+    if q.device.type == "cpu":
+        if not _interpreting():
+            return "CPU tensors run only under the Triton interpreter (TRITON_INTERPRET=1)"
+        from . import triton_fwd
+
+        if type(triton_fwd.shared_prompt_fwd_kernel).__name__ != "InterpretedFunction":
+            return "TRITON_INTERPRET=1 was set after the kernels were compiled for GPU; set it before importing dualkv_compile"
+        return None
+    return f"device {q.device.type} is not supported (CUDA, or CPU under TRITON_INTERPRET=1)"
+
+
+def config_for(q: torch.Tensor) -> Config:
+    """The tuning-table entry for q's device and head dim."""
+    if q.device.type != "cuda":
+        return _INTERPRET_CONFIG
+    if q.dtype == torch.float32:
+        return _FP32_CUDA_CONFIG
+    bd = max(64, _block_d(q.shape[-1]))
+    table = HOPPER_CONFIGS if torch.cuda.get_device_capability(q.device)[0] == 9 else _GENERIC_CONFIGS
+    return table[bd]
+
+
+# --------------------------------------------------------------------------- schedules
+
+
+class _PlanCache:
+    """Tile schedules per (segments tensors, T, block, kind), reused across layers of one step.
+
+    Keys hold weak references to the segment tensors: an entry is only hit by the
+    very same (unmodified) tensors, and dies with them.
+    """
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self.entries: dict = {}
+
+    def get(self, segs: Segments, extra: tuple, build):
+        tensors = (segs.seg_start, segs.seg_len, segs.prefix_start, segs.prefix_len)
+        key = tuple(id(t) for t in tensors) + tuple(t._version for t in tensors) + extra
+        hit = self.entries.get(key)
+        if hit is not None and all(r() is t for r, t in zip(hit[0], tensors)):
+            return hit[1]
+        value = build()
+        if len(self.entries) >= self.size:
+            self.entries.pop(next(iter(self.entries)))
+        self.entries[key] = (tuple(weakref.ref(t) for t in tensors), value)
+        return value
+
+
+_plans = _PlanCache()
+
+
+def _readers(segs: Segments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per segment: the first and last segment that read it as prefix (first > last: none), and their rows."""
+    nseg = segs.seg_start.numel()
+    dev = segs.seg_start.device
+    starts = segs.seg_start.long()
+    owner = torch.searchsorted(starts, segs.prefix_start.long(), right=True) - 1
+    # Segments with no prefix scatter into a dummy slot at the end.
+    slot = torch.where(segs.prefix_len > 0, owner.clamp(min=0), nseg)
+    ids = torch.arange(nseg, device=dev)
+    first = torch.full((nseg + 1,), nseg, dtype=torch.long, device=dev).scatter_reduce(0, slot, ids, "amin")
+    last = torch.full((nseg + 1,), -1, dtype=torch.long, device=dev).scatter_reduce(0, slot, ids, "amax")
+    first, last = first[:nseg], last[:nseg]
+    cum = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), segs.seg_len.long().cumsum(0)])
+    rows = torch.where(last >= first, cum[(last + 1).clamp(min=0)] - cum[first.clamp(max=nseg)], 0)
+    return first.to(torch.int32), last.to(torch.int32), rows
+
+
+def _tile_schedule(segs: Segments, num_tokens: int, block: int, kind: str) -> torch.Tensor:
+    """int32 ``[2, bound]``: (segment, tile) per program, heaviest first; segment -1 pads the grid.
+
+    ``bound = cdiv(T, block) + num_segments`` is a host-side upper bound on the
+    number of tiles, so the grid is known without a sync. ``kind`` is "q"
+    (query tiles: work = prefix + causal part) or "kv" (key tiles of the
+    dK/dV kernel: work = own rows after the tile + all readers' rows).
+    """
+
+    def build():
+        seg_len = segs.seg_len.long()
+        nseg = seg_len.numel()
+        dev = seg_len.device
+        bound = -(-num_tokens // block) + nseg
+        ntiles = (seg_len + block - 1) // block
+        cum = ntiles.cumsum(0)
+        pid = torch.arange(bound, device=dev)
+        seg = torch.searchsorted(cum, pid, right=True)
+        valid = seg < nseg
+        segc = seg.clamp(max=nseg - 1)
+        tile = pid - (cum - ntiles)[segc]
+        if kind == "q":
+            work = segs.prefix_len.long()[segc] + torch.minimum((tile + 1) * block, seg_len[segc])
+        else:
+            work = seg_len[segc] - tile * block + _readers(segs)[2][segc]
+        order = torch.argsort(torch.where(valid, work, -1), descending=True, stable=True)
+        sched = torch.stack([torch.where(valid, seg, -1)[order], tile[order]])
+        return sched.to(torch.int32).contiguous()
+
+    return _plans.get(segs, (num_tokens, block, kind), build)
+
+
+def _reader_ranges(segs: Segments) -> tuple[torch.Tensor, torch.Tensor]:
+    return _plans.get(segs, ("readers",), lambda: _readers(segs)[:2])
+
+
+# --------------------------------------------------------------------------- launches
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, segs: Segments) -> None:
+    why = supports(q)
+    if why is not None:
+        raise ValueError(f"triton attention cannot run this input: {why}")
+    T = q.shape[2]
+    for t in (q, k):
+        if (T - 1) * max(t.stride(2), 1) + (t.shape[3] - 1) * t.stride(3) >= 2**31:
+            raise ValueError("triton attention: offsets within one head exceed int32; make the tensor contiguous per head")
+    if -(-T // 16) + segs.seg_start.numel() > 65535:
+        raise ValueError(f"triton attention: too many tiles for one launch (T={T})")
+
+
+def _dot_flags(q: torch.Tensor) -> dict:
+    # The CPU interpreter gets bf16 dots wrong; the kernels then widen bf16 tiles to fp32 at load.
+    upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    if q.dtype == torch.float32 or upcast:
+        # fp32 inputs get (near-)fp32 products, not tf32: exact ones in the interpreter,
+        # 3-pass tf32 on GPU (IEEE fp32 dots compile for minutes and run on FMA units).
+        return dict(DOT_PREC="tf32x3" if q.device.type == "cuda" else "ieee", UPCAST=upcast)
+    return dict(DOT_PREC="tf32", UPCAST=False)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(1), t.stride(2), t.stride(3)
+
+
+def forward(q, k, v, segs: Segments, scale: float, *, config: Optional[Config] = None):
+    """``(out [1, Hq, T, D] in q's dtype, lse [1, Hq, T] float32)``."""
+    from .triton_fwd import shared_prompt_fwd_kernel
+
+    _check(q, k, segs)
+    _, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    cfg = (config or config_for(q)).fwd
+    out = torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((1, Hq, T), dtype=torch.float32, device=q.device)
+    if T == 0 or Hq == 0:
+        return out, lse
+    tiles = _tile_schedule(segs, T, cfg.block_m, "q")
+    shared_prompt_fwd_kernel[(Hq, tiles.shape[1])](
+        q, k, v, out, lse, tiles, tiles.shape[1],
+        segs.seg_start, segs.seg_len, segs.prefix_start, segs.prefix_len,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), lse.stride(1),
+        Hq // Hkv, scale * LOG2E,
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        **_dot_flags(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, *,
+             config: Optional[Config] = None):
+    """``(dq, dk, dv)``; dk and dv per kv head (summed over the query heads that share it)."""
+    from .triton_bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
+
+    _check(q, k, segs)
+    _, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    full = config or config_for(q)
+    head_split = 1 if deterministic else math.gcd(full.head_split, G)
+    atomic_dq = full.atomic_dq and not deterministic
+    dev, BD = q.device, _block_d(D)
+    lse = lse.contiguous()
+    flags = _dot_flags(q)
+
+    if atomic_dq:
+        dq = torch.zeros((1, Hq, T, D), dtype=torch.float32, device=dev)
+    else:
+        dq = torch.empty((1, Hq, T, D), dtype=q.dtype, device=dev)
+    acc_dtype = torch.float32 if head_split > 1 else k.dtype
+    dk = (torch.zeros if head_split > 1 else torch.empty)((1, Hkv, T, D), dtype=acc_dtype, device=dev)
+    dv = (torch.zeros if head_split > 1 else torch.empty)((1, Hkv, T, D), dtype=acc_dtype, device=dev)
+    if T == 0 or Hq == 0:
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    delta = torch.empty((1, Hq, T), dtype=torch.float32, device=dev)
+    pre_block = 64 if BD <= 128 else 32
+    bwd_preprocess_kernel[(Hq, -(-T // pre_block))](
+        out, dout, delta, T, *_strides(out), *_strides(dout), delta.stride(1),
+        HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=pre_block,
+    )
+
+    c = full.dkdv
+    tiles = _tile_schedule(segs, T, c.block_n, "kv")
+    read_first, read_last = _reader_ranges(segs)
+    bwd_dkdv_kernel[(Hkv * head_split, tiles.shape[1])](
+        q, k, v, dout, lse, delta, dk, dv, dq, tiles, tiles.shape[1],
+        segs.seg_start, segs.seg_len, read_first, read_last,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv), *_strides(dq),
+        lse.stride(1), G, scale * LOG2E, scale,
+        HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_SPLIT=head_split,
+        ATOMIC_DQ=atomic_dq, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+
+    if not atomic_dq:
+        c = full.dq
+        tiles = _tile_schedule(segs, T, c.block_m, "q")
+        bwd_dq_kernel[(Hq, tiles.shape[1])](
+            q, k, v, dout, lse, delta, dq, tiles, tiles.shape[1],
+            segs.seg_start, segs.seg_len, segs.prefix_start, segs.prefix_len,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+            lse.stride(1), G, scale * LOG2E, scale,
+            HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+            **flags, num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,240 @@
+"""The Triton shared-prompt attention kernels against the exact reference.
+
+On a machine without CUDA the kernels run under the Triton interpreter
+(``TRITON_INTERPRET=1``), which ``triton.jit`` reads when the kernel modules
+are imported: this module sets it before importing them. Shapes are small
+there (the interpreter runs every program in numpy); the ``cuda`` tests use
+realistic sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dualkv_compile.kernels import reference  # noqa: E402
+from dualkv_compile.kernels import triton_attention as ta  # noqa: E402
+from dualkv_compile.kernels.op import shared_prompt_attention  # noqa: E402
+from dualkv_compile.kernels.triton_attention import Config, KernelConfig  # noqa: E402
+from dualkv_compile.layout import Segments, detect  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="no CUDA and TRITON_INTERPRET is off",
+)
+pytestmark = needs_kernels
+
+
+def make_layout(groups, seed=0, device=DEVICE):
+    """A real padded batch whose rows share prompts: groups = [(P, [R0, R1, ...])]."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for P, Rs in groups:
+        prompt = torch.randint(1, 1000, (P,), generator=g)
+        for R in Rs:
+            # Distinct first response tokens, so the shared prefix is exactly the prompt.
+            rest = torch.randint(1000, 2000, (R,), generator=g)
+            rest[0] = 2000 + len(rows)
+            rows.append(torch.cat([prompt, rest]))
+    S = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), S, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+        mask[i, : len(r)] = 1
+    return detect(ids.to(device), mask.to(device))
+
+
+def random_groups(seed, max_groups=3, max_p=40, max_r=30, max_n=4):
+    rnd = random.Random(seed)
+    return [(rnd.randint(1, max_p), [rnd.randint(1, max_r) for _ in range(rnd.randint(1, max_n))])
+            for _ in range(rnd.randint(2, max_groups))]
+
+
+def qkv(T, Hq, Hkv, D, dtype, seed=0, device=DEVICE):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v, do = (torch.randn(1, h, T, D, generator=g).to(device=device, dtype=dtype) for h in (Hq, Hkv, Hkv, Hq))
+    return q, k, v, do
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def reference_all(q, k, v, do, segs, scale):
+    q64, k64, v64, do64 = (t.detach().double() for t in (q, k, v, do))
+    out, lse = reference.reference_forward(q64, k64, v64, segs, scale)
+    grads = reference.reference_backward(do64, q64, k64, v64, out, lse, segs, scale)
+    return out, lse, grads
+
+
+def check_against_reference(layout_or_segs, T, Hq, Hkv, D, dtype, config=None, seed=0, transpose_q=False):
+    segs = layout_or_segs.attention_segments if hasattr(layout_or_segs, "attention_segments") else layout_or_segs
+    q, k, v, do = qkv(T, Hq, Hkv, D, dtype, seed)
+    if transpose_q:  # [T, H, D] storage seen as [1, H, T, D]
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    scale = 1 / math.sqrt(D)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    ref_out, ref_lse, ref_grads = reference_all(q, k, v, do, segs, scale)
+    out, lse = ta.forward(q, k, v, segs, scale, config=config)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (1, Hq, T)
+    assert rel(out, ref_out) < tol, rel(out, ref_out)
+    assert rel(lse, ref_lse) < 1e-5, rel(lse, ref_lse)
+    for det in (True, False):
+        grads = ta.backward(do, q, k, v, out, lse, segs, scale, det, config=config)
+        for name, g, r, like in zip("dq dk dv".split(), grads, ref_grads, (q, k, v)):
+            assert g.shape == like.shape and g.dtype == dtype, name
+            assert torch.isfinite(g).all(), name
+            assert rel(g, r) < tol, (name, det, rel(g, r))
+
+
+# Interpreter-sized tiles that still cover the GPU code paths: BLOCK_M != BLOCK_N
+# both ways, query heads split over programs with atomics, dQ by atomics.
+SMALL = KernelConfig(16, 16, 4, 1)
+MIXED = Config(KernelConfig(32, 16, 4, 1), KernelConfig(16, 32, 4, 1), KernelConfig(16, 32, 4, 1), head_split=2)
+ATOMIC = Config(KernelConfig(16, 32, 4, 1), KernelConfig(32, 16, 4, 1), KernelConfig(32, 16, 4, 1), atomic_dq=True)
+INTERP = Config(SMALL, SMALL, SMALL)
+
+
+@pytest.mark.parametrize(
+    "seed, D, Hq, Hkv, dtype, config",
+    [
+        (0, 64, 4, 2, torch.float32, INTERP),
+        (1, 128, 2, 1, torch.float32, MIXED),
+        (2, 64, 4, 1, torch.bfloat16, ATOMIC),
+        (3, 128, 2, 2, torch.bfloat16, INTERP),
+        (4, 64, 4, 2, torch.float16, MIXED),
+    ],
+)
+def test_matches_reference_random_layouts(seed, D, Hq, Hkv, dtype, config):
+    layout = make_layout(random_groups(seed), seed)
+    check_against_reference(layout, layout.num_tokens, Hq, Hkv, D, dtype, config if DEVICE == "cpu" else None, seed,
+                            transpose_q=seed % 2 == 1)
+
+
+def test_edge_segments():
+    # Groups of one (no prefix), prompts of one token, responses of one token, and
+    # a prompt longer than several blocks next to one shorter than a block.
+    groups = [(1, [1, 3]), (9, [1]), (50, [17, 1, 2]), (5, [40])]
+    layout = make_layout(groups, seed=7)
+    # plus a segment of its own at the end: no prefix, no readers
+    host = layout.segments() + [(layout.num_tokens, 23, layout.num_tokens, 0)]
+    T = layout.num_tokens + 23
+    t = torch.tensor(host, dtype=torch.int32, device=DEVICE)
+    segs = Segments(t[:, 0].contiguous(), t[:, 1].contiguous(), t[:, 2].contiguous(), t[:, 3].contiguous(),
+                    max(h[1] for h in host), max(h[3] for h in host))
+    check_against_reference(segs, T, 2, 1, 64, torch.float32, INTERP if DEVICE == "cpu" else None, seed=7)
+
+
+def test_through_op_forward_and_backward():
+    layout = make_layout([(21, [7, 13, 2]), (12, [30])], seed=3)
+    T, Hq, Hkv, D = layout.num_tokens, 4, 2, 64
+    q, k, v, do = qkv(T, Hq, Hkv, D, torch.float32, seed=3)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = shared_prompt_attention(q, k, v, layout, backend="triton")
+    out.backward(do)
+    ref_out, _, ref_grads = reference_all(q, k, v, do, layout.attention_segments, 1 / math.sqrt(D))
+    assert rel(out, ref_out) < 1e-5
+    for g, r in zip((q.grad, k.grad, v.grad), ref_grads):
+        assert rel(g, r) < 1e-5
+
+
+def test_deterministic_backward_is_bitwise_reproducible():
+    layout = make_layout([(30, [9, 25, 4]), (14, [11, 6])], seed=5)
+    T, D = layout.num_tokens, 64
+    q, k, v, do = qkv(T, 4, 2, D, torch.bfloat16, seed=5)
+    segs = layout.attention_segments
+    out, lse = ta.forward(q, k, v, segs, 0.125)
+    a = ta.backward(do, q, k, v, out, lse, segs, 0.125, True)
+    b = ta.backward(do, q, k, v, out, lse, segs, 0.125, True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_tile_schedule_covers_every_tile_once():
+    layout = make_layout(random_groups(11, max_p=90, max_r=70), seed=11)
+    segs, T = layout.attention_segments, layout.num_tokens
+    for block, kind in ((16, "q"), (32, "kv"), (128, "q")):
+        sched = ta._tile_schedule(segs, T, block, kind).cpu()
+        got = sorted((int(s), int(t)) for s, t in zip(sched[0], sched[1]) if s >= 0)
+        want = sorted((i, t) for i, (_, n, _, _) in enumerate(layout.segments()) for t in range(-(-n // block)))
+        assert got == want
+        assert (sched[0][len(want):] == -1).all()  # padding only at the end
+
+
+def test_readers_are_the_responses_of_each_prompt():
+    layout = make_layout([(10, [3, 4]), (6, [2]), (5, [1, 1, 1])], seed=2)
+    first, last, rows = ta._readers(layout.attention_segments)
+    # segments: prompt0, r, r, the one-row group (its own segment, no prefix), prompt2, r, r, r
+    assert first.tolist() == [1, 8, 8, 8, 5, 8, 8, 8]
+    assert last.tolist() == [2, -1, -1, -1, 7, -1, -1, -1]
+    assert rows.tolist() == [7, 0, 0, 0, 3, 0, 0, 0]
+
+
+def test_supports_gives_reasons():
+    assert ta.supports(torch.empty(1, 2, 4, 64, device=DEVICE, dtype=torch.bfloat16)) is None
+    assert "dtype" in ta.supports(torch.empty(1, 2, 4, 64, device=DEVICE, dtype=torch.int32))
+    assert "head dim" in ta.supports(torch.empty(1, 2, 4, 8, device=DEVICE))
+    assert "head dim" in ta.supports(torch.empty(1, 2, 4, 512, device=DEVICE))
+
+
+# --------------------------------------------------------------------------- GPU, realistic sizes
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _check_heads(out, lse, grads, q, k, v, do, segs, scale, kv_heads):
+    """Compare the kernel with the fp32 reference on a few kv-head groups (the reference is O(T^2) per head)."""
+    G = q.shape[1] // k.shape[1]
+    for h in kv_heads:
+        qs, dos = q[:, h * G:(h + 1) * G], do[:, h * G:(h + 1) * G]
+        ks, vs = k[:, h:h + 1], v[:, h:h + 1]
+        ro, rl = reference.reference_forward(qs.float(), ks.float(), vs.float(), segs, scale)
+        rg = reference.reference_backward(dos.float(), qs.float(), ks.float(), vs.float(), None, None, segs, scale)
+        assert rel(out[:, h * G:(h + 1) * G], ro) < 1e-2
+        assert rel(lse[:, h * G:(h + 1) * G], rl) < 1e-4
+        for g, r in zip((grads[0][:, h * G:(h + 1) * G], grads[1][:, h:h + 1], grads[2][:, h:h + 1]), rg):
+            assert rel(g, r) < 1e-2
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("groups", [
+    [(4096, [517, 300, 1, 777, 640, 1023, 64, 700])],
+    [(3001, [500, 777, 1, 1200]), (2500, [900, 640, 33]), (129, [1000])],
+])
+def test_gpu_realistic(groups, D):
+    layout = make_layout(groups, seed=D)
+    segs, T = layout.attention_segments, layout.num_tokens
+    assert 8000 <= T <= 20000
+    q, k, v, do = qkv(T, 32, 8, D, torch.bfloat16, seed=D)
+    scale = 1 / math.sqrt(D)
+    out, lse = ta.forward(q, k, v, segs, scale)
+    for det in (True, False):
+        grads = ta.backward(do, q, k, v, out, lse, segs, scale, det)
+        _check_heads(out, lse, grads, q, k, v, do, segs, scale, kv_heads=(0, 7))
+    a = ta.backward(do, q, k, v, out, lse, segs, scale, True)
+    b = ta.backward(do, q, k, v, out, lse, segs, scale, True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.cuda
+@cuda
+def test_gpu_through_op():
+    layout = make_layout([(4000, [1000, 2000, 999, 1])], seed=1)
+    q, k, v, do = qkv(layout.num_tokens, 32, 8, 128, torch.bfloat16, seed=1)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = shared_prompt_attention(q, k, v, layout, backend="triton")
+    out.backward(do)
+    ref = shared_prompt_attention(q.detach().float(), k.detach().float(), v.detach().float(), layout, backend="reference")
+    assert rel(out, ref) < 1e-2
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
