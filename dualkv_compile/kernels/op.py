@@ -7,10 +7,12 @@ forward's autograd formula. The implementation is chosen by the ``backend``
 argument, resolved before tracing so that the compiled graph holds a concrete
 choice:
 
-    "reference"  exact PyTorch (dense mask, fp32 softmax); any device
+    "reference"  exact PyTorch (dense mask, fp32 softmax); any device; the oracle
+    "cpu_flash"  PyTorch's CPU flash-attention kernels, one call per group; CPU
     "flex"       FlexAttention with a two-region BlockMask; CUDA
     "triton"     the hand-written Triton kernel; CUDA (and CPU under TRITON_INTERPRET=1)
-    "auto"       CPU -> reference; CUDA -> triton where it supports the input, else flex
+    "auto"       CPU -> cpu_flash (reference for float64); CUDA -> triton where it
+                 supports the input, else flex
 
 Tensor convention: q ``[1, Hq, T, D]``, k and v ``[1, Hkv, T, D]`` (the
 ``scaled_dot_product_attention`` layout with batch 1), Hq a multiple of Hkv.
@@ -20,8 +22,18 @@ saved for the backward.
 Each backend is a module with the same three functions:
     supports(q) -> None, or why it cannot run q
     forward(q, k, v, segs, scale) -> (out, lse)
-    backward(dout, q, k, v, out, lse, segs, scale, deterministic) -> (dq, dk, dv) A request for a backend that cannot run the input
-raises ``ValueError``; nothing falls back silently.
+    backward(dout, q, k, v, out, lse, segs, scale, deterministic) -> (dq, dk, dv)
+A request for a backend that cannot run the input raises ``ValueError``;
+nothing falls back silently.
+
+The flex backend is the one exception to "everything goes through the opaque
+op": FlexAttention's fused backward is reachable only through autograd, so
+behind an opaque op its backward would have to recompute the forward (what
+``flex.backward`` does, one extra forward). ``shared_prompt_attention``
+therefore calls ``flex.attention`` directly, which runs FlexAttention under
+autograd (eager: the cached compiled flex kernels; inside ``torch.compile``:
+the flex higher-order op, whose backward AOTAutograd derives). The custom ops
+still accept ``backend="flex"`` and stay correct, only slower in the backward.
 """
 
 from __future__ import annotations
@@ -41,10 +53,14 @@ log = logging.getLogger("dualkv_compile")
 
 __all__ = ["shared_prompt_attention", "BACKENDS", "resolve_backend"]
 
-BACKENDS = ("auto", "reference", "flex", "triton")
+BACKENDS = ("auto", "reference", "cpu_flash", "flex", "triton")
 
 
 def _impl(backend: str):
+    if backend == "cpu_flash":
+        from . import cpu_flash
+
+        return cpu_flash
     if backend == "reference":
         return reference
     if backend == "flex":
@@ -52,7 +68,10 @@ def _impl(backend: str):
 
         return flex
     if backend == "triton":
-        from . import triton_attention
+        try:
+            from . import triton_attention
+        except ImportError as e:
+            raise ValueError(f"backend='triton' is unavailable: {e}") from e
 
         return triton_attention
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -60,14 +79,22 @@ def _impl(backend: str):
 
 def resolve_backend(backend: str, q: torch.Tensor) -> str:
     """The concrete backend for ``backend`` on q's device, dtype and head dim; ``ValueError`` if it cannot run."""
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         if q.device.type != "cuda":
-            return "reference"
-        from . import triton_attention
+            from . import cpu_flash
 
-        return "triton" if triton_attention.supports(q) is None else "flex"
+            return "cpu_flash" if cpu_flash.supports(q) is None else "reference"
+        for name in ("triton", "flex"):
+            try:
+                why = _impl(name).supports(q)
+            except ValueError as e:  # the module is missing
+                why = str(e)
+            if why is None:
+                return name
+            log.debug("backend='auto' skips %s: %s", name, why)
+        return "reference"
     if backend == "reference":
         return backend
     why = _impl(backend).supports(q)
@@ -171,13 +198,48 @@ def shared_prompt_attention(
     Returns ``[1, Hq, T, D]`` in q's dtype. Differentiable in q, k and v.
     Under ``torch.use_deterministic_algorithms(True)`` the backward avoids atomics.
     """
-    segs = layout.attention_segments if isinstance(layout, SharedPromptLayout) else layout
-    if not isinstance(segs, Segments):
-        raise ValueError(f"layout must be a SharedPromptLayout or Segments, got {type(layout).__name__}")
-    check_qkv(q, k, v, q.shape[2])
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(f"k must have the same number of tokens as q ({q.shape[2]}), got {k.shape[2]}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    segs = _check_inputs(q, k, v, layout)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
+    scale = float(scale)
     concrete = resolve_backend(backend, q)
+    if concrete == "flex":
+        from . import flex
+
+        return flex.attention(q, k, v, segs, scale)
     out, _ = attention_fwd(q, k, v, *segs, scale, concrete)
     return out
+
+
+def _check_inputs(q, k, v, layout) -> Segments:
+    """Validate the arguments of ``shared_prompt_attention``; ``ValueError`` names the bad one."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor [1, H, T, D], got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape [1, H, T, D], got {list(t.shape)}")
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"q must be a floating-point tensor, got dtype {q.dtype}")
+    if isinstance(layout, SharedPromptLayout):
+        segs = layout.attention_segments
+        T = layout.num_tokens
+    elif isinstance(layout, Segments):
+        segs = layout
+        T = q.shape[2]
+    else:
+        raise ValueError(f"layout must be a SharedPromptLayout or Segments, got {type(layout).__name__}")
+    check_qkv(q, k, v, T)
+    for name in ("seg_start", "seg_len", "prefix_start", "prefix_len"):
+        t = getattr(segs, name)
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
+            raise ValueError(f"layout.{name} must be a 1-D int32 tensor")
+        if t.shape != segs.seg_start.shape:
+            raise ValueError(f"layout.{name} must have one entry per segment ({segs.seg_start.shape[0]}), got {t.shape[0]}")
+        if t.device != q.device:
+            raise ValueError(f"layout.{name} must be on q's device {q.device}, got {t.device}")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    return segs
