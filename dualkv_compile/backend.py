@@ -125,6 +125,32 @@ def _inner_compile(gm: fx.GraphModule, example_inputs, cfg: DualKVConfig, mode: 
     return gm.forward
 
 
+def _is_dynamic(gm: fx.GraphModule) -> bool:
+    for n in gm.graph.find_nodes(op="placeholder"):
+        ev = n.meta.get("example_value")
+        if isinstance(ev, torch.SymInt) or (isinstance(ev, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in ev.shape)):
+            return True
+    return False
+
+
+class _LazyCompile:
+    """A static-shape graph, compiled by the inner compiler on its first call.
+
+    A rewritten graph may never need its fallback; compiling it up front
+    doubled the first step's compile time.
+    """
+
+    def __init__(self, gm, example_inputs, cfg: DualKVConfig, mode: Optional[str]):
+        self.args = (gm, example_inputs, cfg, mode)
+        self.compiled: Optional[Callable] = None
+
+    def __call__(self, *args):
+        if self.compiled is None:
+            self.compiled = _inner_compile(*self.args)
+            self.args = None
+        return self.compiled(*args)
+
+
 def _mode_patches(mode: Optional[str]) -> dict:
     if mode in (None, "default"):
         return {}
@@ -136,7 +162,12 @@ def _mode_patches(mode: Optional[str]) -> dict:
 def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options: Optional[dict] = None):
     """The torch.compile backend (registered as "dualkv")."""
     cfg = DualKVConfig.from_options(options)
-    fallback = _inner_compile(gm, example_inputs, cfg, mode)
+    if _is_dynamic(gm):
+        # Compiled outside Dynamo's tracing context, a dynamic-shape graph
+        # would be specialised to its first inputs: compile it now.
+        fallback = _inner_compile(gm, example_inputs, cfg, mode)
+    else:
+        fallback = _LazyCompile(gm, example_inputs, cfg, mode)
     report = GraphReport(next(_graph_ids), len(gm.graph.nodes), 0, rewritten=False)
     _reports.append(report)
     try:
@@ -228,8 +259,27 @@ class PackedRunner:
         if self.compiled is None:
             self.compiled = self._compile_packed()
         extra = _packed_inputs(layout)
-        for t in extra[:9]:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
+        # T and the segment count change every step; B * S (unpack_index,
+        # valid) follows the outer graph, static or symbolic as Dynamo made it.
+        for name, t in zip(PACKED_INPUTS, extra):
+            if name in _PER_TOKEN_OR_SEGMENT:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        if self.report.packed_calls == 0:
+            # The first packed call traces and compiles the packed graph. If
+            # that fails (an op the analysis let through but the packed shapes
+            # break), run this graph unchanged from now on rather than fail
+            # the step.
+            try:
+                out = self.compiled(*args, *extra)
+            except Exception as e:  # noqa: BLE001 - reported, then the original program runs
+                why = f"the packed graph failed on its first call: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                self.disabled = why
+                self.report.rewritten = False
+                self.report.reason = why
+                log.warning("dualkv: graph %d disabled: %s", self.report.graph_id, why)
+                return self.fallback(*args)
+            self.report.packed_calls += 1
+            return out
         self.report.packed_calls += 1
         return self.compiled(*args, *extra)
 
@@ -294,7 +344,11 @@ def _mask_graph(gm: fx.GraphModule, axes: TokenAxes) -> Optional[fx.GraphModule]
     return fx.GraphModule(gm, g, class_name="AttentionMasks")
 
 
+_PER_TOKEN_OR_SEGMENT = {"pack_index", "col_index", "prev_index", "seg_start", "seg_len", "prefix_start", "prefix_len"}
+
+
 def _packed_inputs(layout: SharedPromptLayout) -> list:
+    """The values of ``PACKED_INPUTS`` for ``layout``, in that order."""
     segs = layout.attention_segments
     return [
         layout.pack_index,

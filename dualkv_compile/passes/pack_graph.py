@@ -103,10 +103,10 @@ class _Packer:
             b, s = tags.index("b"), tags.index("s")
             if shape[b] != self.B or shape[s] != slen:
                 raise Refusal(f"{n.name}: leaves the packed region with token axes of sizes {shape[b]}, {shape[s]}")
-            B, S = (self.orig[x] if isinstance(x, fx.Node) else x for x in (self.axes.B_arg, self.axes.S_arg))
+            ids = self.orig[self.axes.token_inputs["input_ids"]]
             truncate = info.shift == 0 and slen == self.S - 1
             o = self.g.call_function(
-                unpack_tokens, (p, self.inp["unpack_index"], self.inp["valid"], B, S, b, s, info.shift, truncate)
+                unpack_tokens, (p, self.inp["unpack_index"], self.inp["valid"], ids, b, s, info.shift, truncate)
             )
         self.orig[n] = o
         return o
@@ -136,6 +136,8 @@ class _Packer:
                 self.packed[n] = self.emit_packed(n)
             else:
                 self.orig[n] = self.copy(n, self.orig_of)
+                if info.kind is Kind.BCAST:  # both forms; DCE keeps what is read
+                    self.packed[n] = self.emit_packed(n)
         self.g.eliminate_dead_code()
         self.g.lint()
         return fx.GraphModule(self.gm, self.g, class_name="PackedGraph")

@@ -13,6 +13,9 @@ Contract
                 the packed stream (batch axis of size 1, sequence axis of size T)
         COLUMN  depends on the column only (e.g. ``arange(S)``, ``position_ids``
                 of shape ``[1, S]``); packed by gathering each token's column
+        BCAST   a constant expanded over the batch axis (``x[None].expand(B, ...)``,
+                as rotary tables are built from ``position_ids.shape[0]``); on
+                the packed stream the expand is to 1
         NONE    no token axes (parameters, scalars, constants)
         ORIG    must be computed in the original ``[B, S]`` layout: it mixes
                 tokens (reduction, shift or slice along the sequence), or derives
@@ -49,6 +52,7 @@ TOKEN_INPUT_ROLES = ("input_ids", "attention_mask", "position_ids", "inputs_embe
 class Kind(enum.Enum):
     TOKEN = "token"
     COLUMN = "column"
+    BCAST = "bcast"
     NONE = "none"
     ORIG = "orig"
 
@@ -71,7 +75,7 @@ class NodeInfo:
 
 @dataclasses.dataclass
 class TokenAxes:
-    """``info`` per node; ``B``/``S`` the batch's sizes; ``B_arg``/``S_arg`` as the graph spells them."""
+    """``info`` per node; ``B``/``S`` the batch's sizes (the example's, for dynamic-shape graphs)."""
 
     B: int
     S: int
@@ -79,8 +83,6 @@ class TokenAxes:
     attention: list[AttentionMatch]
     token_inputs: dict[str, fx.Node]
     refusals: list[str]
-    B_arg: Any = None  # B as the original graph spells it: an int, or a SymInt placeholder
-    S_arg: Any = None
 
 
 class Refusal(Exception):
@@ -172,16 +174,7 @@ def analyze_token_axes(gm: fx.GraphModule, token_inputs: dict[str, fx.Node]) -> 
     if _ev(ids).dim() != 2:
         raise _refuse(f"input_ids has shape {shape_of(ids)}, expected [B, S]")
     B, S = shape_of(ids)
-    B_arg, S_arg = B, S
     for node in graph.find_nodes(op="placeholder"):
-        ev = _ev(node)
-        if isinstance(ev, torch.SymInt):
-            # Dynamic-shape graphs pass B and S as SymInt placeholders.
-            expr = ev.node.expr
-            if isinstance(_ev(ids).shape[0], torch.SymInt) and expr == _ev(ids).shape[0].node.expr:
-                B_arg = node
-            if isinstance(_ev(ids).shape[1], torch.SymInt) and expr == _ev(ids).shape[1].node.expr:
-                S_arg = node
         name = node.name.lower()
         if "past_key" in name or "cache" in name and "cache_position" not in name:
             raise _refuse(f"{node.name}: a KV cache is passed in; packed training needs the full sequence in one call")
@@ -210,7 +203,7 @@ def analyze_token_axes(gm: fx.GraphModule, token_inputs: dict[str, fx.Node]) -> 
             refusals.append(m.refusal)
         elif info[m.output].kind is not Kind.TOKEN:
             refusals.append(f"{m.output.name}: attention cannot run on the packed stream: {info[m.output].cause}")
-    return TokenAxes(B, S, info, matches, token_inputs, refusals, B_arg, S_arg)
+    return TokenAxes(B, S, info, matches, token_inputs, refusals)
 
 
 def _tags_guess(node) -> Tags:
@@ -249,6 +242,8 @@ def _rule(node: fx.Node, info, token_inputs, B, S) -> NodeInfo:
     if orig:
         return NodeInfo(Kind.ORIG, _tags_guess(node), cause=orig[0].cause)
     if all(i.kind is Kind.NONE for i in ins):
+        if node.op == "call_method" and node.target == "expand":
+            return _move(node, info, B, S)
         return _creation_info(node, ev, B, S)
     # From here on at least one input is TOKEN or COLUMN.
     if node.op == "call_function" and node.target in _COUPLING_FUNCS:
@@ -308,7 +303,9 @@ def _kind(tags: Tags) -> Kind:
     if any(t in ("s", "bs") for t in tags):
         return Kind.TOKEN if any(t in ("b", "bs") for t in tags) else Kind.COLUMN
     if "b" in tags:
-        raise _Fail("per-row value without a sequence axis")
+        # Only expands of constants make batch-only tags (see _move), so the
+        # value is the same in every row.
+        return Kind.BCAST
     return Kind.NONE
 
 
@@ -366,12 +363,7 @@ def _token_rule(node: fx.Node, info, B: int, S: int) -> NodeInfo:
         t = info[ids].tags + (None,)
         return NodeInfo(_kind(t), t)
     if op == "call_function" and target in (torch.matmul, operator.matmul, torch.bmm):
-        a, b = node.args[:2]
-        ta, tb = info[a].tags, info[b].tags
-        if any(tb) or ta[-1] is not None:
-            raise _Fail("matmul that contracts over or between token axes")
-        t = ta[:-1] + (None,)
-        return NodeInfo(_kind(t), t)
+        return _matmul(node, info)
     if op == "call_method" and target in ("view", "reshape") or op == "call_function" and target is torch.reshape:
         return _view(node, info, B, S)
     if op == "call_method" and target in ("flatten", "unflatten") or op == "call_function" and target in (torch.flatten,):
@@ -409,6 +401,37 @@ def _token_rule(node: fx.Node, info, B: int, S: int) -> NodeInfo:
             raise _Fail("normalisation over a token axis")
         return NodeInfo(_kind(t), t)
     raise _Fail(f"no token-axis rule for {_op_name(node)}")
+
+
+def _matmul(node, info) -> NodeInfo:
+    """``[..., M, K] @ [..., K, N]``: batch dims broadcast, M keeps a's tag, N b's; K must carry none.
+
+    Covers projections (a token value times a weight) and rotary tables built
+    as ``inv_freq[:, None] @ positions[None, :]`` (a column value on the right).
+    """
+    a, b = node.args[:2]
+    ta, tb = info[a].tags, info[b].tags
+    if len(ta) < 2 or len(tb) < 2:
+        raise _Fail("matmul with a vector operand")
+    if ta[-1] is not None or tb[-2] is not None:
+        raise _Fail("matmul that contracts over a token axis")
+    n = max(len(ta), len(tb))
+    batch_a = (None,) * (n - len(ta)) + ta[:-2]
+    batch_b = (None,) * (n - len(tb)) + tb[:-2]
+    batch = []
+    for x, y in zip(batch_a, batch_b):
+        if x is not None and y is not None and x != y:
+            raise _Fail("matmul broadcasting different token axes")
+        batch.append(x if x is not None else y)
+    for x, xt in ((a, batch_a), (b, batch_b)):
+        if info[x].kind is Kind.NONE:
+            shape = [1] * (n - len(_ev(x).shape)) + shape_of(x)
+            if any(tag is not None and shape[d] > 1 for d, tag in enumerate(batch)):
+                raise _Fail("matmul broadcasting a constant over a token axis")
+    t = tuple(batch) + (ta[-2], tb[-1])
+    if sum(tag is not None for tag in t) > sum(tag is not None for tag in ta + tb) or (ta[-2] is not None and tb[-1] is not None):
+        raise _Fail("matmul between two token values (attention-like)")
+    return NodeInfo(_kind(t), t)
 
 
 def _broadcast(node, info, B, S) -> NodeInfo:
@@ -555,9 +578,10 @@ def _move(node, info, B, S) -> NodeInfo:
         new = [None] * extra + t
         for d in range(n):
             if t[d] is None and in_shape[d] == 1 and sizes[extra + d] not in (-1, 1):
-                # A column value broadcast over the batch gains its batch axis;
-                # any other broadcast dim is a feature dim (e.g. repeat_kv's).
-                if sizes[extra + d] == B and "b" not in t and "bs" not in t and "s" in t:
+                # A column value or a constant broadcast over the batch gains a
+                # batch axis; any other broadcast dim is a feature dim (e.g.
+                # repeat_kv's). Either way the value is constant along it.
+                if sizes[extra + d] == B and "b" not in t and "bs" not in t:
                     new[extra + d] = "b"
         t = new
     else:

@@ -11,7 +11,7 @@ import torch
 import dualkv_compile
 from dualkv_compile.backend import dualkv_backend
 
-from .tiny_decoder import TinyDecoder
+from .tiny_decoder import MatmulRotaryDecoder, TinyDecoder
 
 transformers = pytest.importorskip("transformers")
 
@@ -253,3 +253,20 @@ def test_kv_cache_passed_in_is_refused_and_exact():
     assert _rel(out, ref) <= 1e-5
     report = dualkv_compile.reports()[-1]
     assert not report.rewritten and "KV cache" in report.reason
+
+
+@pytest.mark.parametrize("with_positions", [True, False])
+def test_rotary_by_matmul_with_batch_expanded_constant(with_positions):
+    """transformers 5.17's rotary: a constant expanded to position_ids.shape[0], matmul with the positions."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MatmulRotaryDecoder().train()
+    batches = [grpo_batch(BATCHES[k], 61, seed=i) for i, k in enumerate(BATCHES)]
+
+    def forward(m, ids, mask, pos):
+        return m(ids, pos) if with_positions else m(ids)
+
+    start = len(dualkv_compile.reports())
+    _check_model(model, batches, forward=forward)
+    new = dualkv_compile.reports()[start:]
+    assert new and all(r.rewritten for r in new) and sum(r.packed_calls for r in new) == len(batches)

@@ -92,7 +92,7 @@ def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter
     linear_1_packed = torch._C._nn.linear(reshape_packed, out.weight, None)
     h_1_packed = h_packed + linear_1_packed
     linear_2_packed = torch._C._nn.linear(h_1_packed, head.weight, None)
-    unpack_tokens = dualkv_compile_passes_packed_ops_unpack_tokens(linear_2_packed, unpack_index, valid, 3, 7, 0, 1, 0, False)
+    unpack_tokens = dualkv_compile_passes_packed_ops_unpack_tokens(linear_2_packed, unpack_index, valid, l_input_ids_, 0, 1, 0, False)
     return (unpack_tokens,)""")
 
     def test_hf_qwen3_attention_block_after(self):
@@ -218,5 +218,5 @@ def forward(self, l_kwargs_input_ids_ : torch.Tensor, model_modules_embed_tokens
     hidden_states_16_packed = model_modules_norm.weight * to_15_packed
     hidden_states_17_packed = hidden_states_16_packed[(slice(None, None, None), slice(None, None, None), slice(None, None, None))]
     logits_packed = torch._C._nn.linear(hidden_states_17_packed, lm_head.weight, None)
-    unpack_tokens_1 = dualkv_compile_passes_packed_ops_unpack_tokens(logits_packed, unpack_index, valid, 3, 7, 0, 1, 0, False)
+    unpack_tokens_1 = dualkv_compile_passes_packed_ops_unpack_tokens(logits_packed, unpack_index, valid, l_kwargs_input_ids_, 0, 1, 0, False)
     return (unpack_tokens_1,)""")

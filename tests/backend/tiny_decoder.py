@@ -42,3 +42,41 @@ class TinyDecoder(nn.Module):
         if self.coupling == "graph_break":
             torch._dynamo.graph_break()
         return self.head(h)
+
+
+class MatmulRotaryDecoder(nn.Module):
+    """Rotary positions built as transformers 5.17 builds them for Qwen3/Llama.
+
+    ``inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1) @ position_ids[:, None, :]``:
+    a constant expanded over the batch meets the position ids (a [B, S]
+    token input, or a [1, S] column built from ``arange``).
+    """
+
+    def __init__(self, vocab=61, dim=32, heads=2, kv_heads=1):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.hd, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, self.hd, 2).float() / self.hd)))
+
+    def forward(self, input_ids, position_ids=None):
+        B, S = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(S)[None]
+        inv = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+        freqs = (inv @ position_ids[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+        h = self.embed(input_ids)
+        q = self.q(h).view(B, S, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(h).view(B, S, 2, self.kv_heads, self.hd).permute(2, 0, 3, 1, 4)
+
+        def rotate(x):
+            half = x.shape[-1] // 2
+            return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+        a = F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True, enable_gqa=True)
+        return self.head(h + self.out(a.transpose(1, 2).reshape(B, S, -1)))
