@@ -20,6 +20,7 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
+	$(PY) examples/grpo_tiny.py --steps 3
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -168,7 +168,11 @@ def main():
     for r in reps:
         print("  " + str(r).replace("\n", "\n  "))
     print(f"\ntotal wall time {time.perf_counter() - t_start:.1f} s")
+    ok = abs(d["losses"][0] - p["losses"][0]) <= 1e-5 * max(1.0, abs(p["losses"][0])) and grad_diff <= 1e-5 * max(1.0, grad_scale)
+    ok = ok and bool(rewritten)
+    print("demo: OK (dualkv ran packed and matches plain compile)" if ok else "demo: MISMATCH")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

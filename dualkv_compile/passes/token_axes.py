@@ -165,6 +165,13 @@ def find_token_inputs(graph: fx.Graph) -> dict[str, fx.Node]:
 def analyze_token_axes(gm: fx.GraphModule, token_inputs: dict[str, fx.Node]) -> TokenAxes:
     graph = gm.graph
     refusals: list[str] = []
+    for node in graph.nodes:
+        if node.op == "call_function" and "flex_attention" in getattr(node.target, "__name__", str(node.target)):
+            raise _refuse(
+                f"{node.name}: flex_attention with a block mask made outside this graph (Hugging Face's "
+                "\"flex_attention\" implementation) cannot be checked or rebuilt for the packed stream; "
+                "use attn_implementation=\"sdpa\" or \"eager\""
+            )
     ids = token_inputs.get("input_ids")
     if ids is None:
         raise _refuse(

@@ -270,3 +270,19 @@ def test_rotary_by_matmul_with_batch_expanded_constant(with_positions):
     _check_model(model, batches, forward=forward)
     new = dualkv_compile.reports()[start:]
     assert new and all(r.rewritten for r in new) and sum(r.packed_calls for r in new) == len(batches)
+
+
+def test_hf_flex_attention_implementation_is_refused_and_exact():
+    """Hugging Face's "flex_attention" traces with graph breaks around its block mask: refused with a reason."""
+    torch._dynamo.reset()
+    model = _hf_model("qwen3", "flex_attention", layers=1).eval()
+    ref_model = copy.deepcopy(model)
+    ids, mask, _ = grpo_batch(BATCHES["one_group"], 101)
+    start = len(dualkv_compile.reports())
+    compiled = torch.compile(model, backend=functools.partial(dualkv_backend, options={"inner": "aot_eager"}))
+    with torch.no_grad():  # FlexAttention has no CPU backward
+        out = compiled(input_ids=ids, attention_mask=mask).logits
+        ref = ref_model(input_ids=ids, attention_mask=mask).logits
+    assert _rel(out[mask.bool()], ref[mask.bool()]) <= 1e-5
+    reasons = [r.reason or "" for r in dualkv_compile.reports()[start:]]
+    assert any("flex_attention" in r and "sdpa" in r for r in reasons), reasons
