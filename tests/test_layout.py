@@ -21,13 +21,7 @@ from torch.overrides import TorchFunctionMode
 from dualkv_compile.layout import Segments, SharedPromptLayout, dense_mask, detect, pack, unpack
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add wake-up stalls (severe on a shared 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def groups_of(layout: SharedPromptLayout):

@@ -17,27 +17,11 @@ import torch
 
 from dualkv_compile.kernels import flex, reference
 from dualkv_compile.kernels.op import attention_fwd, shared_prompt_attention
-from dualkv_compile.layout import Segments, dense_mask
+from dualkv_compile.layout import dense_mask
+from segments import make_segments  # tests/kernels is on sys.path
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (FlexAttention's backward has no CPU kernel)")
-
-
-def make_segments(groups, device="cpu") -> tuple[Segments, int]:
-    """Segments of a packed stream of ``groups`` = [(P, [R_0, ...]), ...]; returns (segs, T)."""
-    rows, off = [], 0
-    for P, Rs in groups:
-        prompt = off
-        if P:
-            rows.append((off, P, off, 0))
-        off += P
-        for R in Rs:
-            if R:
-                rows.append((off, R, prompt, P))
-                off += R
-    t = torch.tensor(rows, dtype=torch.int32, device=device)
-    segs = Segments(*(t[:, i].contiguous() for i in range(4)), max(r[1] for r in rows), max(r[3] for r in rows))
-    return segs, off
 
 
 def random_groups(rng: random.Random, max_p=600, max_r=400):

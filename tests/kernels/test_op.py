@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from dualkv_compile.kernels import op as op_mod
 from dualkv_compile.kernels import reference
 from dualkv_compile.kernels.op import attention_bwd, attention_fwd, resolve_backend, shared_prompt_attention
-from dualkv_compile.layout import Segments, detect
+from dualkv_compile.layout import detect
+from segments import make_segments  # tests/kernels is on sys.path
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -28,23 +29,6 @@ def _few_threads():
     torch.set_num_threads(min(n, 2))
     yield
     torch.set_num_threads(n)
-
-
-def make_segments(groups, device="cpu") -> tuple[Segments, int]:
-    """Segments of a packed stream of ``groups`` = [(P, [R_0, R_1, ...]), ...]; returns (segs, T)."""
-    rows, off = [], 0
-    for P, Rs in groups:
-        prompt = off
-        if P:
-            rows.append((off, P, off, 0))
-        off += P
-        for R in Rs:
-            if R:
-                rows.append((off, R, prompt, P))
-                off += R
-    t = torch.tensor(rows, dtype=torch.int32, device=device)
-    segs = Segments(*(t[:, i].contiguous() for i in range(4)), max(r[1] for r in rows), max(r[3] for r in rows))
-    return segs, off
 
 
 def loop_mask(groups) -> torch.Tensor:
