@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import types
 from typing import Any, Callable, Optional
 
 import torch
@@ -105,6 +106,7 @@ class GraphReport:
 
 _reports: list[GraphReport] = []
 _graph_ids = itertools.count()
+_nested_ids = itertools.count()
 
 
 def reports() -> list[GraphReport]:
@@ -134,10 +136,14 @@ def _is_dynamic(gm: fx.GraphModule) -> bool:
 
 
 class _LazyCompile:
-    """A static-shape graph, compiled by the inner compiler on its first call.
+    """The original graph, compiled by the inner compiler on its first call.
 
     A rewritten graph may never need its fallback; compiling it up front
-    doubled the first step's compile time.
+    doubled the first step's compile time. A static-shape graph compiles for
+    its example inputs; a dynamic-shape one goes through a nested
+    ``torch.compile(dynamic=True)`` (compiled directly outside Dynamo's
+    tracing context it would be specialised to its first inputs), the same
+    route the packed graph takes.
     """
 
     def __init__(self, gm, example_inputs, cfg: DualKVConfig, mode: Optional[str]):
@@ -146,9 +152,40 @@ class _LazyCompile:
 
     def __call__(self, *args):
         if self.compiled is None:
-            self.compiled = _inner_compile(*self.args)
+            gm, example_inputs, cfg, mode = self.args
+            if _is_dynamic(gm):
+                self.compiled = _nested_compile(gm, cfg, mode, dynamic=True)
+            else:
+                self.compiled = _inner_compile(gm, example_inputs, cfg, mode)
             self.args = None
         return self.compiled(*args)
+
+
+def _nested_compile(gm: fx.GraphModule, cfg: DualKVConfig, mode: Optional[str], dynamic, on_compile=None):
+    """``torch.compile`` of a plain function calling ``gm``, with the inner compiler as its backend.
+
+    A plain function, not the GraphModule itself: nested inside the outer
+    compiled frame, compiling the GraphModule object only caught the helper
+    functions it calls, while a function around it is traced as one graph.
+    """
+
+    def inner_backend(g, example_inputs):
+        if on_compile is not None:
+            on_compile()
+        return _inner_compile(g, example_inputs, cfg, mode)
+
+    # Dynamo's own graphs are _LazyGraphModules, whose lazy forward Dynamo
+    # will not trace; a plain GraphModule over the same graph it will.
+    module = fx.GraphModule(gm, gm.graph)
+
+    def forward(*args):
+        return module(*args)
+
+    # Dynamo keeps one cache per code object: give each graph its own, so
+    # graphs never evict each other or add up to Dynamo's recompile limit.
+    code = forward.__code__.replace(co_name=f"dualkv_graph_{next(_nested_ids)}")
+    forward = types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
+    return torch.compile(forward, backend=inner_backend, fullgraph=True, dynamic=dynamic)
 
 
 def _mode_patches(mode: Optional[str]) -> dict:
@@ -162,12 +199,7 @@ def _mode_patches(mode: Optional[str]) -> dict:
 def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options: Optional[dict] = None):
     """The torch.compile backend (registered as "dualkv")."""
     cfg = DualKVConfig.from_options(options)
-    if _is_dynamic(gm):
-        # Compiled outside Dynamo's tracing context, a dynamic-shape graph
-        # would be specialised to its first inputs: compile it now.
-        fallback = _inner_compile(gm, example_inputs, cfg, mode)
-    else:
-        fallback = _LazyCompile(gm, example_inputs, cfg, mode)
+    fallback = _LazyCompile(gm, example_inputs, cfg, mode)
     report = GraphReport(next(_graph_ids), len(gm.graph.nodes), 0, rewritten=False)
     _reports.append(report)
     try:
@@ -176,6 +208,7 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
         report.num_attention = len(axes.attention)
         if not axes.attention:
             raise Refusal("no attention in this graph (nothing couples tokens, so packing saves only per-token work once the layout is known; a graph break may split the model)")
+        scalar_checks = _resolve_scalar_inputs(gm, axes, example_inputs)
         if axes.refusals:
             raise Refusal("; ".join(axes.refusals))
         backend = _resolve_attention_backend(cfg.attention_backend, axes)
@@ -186,7 +219,30 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
         return fallback
     report.rewritten = True
     log.info("dualkv: graph %d rewritten (%d attention)", report.graph_id, len(axes.attention))
-    return PackedRunner(gm, axes, packed, fallback, cfg, mode, report)
+    return PackedRunner(gm, axes, packed, fallback, cfg, mode, report, scalar_checks)
+
+
+def _resolve_scalar_inputs(gm, axes: TokenAxes, example_inputs) -> list[tuple[int, float, str]]:
+    """Attention ``dropout_p``/``scale`` read from graph inputs: resolve them from the example inputs.
+
+    The packed graph bakes them in; the runner checks them on every call
+    (they are module attributes, so they change only if the user changes
+    them, and then that call runs unpacked). A dropout that is not zero is a
+    refusal, like a constant one.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    checks = []
+    for m in axes.attention:
+        for what, src in m.scalar_inputs.items():
+            index = placeholders.index(src)
+            value = float(example_inputs[index])
+            checks.append((index, value, f"{m.output.name}.{what}"))
+            if what == "scale":
+                m.scale = value
+            elif value != 0 and not m.refusal:
+                m.refusal = f"{m.output.name}: attention dropout_p={value} couples the copies of a shared prompt (dropout in training mode)"
+                axes.refusals.append(m.refusal)
+    return checks
 
 
 def _resolve_attention_backend(backend: str, axes: TokenAxes) -> str:
@@ -200,8 +256,9 @@ def _resolve_attention_backend(backend: str, axes: TokenAxes) -> str:
 class PackedRunner:
     """Runtime wrapper: detect, decide, pack, run, unpack (see the module docstring)."""
 
-    def __init__(self, gm, axes: TokenAxes, packed: fx.GraphModule, fallback, cfg: DualKVConfig, mode, report: GraphReport):
+    def __init__(self, gm, axes: TokenAxes, packed: fx.GraphModule, fallback, cfg: DualKVConfig, mode, report: GraphReport, scalar_checks=()):
         self.axes, self.packed_gm, self.fallback, self.cfg, self.mode, self.report = axes, packed, fallback, cfg, mode, report
+        self.scalar_checks = list(scalar_checks)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.input_index = {role: placeholders.index(node) for role, node in axes.token_inputs.items()}
         self.compiled: Optional[Callable] = None
@@ -210,32 +267,18 @@ class PackedRunner:
         self.mask_gm = _mask_graph(gm, axes) if cfg.verify else None
 
     def _compile_packed(self):
-        def count_compiles(gm, example_inputs):
+        def count():
             self.report.packed_compiles += 1
-            if self.cfg.inner == "inductor":
-                from torch._inductor.compile_fx import compile_fx
 
-                return compile_fx(gm, example_inputs, config_patches=_mode_patches(self.mode))
-            if self.cfg.inner == "aot_eager":
-                from torch._dynamo.backends.debugging import aot_eager
-
-                return aot_eager(gm, example_inputs)
-            return gm.forward
-
-        packed_gm = self.packed_gm
-
-        # A plain function around the GraphModule: Dynamo traces it as one
-        # graph (compiling the GraphModule object itself, nested inside the
-        # outer compiled frame, only caught the helper functions it calls).
-        def packed_forward(*args):
-            return packed_gm(*args)
-
-        return torch.compile(packed_forward, backend=count_compiles, fullgraph=True, dynamic=None)
+        return _nested_compile(self.packed_gm, self.cfg, self.mode, dynamic=None, on_compile=count)
 
     def __call__(self, *args):
         self.report.calls += 1
         if self.disabled:
             return self.fallback(*args)
+        for index, value, what in self.scalar_checks:
+            if float(args[index]) != value:
+                return self._unpacked(args, f"{what} is {float(args[index])}, the packed graph was built for {value}")
         ids = args[self.input_index["input_ids"]]
         mask = args[self.input_index["attention_mask"]] if "attention_mask" in self.input_index else None
         pos = args[self.input_index["position_ids"]] if "position_ids" in self.input_index else None

@@ -16,6 +16,10 @@ Recognised forms
       (+ mask) -> softmax(dim=-1) (-> .to(dtype)) (-> dropout) -> matmul(., v)``.
 An attention with dropout that can be active is reported through
 ``AttentionMatch.refusal``; so is a non-causal attention without a mask.
+A ``dropout_p`` or ``scale`` that is a graph value read from an input
+(``placeholder.item()``, as Dynamo lifts module floats under
+``dynamic=True``) is recorded in ``AttentionMatch.scalar_inputs``: the backend
+resolves it from the example inputs and checks it on every call.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class AttentionMatch:
     kind: str  # "sdpa" or "eager"
     nodes: tuple[fx.Node, ...] = ()  # the eager pattern's internal nodes
     refusal: Optional[str] = None
+    # "dropout_p"/"scale" -> the placeholder whose .item() gives it
+    scalar_inputs: dict = dataclasses.field(default_factory=dict)
 
 
 def _arg(node: fx.Node, index: int, name: str, default=None):
@@ -86,6 +92,14 @@ def _match_sdpa(node: fx.Node) -> AttentionMatch:
     is_causal = bool(_arg(node, 5, "is_causal", False))
     scale = _arg(node, 6, "scale")
     m = AttentionMatch(node, q, k, v, mask, is_causal, scale, "sdpa")
+    for name, value in (("dropout_p", dropout), ("scale", scale)):
+        src = _item_of_placeholder(value)
+        if src is not None:
+            m.scalar_inputs[name] = src
+    if "dropout_p" in m.scalar_inputs:
+        dropout = 0.0  # checked against the input on every call
+    if "scale" in m.scalar_inputs:
+        scale = m.scale = None
     if not isinstance(dropout, (int, float)) or dropout != 0:
         m.refusal = f"{node.name}: attention dropout_p={dropout} couples the copies of a shared prompt (dropout in training mode)"
     elif mask is None and not is_causal:
@@ -149,6 +163,15 @@ def _match_eager(softmax: fx.Node) -> Optional[AttentionMatch]:
     if mask is None and refusal is None:
         refusal = f"{u.name}: eager attention without a mask is bidirectional, not the causal pattern the kernels implement"
     return AttentionMatch(u, q, k, v, mask, False, scale, "eager", tuple(internal), refusal)
+
+
+def _item_of_placeholder(x) -> Optional[fx.Node]:
+    """The placeholder ``p`` if ``x`` is ``p.item()``, else None."""
+    if isinstance(x, fx.Node) and x.op == "call_method" and x.target == "item":
+        src = x.args[0]
+        if isinstance(src, fx.Node) and src.op == "placeholder":
+            return src
+    return None
 
 
 def _norm_dims(node: fx.Node) -> list[int]:

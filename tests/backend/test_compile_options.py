@@ -140,3 +140,21 @@ def test_mode_max_autotune_no_cudagraphs(monkeypatch):
     assert new[0].packed_calls == 1 and new[0].fallback_reasons
     assert seen == ["max-autotune-no-cudagraphs"] * 2, seen
     assert real("max-autotune-no-cudagraphs").get("max_autotune") is True
+
+
+def test_dynamic_true_lifted_scale_follows_the_module():
+    """Under dynamic=True Dynamo passes module floats (attention scaling, dropout) as graph inputs.
+
+    The packed graph bakes their values in; a changed value must never be
+    computed with the old one: Dynamo recompiles (a new graph, rewritten with
+    the new value) or the runner's per-call check runs that call unpacked.
+    """
+    model, ref_model, compiled, start = _setup(backend="dualkv", dynamic=True, options=AOT)
+    _check(compiled, model, ref_model, _batches(SHAPE_A))
+    for m in (model, ref_model):
+        m.model.layers[0].self_attn.scaling = 0.2
+    _check(compiled, model, ref_model, _batches(SHAPE_A))
+    new = dualkv_compile.reports()[start:]
+    assert new[0].rewritten and new[0].packed_calls == 1, [str(r) for r in new]
+    second = new[1:] or new
+    assert any(r.packed_calls for r in new[1:]) or any("scale is 0.2" in f for f in new[0].fallback_reasons), [str(r) for r in second]

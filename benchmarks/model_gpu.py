@@ -1,0 +1,217 @@
+"""Whole-model GRPO loss step on GPU: @policy_loss (dualkv) against Inductor on the duplicated batch.
+
+Qwen3-shaped models from configs (random weights, bf16): 0.6B and 1.7B at full
+depth, 8B with fewer layers (``--layers-8b``, default 4). For each model and
+batch shape, forward + backward of the same GRPO loss (token-mean of the
+clipped objective): ``dualkv_compile.policy_loss(loss)`` against
+``torch.compile(loss)`` (Inductor, SDPA, duplicated batch), side by side in one
+process, median of CUDA-event timings after warm-up. Reports step time,
+speedup, the ideal speedup from a FLOP model (linear layers and lm_head 3x
+forward, attention 3.5x forward), peak memory, and tokens per second counting
+logical tokens (the duplicated batch's valid tokens, the same for both).
+
+Writes ``model_gpu.json`` and ``model_gpu.md`` to ``--out`` after every case,
+so a run cut short keeps what it measured. A case that runs out of memory is
+reported as OOM.
+
+    python benchmarks/model_gpu.py [--models 0.6b,1.7b,8b] [--shapes 16,4096,1024 ...] [--budget-s 420]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import dualkv_compile  # noqa: E402
+
+MODELS = {
+    "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072),
+    "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=6144),
+    "8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288),
+}
+VOCAB = 151936
+SHAPES = [(16, 4096, 1024), (8, 8192, 2048), (32, 2048, 512), (8, 1024, 4096), "groups"]
+
+
+def log(msg):
+    print(f"[model_gpu {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def grpo_loss(model, batch):
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    logp = logp.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    ratio = torch.exp(logp - batch["old_logp"])
+    adv = batch["advantages"][:, None]
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    mask = batch["response_mask"][:, 1:].float()
+    return (per_token * mask).sum() / mask.sum()
+
+
+def make_batch(shape, device, seed=0):
+    """Groups of [left-padded prompt | right-padded response] rows; ``groups``: 4 groups, R ~ U(128, 2048)."""
+    g = torch.Generator().manual_seed(seed)
+    if shape == "groups":
+        groups = [(4096, [int(x) for x in torch.randint(128, 2049, (8,), generator=g)]) for _ in range(4)]
+    else:
+        N, P, R = shape
+        groups = [(P, [R] * N)]
+    P_max = max(P for P, _ in groups)
+    R_max = max(max(rs) for _, rs in groups)
+    rows = sum(len(rs) for _, rs in groups)
+    ids = torch.zeros(rows, P_max + R_max, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    resp = torch.zeros_like(ids)
+    b = 0
+    for P, rs in groups:
+        prompt = torch.randint(2, VOCAB, (P,), generator=g)
+        for r in rs:
+            ids[b, P_max - P : P_max] = prompt
+            ids[b, P_max : P_max + r] = torch.randint(2, VOCAB, (r,), generator=g)
+            mask[b, P_max - P : P_max + r] = 1
+            resp[b, P_max : P_max + r] = 1
+            b += 1
+    S = ids.shape[1]
+    batch = {
+        "input_ids": ids, "attention_mask": mask, "response_mask": resp,
+        "old_logp": torch.full((rows, S - 1), -11.9), "advantages": torch.randn(rows, generator=g),
+    }
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def flops(cfg, stats) -> tuple[float, float]:
+    """fwd+bwd FLOPs of the duplicated and the packed step: linear layers (and lm_head) 3x forward, attention 3.5x."""
+    h, L, hd = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
+    hq, hkv, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    per_token = L * (h * hq * hd + 2 * h * hkv * hd + hq * hd * h + 3 * h * inter) + h * VOCAB
+
+    def total(tokens, pairs):
+        return 3 * 2 * per_token * tokens + 3.5 * 4 * pairs * hd * hq * L
+
+    return total(stats.tokens_before, stats.attention_pairs_before), total(stats.tokens_after, stats.attention_pairs_after)
+
+
+def time_step(fn, model, batch, reps):
+    def step():
+        loss = fn(model, batch)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+
+
+def write(rows, meta, out):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "model_gpu.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    lines = [
+        "# GRPO loss step (forward + backward), whole model: dualkv @policy_loss vs Inductor on the duplicated batch",
+        "",
+        f"- {meta['device']}; torch {meta['torch']}; triton {meta['triton']}; transformers {meta['transformers']}; {meta['date']}",
+        "- bf16 Qwen3-shaped models, random weights, SDPA; median of CUDA-event timings; tokens/s count the duplicated batch's valid tokens (logical tokens) for both",
+        "- ideal: FLOPs duplicated / FLOPs packed (linear layers and lm_head 3x forward, attention 3.5x forward)",
+        "",
+        "| model | batch | rho | baseline ms | dualkv ms | speedup | ideal | of ideal | baseline GB | dualkv GB | dualkv logical tok/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        base, dk = r.get("baseline_ms"), r.get("dualkv_ms")
+        sp = f"{base / dk:.2f}x" if isinstance(base, float) and isinstance(dk, float) else "-"
+        of = f"{base / dk / r['ideal']:.2f}" if sp != "-" else "-"
+        fmt = lambda x: f"{x:.1f}" if isinstance(x, float) else str(x)  # noqa: E731
+        tps = f"{r['tokens_before'] / (dk / 1e3):.0f}" if isinstance(dk, float) else "-"
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['rho']:.2f} | {fmt(base)} | {fmt(dk)} | {sp} | {r['ideal']:.2f}x | {of} | "
+            f"{fmt(r.get('baseline_gb', '-'))} | {fmt(r.get('dualkv_gb', '-'))} | {tps} |"
+        )
+    with open(os.path.join(out, "model_gpu.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="0.6b,1.7b,8b")
+    ap.add_argument("--layers-8b", type=int, default=4)
+    ap.add_argument("--shapes", action="append", help="N,P,R or 'groups' (repeatable; default: all)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=420)
+    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")))
+    args = ap.parse_args(argv)
+    import transformers
+    import triton
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    t0 = time.time()
+    shapes = [s if s == "groups" else tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    meta = dict(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        transformers=transformers.__version__, date=datetime.datetime.now().isoformat(timespec="minutes"),
+        layers_8b=args.layers_8b,
+    )
+    rows = []
+    for name in args.models.split(","):
+        cfg = dict(MODELS[name])
+        if name == "8b":
+            cfg["num_hidden_layers"] = args.layers_8b
+        label = f"qwen3-{name}" + (f" ({cfg['num_hidden_layers']} layers)" if name == "8b" else "")
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, max_position_embeddings=32768, use_cache=False, attn_implementation="sdpa", **cfg))
+        model = model.to("cuda", torch.bfloat16).train()
+        variants = {"baseline": torch.compile(grpo_loss), "dualkv": dualkv_compile.policy_loss(grpo_loss)}
+        for shape in shapes:
+            if time.time() - t0 > args.budget_s:
+                log(f"budget of {args.budget_s:.0f}s spent; stopping")
+                write(rows, meta, args.out)
+                return 0
+            batch = make_batch(shape, "cuda")
+            stats = dualkv_compile.detect(batch["input_ids"], batch["attention_mask"]).stats()
+            dup, packed = flops(cfg, stats)
+            row = dict(model=label, batch=str(shape), rho=stats.rho, ideal=dup / packed, tokens_before=stats.tokens_before, tokens_after=stats.tokens_after)
+            for vname in ("dualkv", "baseline"):
+                try:
+                    start = len(dualkv_compile.reports())
+                    ms, gb = time_step(variants[vname], model, batch, args.reps)
+                    row[f"{vname}_ms"], row[f"{vname}_gb"] = ms, gb
+                    if vname == "dualkv":
+                        new = dualkv_compile.reports()[start:] or dualkv_compile.reports()[-1:]
+                        row["dualkv_packed"] = any(r.rewritten and r.packed_calls for r in new)
+                        if not row["dualkv_packed"]:
+                            log(f"{label} {shape}: dualkv did NOT run packed: {[str(r) for r in new]}")
+                    log(f"{label} {shape} {vname}: {ms:.1f} ms, peak {gb:.1f} GB")
+                except torch.OutOfMemoryError:
+                    row[f"{vname}_ms"] = "OOM"
+                    log(f"{label} {shape} {vname}: OOM")
+                finally:
+                    model.zero_grad(set_to_none=True)
+                    torch.cuda.empty_cache()
+            rows.append(row)
+            write(rows, meta, args.out)
+        del model, variants
+        torch.cuda.empty_cache()
+    write(rows, meta, args.out)
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
