@@ -161,6 +161,9 @@ class _LazyCompile:
         return self.compiled(*args)
 
 
+_SYM_BUILTINS = {torch.sym_sum: sum, torch.sym_max: max, torch.sym_min: min, torch.sym_int: int, torch.sym_float: float}
+
+
 def _nested_compile(gm: fx.GraphModule, cfg: DualKVConfig, mode: Optional[str], dynamic, on_compile=None):
     """``torch.compile`` of a plain function calling ``gm``, with the inner compiler as its backend.
 
@@ -176,7 +179,15 @@ def _nested_compile(gm: fx.GraphModule, cfg: DualKVConfig, mode: Optional[str], 
 
     # Dynamo's own graphs are _LazyGraphModules, whose lazy forward Dynamo
     # will not trace; a plain GraphModule over the same graph it will.
-    module = fx.GraphModule(gm, gm.graph)
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    module = fx.GraphModule(gm, graph)
+    # Size arithmetic in dynamic-shape graphs (torch.sym_sum([1, s0]) ...)
+    # cannot be re-traced by Dynamo; the Python builtins can, on SymInts too.
+    for node in module.graph.nodes:
+        if node.op == "call_function" and node.target in _SYM_BUILTINS:
+            node.target = _SYM_BUILTINS[node.target]
+    module.recompile()
 
     def forward(*args):
         return module(*args)
@@ -185,7 +196,15 @@ def _nested_compile(gm: fx.GraphModule, cfg: DualKVConfig, mode: Optional[str], 
     # graphs never evict each other or add up to Dynamo's recompile limit.
     code = forward.__code__.replace(co_name=f"dualkv_graph_{next(_nested_ids)}")
     forward = types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
-    return torch.compile(forward, backend=inner_backend, fullgraph=True, dynamic=dynamic)
+    compiled = torch.compile(forward, backend=inner_backend, fullgraph=True, dynamic=dynamic)
+
+    def run(*args):
+        # Dynamic-shape graphs read module floats as `tensor.item()` (Dynamo
+        # lifts them as inputs); the outer trace captured those, so must this one.
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            return compiled(*args)
+
+    return run
 
 
 def _mode_patches(mode: Optional[str]) -> dict:
