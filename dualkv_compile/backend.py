@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from .layout import SharedPromptLayout, detect, previous_token_index
 from .passes.pack_graph import PACKED_INPUTS, pack_graph
-from .passes.token_axes import Kind, Refusal, TokenAxes, analyze_token_axes, find_token_inputs
+from .passes.token_axes import Refusal, TokenAxes, analyze_token_axes, find_token_inputs
 
 log = logging.getLogger("dualkv_compile")
 
@@ -310,13 +310,9 @@ class PackedRunner:
         if stats.rho < self.cfg.min_rho:
             return self._unpacked(args, f"rho {stats.rho:.2f} below min_rho {self.cfg.min_rho}")
         if not self.verified:
-            why = self._verify(args, layout, mask)
+            why = self._verify(args, layout)
             if why is not None:
-                self.disabled = why
-                self.report.rewritten = False
-                self.report.reason = f"disabled on its first call: {why}"
-                log.warning("dualkv: graph %d disabled: %s", self.report.graph_id, why)
-                return self.fallback(*args)
+                return self._disable(args, f"disabled on its first call: {why}")
             self.verified = True
         if self.compiled is None:
             self.compiled = self._compile_packed()
@@ -334,23 +330,27 @@ class PackedRunner:
             try:
                 out = self.compiled(*args, *extra)
             except Exception as e:  # noqa: BLE001 - reported, then the original program runs
-                why = f"the packed graph failed on its first call: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                self.disabled = why
-                self.report.rewritten = False
-                self.report.reason = why
-                log.warning("dualkv: graph %d disabled: %s", self.report.graph_id, why)
-                return self.fallback(*args)
-            self.report.packed_calls += 1
-            return out
+                first_line = (str(e).splitlines() or [""])[0][:300]
+                return self._disable(args, f"the packed graph failed on its first call: {type(e).__name__}: {first_line}")
+        else:
+            out = self.compiled(*args, *extra)
         self.report.packed_calls += 1
-        return self.compiled(*args, *extra)
+        return out
+
+    def _disable(self, args, why: str):
+        """Run this graph unchanged from now on (and this call too); the report says why."""
+        self.disabled = why
+        self.report.rewritten = False
+        self.report.reason = why
+        log.warning("dualkv: graph %d runs unchanged from now on: %s", self.report.graph_id, why)
+        return self.fallback(*args)
 
     def _unpacked(self, args, why: str):
         self.report.fallback_reasons.append(why)
         log.info("dualkv: graph %d runs unpacked: %s", self.report.graph_id, why)
         return self.fallback(*args)
 
-    def _verify(self, args, layout: SharedPromptLayout, mask) -> Optional[str]:
+    def _verify(self, args, layout: SharedPromptLayout) -> Optional[str]:
         """None if every attention mask of the graph is the causal, padding-aware mask of the layout."""
         B, S = layout.batch_size, layout.seq_len
         valid = layout.valid.view(B, S)
@@ -397,10 +397,7 @@ def _mask_graph(gm: fx.GraphModule, axes: TokenAxes) -> Optional[fx.GraphModule]
         return None
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for n in gm.graph.nodes:
-        if n.op == "output":
-            break
-        env[n] = g.node_copy(n, lambda x: env[x])
+    g.graph_copy(gm.graph, env)
     g.output(tuple(env[m] for m in masks))
     g.eliminate_dead_code()
     return fx.GraphModule(gm, g, class_name="AttentionMasks")

@@ -37,7 +37,7 @@ import torch
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["SharedPromptLayout", "Segments", "Group", "LayoutStats", "detect", "pack", "unpack", "dense_mask", "previous_token_index"]
+__all__ = ["SharedPromptLayout", "Segments", "Group", "LayoutStats", "detect", "pack", "unpack", "dense_mask", "previous_token_index", "gather_valid"]
 
 
 class Segments(NamedTuple):
@@ -458,7 +458,17 @@ def unpack(x: torch.Tensor, layout: SharedPromptLayout) -> torch.Tensor:
         raise ValueError(f"x must have shape [T, ...] with T={T}, got {list(x.shape)}")
     if T == 0:  # every row empty: index_select cannot read from an empty axis
         x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-    out = x.index_select(0, layout.unpack_index)
-    valid = layout.valid.view(-1, *([1] * (x.dim() - 1)))
-    out = torch.where(valid, out, out.new_zeros(()))
+    out = gather_valid(x, layout.unpack_index, layout.valid)
     return out.reshape(layout.batch_size, layout.seq_len, *x.shape[1:])
+
+
+def gather_valid(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``x.index_select(dim, index)`` with zeros where ``keep`` is False (padding positions).
+
+    Differentiable: the backward sums the gradients of entries read more than
+    once (a shared token read by every row of its group).
+    """
+    y = x.index_select(dim, index)
+    shape = [1] * y.dim()
+    shape[dim] = -1
+    return torch.where(keep.view(shape), y, y.new_zeros(()))

@@ -154,7 +154,7 @@ def main():
     print(f"  graphs            {len(reps)} seen, {len(rewritten)} rewritten, {sum(r.packed_calls for r in rewritten)} packed calls")
     print()
     print(f"  time per step, steps 2..{args.steps}, forward + backward + AdamW")
-    print(f"                      wall median   wall best   CPU time median (steadier on a busy machine)")
+    print("                      wall median   wall best   CPU time median (steadier on a busy machine)")
     for name, label in (("dualkv", "dualkv"), ("plain", "plain compile")):
         print(f"    {label:16} {ms[name]:9.1f} ms {best[name]:9.1f} ms {cpu[name]:9.1f} ms")
     print(f"    {'speedup':16} {ms['plain'] / ms['dualkv']:9.2f}x   {best['plain'] / best['dualkv']:9.2f}x   {cpu['plain'] / cpu['dualkv']:9.2f}x")

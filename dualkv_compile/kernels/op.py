@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import Optional
 
 import torch

@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any
-
 import torch
 import torch.fx as fx
 
-from ..kernels import op as attention_op
+from ..kernels import op as _attention_op  # noqa: F401  (registers torch.ops.dualkv.attention_fwd)
 from .attention_match import AttentionMatch, default_scale
 from .packed_ops import gather_columns, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
 from .token_axes import Kind, Refusal, TokenAxes, shape_of

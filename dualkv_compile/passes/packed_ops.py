@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pack_tokens", "gather_columns", "unpack_tokens", "previous_tokens", "pack_merged", "unpack_merged"]
+from ..layout import gather_valid
+
+__all__ = ["pack_tokens", "gather_columns", "unpack_tokens", "previous_tokens", "unpack_merged"]
 
 
 def pack_tokens(x: torch.Tensor, pack_index: torch.Tensor, b_dim: int, s_dim: int) -> torch.Tensor:
@@ -54,8 +56,7 @@ def unpack_tokens(
         columns = S - 1
     else:
         index, keep, columns = unpack_index, valid, S
-    y = y.index_select(0, index)
-    y = torch.where(keep.view(-1, *([1] * (y.dim() - 1))), y, y.new_zeros(()))
+    y = gather_valid(y, index, keep)
     y = y.reshape(B, columns, *y.shape[1:])
     if truncate:
         y = y[:, : S - 1]
@@ -67,14 +68,6 @@ def previous_tokens(x: torch.Tensor, prev_index: torch.Tensor, s_dim: int) -> to
     return x.index_select(s_dim, prev_index)
 
 
-def pack_merged(x: torch.Tensor, pack_index: torch.Tensor, bs_dim: int) -> torch.Tensor:
-    """Original ``[.., B*S, ..]`` -> packed ``[.., T, ..]``."""
-    return x.index_select(bs_dim, pack_index)
-
-
 def unpack_merged(x: torch.Tensor, unpack_index: torch.Tensor, valid: torch.Tensor, bs_dim: int) -> torch.Tensor:
     """Packed ``[.., T, ..]`` -> original ``[.., B*S, ..]``, zeros at padding."""
-    y = x.index_select(bs_dim, unpack_index)
-    shape = [1] * y.dim()
-    shape[bs_dim] = -1
-    return torch.where(valid.view(shape), y, y.new_zeros(()))
+    return gather_valid(x, unpack_index, valid, bs_dim)

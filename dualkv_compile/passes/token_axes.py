@@ -34,9 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import operator
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -87,10 +86,6 @@ class TokenAxes:
 
 class Refusal(Exception):
     """The graph cannot be rewritten; the message says why."""
-
-
-def _refuse(msg: str) -> Refusal:
-    return Refusal(msg)
 
 
 class _Fail(Exception):
@@ -167,24 +162,24 @@ def analyze_token_axes(gm: fx.GraphModule, token_inputs: dict[str, fx.Node]) -> 
     refusals: list[str] = []
     for node in graph.nodes:
         if node.op == "call_function" and "flex_attention" in getattr(node.target, "__name__", str(node.target)):
-            raise _refuse(
+            raise Refusal(
                 f"{node.name}: flex_attention with a block mask made outside this graph (Hugging Face's "
                 "\"flex_attention\" implementation) cannot be checked or rebuilt for the packed stream; "
                 "use attn_implementation=\"sdpa\" or \"eager\""
             )
     ids = token_inputs.get("input_ids")
     if ids is None:
-        raise _refuse(
+        raise Refusal(
             "no input_ids among this graph's inputs: the layout is detected from token ids "
             "(a graph break may have split the model, leaving this part without them)"
         )
     if _ev(ids).dim() != 2:
-        raise _refuse(f"input_ids has shape {shape_of(ids)}, expected [B, S]")
+        raise Refusal(f"input_ids has shape {shape_of(ids)}, expected [B, S]")
     B, S = shape_of(ids)
     for node in graph.find_nodes(op="placeholder"):
         name = node.name.lower()
         if "past_key" in name or "cache" in name and "cache_position" not in name:
-            raise _refuse(f"{node.name}: a KV cache is passed in; packed training needs the full sequence in one call")
+            raise Refusal(f"{node.name}: a KV cache is passed in; packed training needs the full sequence in one call")
 
     matches = find_attention(graph)
     by_output = {m.output: m for m in matches}
@@ -201,7 +196,7 @@ def analyze_token_axes(gm: fx.GraphModule, token_inputs: dict[str, fx.Node]) -> 
             else:
                 info[node] = _rule(node, info, token_inputs, B, S)
         except _Fail as e:
-            info[node] = NodeInfo(Kind.ORIG, _tags_guess(node), cause=f"{node.name}: {e}")
+            info[node] = NodeInfo(Kind.ORIG, _untagged(_ev(node)), cause=f"{node.name}: {e}")
         except _Coupling as e:
             refusals.append(f"{node.name}: {e}")
             info[node] = NodeInfo(Kind.ORIG, cause=f"{node.name}: {e}")
@@ -213,8 +208,8 @@ def analyze_token_axes(gm: fx.GraphModule, token_inputs: dict[str, fx.Node]) -> 
     return TokenAxes(B, S, info, matches, token_inputs, refusals)
 
 
-def _tags_guess(node) -> Tags:
-    ev = _ev(node)
+def _untagged(ev) -> Tags:
+    """No token axes, one entry per dimension of the example value (none for non-tensors)."""
     return (None,) * ev.dim() if isinstance(ev, torch.Tensor) else ()
 
 
@@ -229,25 +224,21 @@ def _attention_info(m: AttentionMatch, info) -> NodeInfo:
     return NodeInfo(Kind.TOKEN, ("b", None, "s", None), slen=qkv[0].slen)
 
 
-def _flat_inputs(node: fx.Node) -> list[fx.Node]:
-    return [a for a in node.all_input_nodes]
-
-
 def _rule(node: fx.Node, info, token_inputs, B, S) -> NodeInfo:
     ev = _ev(node)
     if node.op == "placeholder":
         for role, ph in token_inputs.items():
             if ph is node:
                 return _input_info(role, ev, B, S)
-        return NodeInfo(Kind.NONE, _tags_guess(node))
+        return NodeInfo(Kind.NONE, _untagged(_ev(node)))
     if node.op == "get_attr":
-        return NodeInfo(Kind.NONE, _tags_guess(node))
-    ins = [info[a] for a in _flat_inputs(node)]
+        return NodeInfo(Kind.NONE, _untagged(_ev(node)))
+    ins = [info[a] for a in node.all_input_nodes]
     if node.op == "call_function" and node.target in _SIDE_EFFECTS:
         return NodeInfo(Kind.NONE)
     orig = [i for i in ins if i.kind is Kind.ORIG]
     if orig:
-        return NodeInfo(Kind.ORIG, _tags_guess(node), cause=orig[0].cause)
+        return NodeInfo(Kind.ORIG, _untagged(_ev(node)), cause=orig[0].cause)
     if all(i.kind is Kind.NONE for i in ins):
         if node.op == "call_method" and node.target == "expand":
             return _move(node, info, B, S)
@@ -261,7 +252,7 @@ def _rule(node: fx.Node, info, token_inputs, B, S) -> NodeInfo:
             raise _Coupling(f"dropout p={p} in training mode draws different masks for the copies of a shared prompt")
         return _same(node, info)
     if node.op == "call_method" and node.target in ("cumsum", "cumprod") or node.op == "call_function" and node.target in (torch.cumsum, torch.cumprod):
-        src = node.args[0] if node.op == "call_method" else node.args[0]
+        src = node.args[0]
         dim = _arg(node, 1, "dim")
         t = info[src].tags
         if isinstance(dim, int) and t and t[dim % len(t)] in ("s", "bs"):
@@ -321,14 +312,10 @@ def _input_info(role: str, ev, B: int, S: int) -> NodeInfo:
     if role == "inputs_embeds":
         return NodeInfo(Kind.TOKEN, ("b", "s") + (None,) * (ev.dim() - 2), slen=S)
     if ev.dim() != 2 or shape[1] != S or shape[0] not in (1, B):
-        return NodeInfo(Kind.ORIG, _tags_guess_shape(ev), cause=f"{role} has shape {shape}, expected [B, S]")
+        return NodeInfo(Kind.ORIG, _untagged(ev), cause=f"{role} has shape {shape}, expected [B, S]")
     if shape[0] == 1 and B > 1:
         return NodeInfo(Kind.COLUMN, (None, "s"), slen=S)
     return NodeInfo(Kind.TOKEN, ("b", "s"), slen=S)
-
-
-def _tags_guess_shape(ev) -> Tags:
-    return (None,) * ev.dim()
 
 
 def _creation_info(node: fx.Node, ev, B: int, S: int) -> NodeInfo:
@@ -349,7 +336,6 @@ def _same(node, info) -> NodeInfo:
 
 def _token_rule(node: fx.Node, info, B: int, S: int) -> NodeInfo:
     op, target = node.op, node.target
-    ev = _ev(node)
     if op == "call_function" and target in _POINTWISE_FUNCS or op == "call_method" and target in _POINTWISE_METHODS:
         return _broadcast(node, info, B, S)
     if op == "call_function" and target in _LIKE_FUNCS:
@@ -666,7 +652,7 @@ def _cat(node, info) -> NodeInfo:
     dim = _arg(node, 1, "dim", 0)
     real = [x for x in xs if not (isinstance(_ev(x), torch.Tensor) and _ev(x).dim() == 1 and _ev(x).numel() == 0)]
     if not real:
-        return NodeInfo(Kind.NONE, _tags_guess(node))
+        return NodeInfo(Kind.NONE, _untagged(_ev(node)))
     ts = [info[x].tags for x in real]
     n = len(ts[0])
     if len(real) > 1 and any(t[dim % n] is not None for t in ts):
