@@ -9,6 +9,7 @@ from .explain import Explanation, explain
 from .kernels.op import shared_prompt_attention
 from .layout import Segments, SharedPromptLayout, detect, pack, unpack
 from .policy_loss import policy_loss
+from . import distributed  # check_groups_on_rank: the data-parallel data-loader check
 
 _register()
 

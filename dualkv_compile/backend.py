@@ -221,11 +221,18 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
     fallback = _LazyCompile(gm, example_inputs, cfg, mode)
     report = GraphReport(next(_graph_ids), len(gm.graph.nodes), 0, rewritten=False)
     _reports.append(report)
+    token_inputs: dict = {}
     try:
         token_inputs = find_token_inputs(gm.graph)
         axes = analyze_token_axes(gm, token_inputs)
         report.num_attention = len(axes.attention)
         if not axes.attention:
+            if _checkpoint_regions(gm):
+                # The attention is inside the region subgraphs, which the analysis does not enter.
+                raise Refusal(
+                    "activation checkpointing (torch.utils.checkpoint, e.g. Hugging Face gradient checkpointing) puts the "
+                    "attention inside checkpoint regions, which dualkv does not rewrite yet; disable it for dualkv to pack"
+                )
             raise Refusal("no attention in this graph (nothing couples tokens, so packing saves only per-token work once the layout is known; a graph break may split the model)")
         scalar_checks = _resolve_scalar_inputs(gm, axes, example_inputs)
         if axes.refusals:
@@ -234,11 +241,26 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
         packed = pack_graph(gm, axes, backend)
     except Refusal as e:
         report.reason = str(e)
-        log.warning("dualkv: graph %d refused, running it unchanged: %s", report.graph_id, e)
+        if "input_ids" not in token_inputs:
+            # Under DDP/FSDP2 the usual cause is their graph splitting: say which, and the fix.
+            from .distributed import graph_split_hint
+
+            hint = graph_split_hint(gm)
+            if hint:
+                report.reason = f"{report.reason}; {hint}"
+        log.warning("dualkv: graph %d refused, running it unchanged: %s", report.graph_id, report.reason)
         return fallback
     report.rewritten = True
     log.info("dualkv: graph %d rewritten (%d attention)", report.graph_id, len(axes.attention))
     return PackedRunner(gm, axes, packed, fallback, cfg, mode, report, scalar_checks)
+
+
+def _checkpoint_regions(gm: fx.GraphModule) -> list[fx.Node]:
+    """Calls of the higher-order op Dynamo makes of ``torch.utils.checkpoint`` regions."""
+    return [
+        n for n in gm.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator) and "checkpoint" in n.target.__class__.__name__.lower()
+    ]
 
 
 def _resolve_scalar_inputs(gm, axes: TokenAxes, example_inputs) -> list[tuple[int, float, str]]:
