@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import dualkv_compile  # noqa: E402
+from examples.progress import ProgressBar  # noqa: E402
 
 
 def tiny_qwen3(vocab=2048):
@@ -81,11 +82,6 @@ def policy_loss(logits, ids, resp, adv):
     return -(logp * adv[:, None] * m).sum() / m.sum()
 
 
-def bar(i, n, text, width=24):
-    done = int(width * i / n)
-    print(f"\r[{'#' * done}{'-' * (width - done)}] {text:<70}", end="" if i < n else "\n", file=sys.stderr, flush=True)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8)
@@ -116,11 +112,11 @@ def main():
         sides[name] = dict(model=model, fn=fn, opt=opt, times=[], cpu=[], losses=[], grads=None)
     start_reports = len(dualkv_compile.reports())
 
-    n = args.steps * len(sides)
+    bar = ProgressBar(args.steps * len(sides))
     k = 0
     for step in range(1, args.steps + 1):
         for name, s in sides.items():
-            bar(k, n, f"step {step}/{args.steps} {name}" + (" (compiling)" if step == 1 else ""))
+            bar.show(k, f"step {step}/{args.steps} {name}" + (" (compiling)" if step == 1 else ""))
             t0, c0 = time.perf_counter(), time.process_time()
             s["opt"].zero_grad(set_to_none=True)
             logits = s["fn"](input_ids=ids, attention_mask=mask).logits
@@ -133,7 +129,8 @@ def main():
             s["cpu"].append(time.process_time() - c0)
             s["losses"].append(loss.item())
             k += 1
-            bar(k, n, f"step {step}/{args.steps} {name}: loss {loss.item():+.5f}, {s['times'][-1] * 1e3:.0f} ms")
+            bar.show(k, f"step {step}/{args.steps} {name}: loss {loss.item():+.5f}, {s['times'][-1] * 1e3:.0f} ms")
+    bar.close()
 
     reps = dualkv_compile.reports()[start_reports:]
     d, p = sides["dualkv"], sides["plain"]

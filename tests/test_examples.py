@@ -28,6 +28,19 @@ def test_demo_summary():
 
 
 def test_grpo_tiny_summary():
-    out = run("grpo_tiny.py", "--steps", "1", "--prompts", "1", "--rollouts", "4", "--max-new", "8")
+    out = run("grpo_tiny.py", "--steps", "1", "--prompts", "1", "--rollouts", "4", "--max-new", "8", "--layers", "1",
+              "--timing-reps", "1")
     assert "grpo_tiny: OK" in out
-    assert "step 1/1" in out and "rho" in out
+    assert "step 1/1" in out and "rho" in out and "speedup" in out and "max |grad diff|" in out
+
+
+def test_hf_compile_summary():
+    out = run("hf_compile.py", "--family", "llama", "--layers", "1", "--prompt-lens", "12,8", "--responses", "3")
+    assert "hf_compile: OK" in out
+    assert "rewritten" in out and "rho" in out
+
+
+def test_verl_style_batch_summary():
+    out = run("verl_style_batch.py", "--layers", "1", "--max-prompt-length", "16", "--max-response-length", "8")
+    assert "verl_style_batch: OK" in out
+    assert "rewritten" in out and "position_ids" in out
