@@ -10,11 +10,20 @@ speedup, the ideal speedup from a FLOP model (linear layers and lm_head 3x
 forward, attention 3.5x forward), peak memory, and tokens per second counting
 logical tokens (the duplicated batch's valid tokens, the same for both).
 
+The baseline runs the duplicated batch in micro-batches of at most
+``--baseline-max-tokens`` tokens (gradient accumulation, the loss of each
+micro-batch weighted by its share of response tokens: the same loss and
+gradients as one call), as veRL and TRL bound their per-GPU token count; with
+one micro-batch it is the plain full-batch step. dualkv runs the whole batch
+in one call. ``--variants`` adds ``flex``: dualkv with the FlexAttention
+kernel instead of the Triton one.
+
 Writes ``model_gpu.json`` and ``model_gpu.md`` to ``--out`` after every case,
 so a run cut short keeps what it measured. A case that runs out of memory is
-reported as OOM.
+reported as OOM, any other failure by its exception type.
 
     python benchmarks/model_gpu.py [--models 0.6b,1.7b,8b] [--shapes 16,4096,1024 ...] [--budget-s 420]
+    python benchmarks/model_gpu.py --device cpu --models tiny --shapes 4,64,16   # smoke run of the script
 """
 
 from __future__ import annotations
@@ -35,9 +44,11 @@ import dualkv_compile  # noqa: E402
 MODELS = {
     "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072),
     "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=6144),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128),
     "8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288),
 }
 VOCAB = 151936
+TINY_VOCAB = 512
 SHAPES = [(16, 4096, 1024), (8, 8192, 2048), (32, 2048, 512), (8, 1024, 4096), "groups"]
 
 
@@ -56,7 +67,7 @@ def grpo_loss(model, batch):
     return (per_token * mask).sum() / mask.sum()
 
 
-def make_batch(shape, device, seed=0):
+def make_batch(shape, device, seed=0, vocab=VOCAB):
     """Groups of [left-padded prompt | right-padded response] rows; ``groups``: 4 groups, R ~ U(128, 2048)."""
     g = torch.Generator().manual_seed(seed)
     if shape == "groups":
@@ -72,10 +83,10 @@ def make_batch(shape, device, seed=0):
     resp = torch.zeros_like(ids)
     b = 0
     for P, rs in groups:
-        prompt = torch.randint(2, VOCAB, (P,), generator=g)
+        prompt = torch.randint(2, vocab, (P,), generator=g)
         for r in rs:
             ids[b, P_max - P : P_max] = prompt
-            ids[b, P_max : P_max + r] = torch.randint(2, VOCAB, (r,), generator=g)
+            ids[b, P_max : P_max + r] = torch.randint(2, vocab, (r,), generator=g)
             mask[b, P_max - P : P_max + r] = 1
             resp[b, P_max : P_max + r] = 1
             b += 1
@@ -87,11 +98,11 @@ def make_batch(shape, device, seed=0):
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def flops(cfg, stats) -> tuple[float, float]:
+def flops(cfg, stats, vocab=VOCAB) -> tuple[float, float]:
     """fwd+bwd FLOPs of the duplicated and the packed step: linear layers (and lm_head) 3x forward, attention 3.5x."""
     h, L, hd = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
     hq, hkv, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
-    per_token = L * (h * hq * hd + 2 * h * hkv * hd + hq * hd * h + 3 * h * inter) + h * VOCAB
+    per_token = L * (h * hq * hd + 2 * h * hkv * hd + hq * hd * h + 3 * h * inter) + h * vocab
 
     def total(tokens, pairs):
         return 3 * 2 * per_token * tokens + 3.5 * 4 * pairs * hd * hq * L
@@ -99,26 +110,48 @@ def flops(cfg, stats) -> tuple[float, float]:
     return total(stats.tokens_before, stats.attention_pairs_before), total(stats.tokens_after, stats.attention_pairs_after)
 
 
-def time_step(fn, model, batch, reps):
-    def step():
-        loss = fn(model, batch)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        return loss
+def micro_batches(batch, max_tokens):
+    """Split rows into the fewest equal micro-batches of at most ``max_tokens`` tokens (rows x S) each."""
+    rows, S = batch["input_ids"].shape
+    n = next(n for n in range(1, rows + 1) if rows % n == 0 and (rows // n) * S <= max_tokens or n == rows)
+    total = batch["response_mask"][:, 1:].sum()
+    parts = []
+    for i in range(n):
+        part = {k: v[i * rows // n : (i + 1) * rows // n] for k, v in batch.items()}
+        parts.append((part, part["response_mask"][:, 1:].sum() / total))
+    return parts
 
+
+def time_step(fn, model, batch, reps, device, max_tokens=None):
+    """Median ms of forward + backward (micro-batched when ``max_tokens`` is set), peak GB, micro-batch count."""
+    parts = micro_batches(batch, max_tokens) if max_tokens else [(batch, 1.0)]
+
+    def step():
+        for part, weight in parts:
+            (fn(model, part) * weight).backward()
+        model.zero_grad(set_to_none=True)
+
+    cuda = device == "cuda"
     for _ in range(2):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t) * 1e3)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    return statistics.median(times), peak, len(parts)
 
 
 def write(rows, meta, out):
@@ -129,11 +162,13 @@ def write(rows, meta, out):
         "# GRPO loss step (forward + backward), whole model: dualkv @policy_loss vs Inductor on the duplicated batch",
         "",
         f"- {meta['device']}; torch {meta['torch']}; triton {meta['triton']}; transformers {meta['transformers']}; {meta['date']}",
-        "- bf16 Qwen3-shaped models, random weights, SDPA; median of CUDA-event timings; tokens/s count the duplicated batch's valid tokens (logical tokens) for both",
+        f"- {meta['dtype']} Qwen3-shaped models, random weights, SDPA; median of {meta['reps']} timed steps after 2 warm-up steps; tokens/s count the duplicated batch's valid tokens (logical tokens) for both",
         "- ideal: FLOPs duplicated / FLOPs packed (linear layers and lm_head 3x forward, attention 3.5x forward)",
+        f"- baseline: `torch.compile` (Inductor) of the same loss on the duplicated batch, in micro-batches of at most {meta['baseline_max_tokens']} tokens (mb = their count; 1 = the whole batch in one call); dualkv: `@policy_loss`, the whole batch in one call, Triton attention; flex: the same with FlexAttention",
+        "- memory goal: 1 - dualkv GB / baseline GB >= 0.8 x (1 - 1/rho), meaningful where mb = 1",
         "",
-        "| model | batch | rho | baseline ms | dualkv ms | speedup | ideal | of ideal | baseline GB | dualkv GB | dualkv logical tok/s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | batch | rho | baseline ms (mb) | dualkv ms | flex ms | speedup | ideal | of ideal | baseline GB | dualkv GB | memory saved / (0.8 x token share) | dualkv logical tok/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         base, dk = r.get("baseline_ms"), r.get("dualkv_ms")
@@ -141,75 +176,110 @@ def write(rows, meta, out):
         of = f"{base / dk / r['ideal']:.2f}" if sp != "-" else "-"
         fmt = lambda x: f"{x:.1f}" if isinstance(x, float) else str(x)  # noqa: E731
         tps = f"{r['tokens_before'] / (dk / 1e3):.0f}" if isinstance(dk, float) else "-"
+        bgb, dgb = r.get("baseline_gb"), r.get("dualkv_gb")
+        mem = "-"
+        if r.get("baseline_mb") == 1 and isinstance(bgb, float) and isinstance(dgb, float) and r["rho"] > 1:
+            mem = f"{(1 - dgb / bgb) / (0.8 * (1 - 1 / r['rho'])):.2f}"
         lines.append(
-            f"| {r['model']} | {r['batch']} | {r['rho']:.2f} | {fmt(base)} | {fmt(dk)} | {sp} | {r['ideal']:.2f}x | {of} | "
-            f"{fmt(r.get('baseline_gb', '-'))} | {fmt(r.get('dualkv_gb', '-'))} | {tps} |"
+            f"| {r['model']} | {r['batch']} | {r['rho']:.2f} | {fmt(base)} ({r.get('baseline_mb', '-')}) | {fmt(dk)} | {fmt(r.get('flex_ms', '-'))} | {sp} | {r['ideal']:.2f}x | {of} | "
+            f"{fmt(r.get('baseline_gb', '-'))} | {fmt(r.get('dualkv_gb', '-'))} | {mem} | {tps} |"
         )
+    failures = [(r, k) for r in rows for k in r if k.endswith("_error")]
+    if failures:
+        lines += ["", "Failures:", ""]
+        lines += [f"- {r['model']} {r['batch']} {k[: -len('_error')]}: `{r[k][:300]}`" for r, k in failures]
     with open(os.path.join(out, "model_gpu.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="0.6b,1.7b,8b")
+    ap.add_argument("--models", default="0.6b,1.7b,8b", help=f"comma-separated, of {sorted(MODELS)}")
     ap.add_argument("--layers-8b", type=int, default=4)
     ap.add_argument("--shapes", action="append", help="N,P,R or 'groups' (repeatable; default: all)")
+    ap.add_argument("--variants", default="dualkv,baseline", help="comma-separated, of dualkv, flex, baseline")
+    ap.add_argument("--baseline-max-tokens", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=420)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the script (float32)")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")))
     args = ap.parse_args(argv)
+    for name in args.models.split(","):
+        if name not in MODELS:
+            ap.error(f"--models: unknown model {name!r}; expected some of {sorted(MODELS)}")
+    variants = args.variants.split(",")
+    for v in variants:
+        if v not in ("dualkv", "flex", "baseline"):
+            ap.error(f"--variants: unknown variant {v!r}; expected some of dualkv, flex, baseline")
     import transformers
     import triton
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     t0 = time.time()
     shapes = [s if s == "groups" else tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    cuda = args.device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
     meta = dict(
-        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, triton=triton.__version__,
         transformers=transformers.__version__, date=datetime.datetime.now().isoformat(timespec="minutes"),
-        layers_8b=args.layers_8b,
+        layers_8b=args.layers_8b, reps=args.reps, baseline_max_tokens=args.baseline_max_tokens, dtype=str(dtype),
     )
     rows = []
     for name in args.models.split(","):
         cfg = dict(MODELS[name])
+        vocab = TINY_VOCAB if name == "tiny" else VOCAB
         if name == "8b":
             cfg["num_hidden_layers"] = args.layers_8b
         label = f"qwen3-{name}" + (f" ({cfg['num_hidden_layers']} layers)" if name == "8b" else "")
-        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, max_position_embeddings=32768, use_cache=False, attn_implementation="sdpa", **cfg))
-        model = model.to("cuda", torch.bfloat16).train()
-        variants = {"baseline": torch.compile(grpo_loss), "dualkv": dualkv_compile.policy_loss(grpo_loss)}
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, max_position_embeddings=32768, use_cache=False, attn_implementation="sdpa", **cfg))
+        model = model.to(args.device, dtype).train()
+        fns = {
+            "baseline": torch.compile(grpo_loss),
+            "dualkv": dualkv_compile.policy_loss(grpo_loss),
+            "flex": dualkv_compile.policy_loss(grpo_loss, attention_backend="flex"),
+        }
         for shape in shapes:
             if time.time() - t0 > args.budget_s:
                 log(f"budget of {args.budget_s:.0f}s spent; stopping")
                 write(rows, meta, args.out)
                 return 0
-            batch = make_batch(shape, "cuda")
+            batch = make_batch(shape, args.device, vocab=vocab)
             stats = dualkv_compile.detect(batch["input_ids"], batch["attention_mask"]).stats()
-            dup, packed = flops(cfg, stats)
+            dup, packed = flops(cfg, stats, vocab)
             row = dict(model=label, batch=str(shape), rho=stats.rho, ideal=dup / packed, tokens_before=stats.tokens_before, tokens_after=stats.tokens_after)
-            for vname in ("dualkv", "baseline"):
+            log(f"{label} {shape}: rho {stats.rho:.2f}, ideal {dup / packed:.2f}x")
+            for vname in variants:
                 try:
                     start = len(dualkv_compile.reports())
-                    ms, gb = time_step(variants[vname], model, batch, args.reps)
+                    max_tokens = args.baseline_max_tokens if vname == "baseline" else None
+                    ms, gb, n_mb = time_step(fns[vname], model, batch, args.reps, args.device, max_tokens)
                     row[f"{vname}_ms"], row[f"{vname}_gb"] = ms, gb
-                    if vname == "dualkv":
+                    if vname == "baseline":
+                        row["baseline_mb"] = n_mb
+                    else:
                         new = dualkv_compile.reports()[start:] or dualkv_compile.reports()[-1:]
-                        row["dualkv_packed"] = any(r.rewritten and r.packed_calls for r in new)
-                        if not row["dualkv_packed"]:
-                            log(f"{label} {shape}: dualkv did NOT run packed: {[str(r) for r in new]}")
-                    log(f"{label} {shape} {vname}: {ms:.1f} ms, peak {gb:.1f} GB")
+                        row[f"{vname}_packed"] = any(r.rewritten and r.packed_calls for r in new)
+                        if not row[f"{vname}_packed"]:
+                            log(f"{label} {shape}: {vname} did NOT run packed: {[str(r) for r in new]}")
+                    log(f"{label} {shape} {vname}: {ms:.1f} ms, peak {gb:.1f} GB" + (f", {n_mb} micro-batches" if vname == "baseline" else ""))
                 except torch.OutOfMemoryError:
                     row[f"{vname}_ms"] = "OOM"
                     log(f"{label} {shape} {vname}: OOM")
+                except Exception as e:  # a benchmark row records the failure and goes on
+                    row[f"{vname}_ms"] = type(e).__name__
+                    row[f"{vname}_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+                    log(f"{label} {shape} {vname}: FAILED {type(e).__name__}: {str(e)[:500]}")
                 finally:
                     model.zero_grad(set_to_none=True)
-                    torch.cuda.empty_cache()
+                    if cuda:
+                        torch.cuda.empty_cache()
             rows.append(row)
             write(rows, meta, args.out)
-        del model, variants
-        torch.cuda.empty_cache()
+        del model, fns
+        if cuda:
+            torch.cuda.empty_cache()
     write(rows, meta, args.out)
-    log("done")
+    log(f"done in {time.time() - t0:.0f}s")
     return 0
 
 
