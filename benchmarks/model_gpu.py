@@ -234,7 +234,9 @@ def main(argv=None) -> int:
         model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, max_position_embeddings=32768, use_cache=False, attn_implementation="sdpa", **cfg))
         model = model.to(args.device, dtype).train()
         fns = {
-            "baseline": torch.compile(grpo_loss),
+            # dynamic=False: one static graph per shape. torch 2.11's Inductor fails on the
+            # dynamic-shape recompile of this graph (tiling_utils assertion).
+            "baseline": torch.compile(grpo_loss, dynamic=False),
             "dualkv": dualkv_compile.policy_loss(grpo_loss),
             "flex": dualkv_compile.policy_loss(grpo_loss, attention_backend="flex"),
         }
