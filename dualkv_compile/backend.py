@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from .layout import SharedPromptLayout, detect, previous_token_index
+from .passes.inline_checkpoint import inline_checkpoint_regions
 from .passes.pack_graph import PACKED_INPUTS, pack_graph
 from .passes.token_axes import Refusal, TokenAxes, analyze_token_axes, find_token_inputs
 
@@ -223,16 +224,12 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
     _reports.append(report)
     token_inputs: dict = {}
     try:
+        # Checkpoint regions inlined, tagged for recomputation, on a copy (the fallback runs the original).
+        gm = inline_checkpoint_regions(gm)
         token_inputs = find_token_inputs(gm.graph)
         axes = analyze_token_axes(gm, token_inputs)
         report.num_attention = len(axes.attention)
         if not axes.attention:
-            if _checkpoint_regions(gm):
-                # The attention is inside the region subgraphs, which the analysis does not enter.
-                raise Refusal(
-                    "activation checkpointing (torch.utils.checkpoint, e.g. Hugging Face gradient checkpointing) puts the "
-                    "attention inside checkpoint regions, which dualkv does not rewrite yet; disable it for dualkv to pack"
-                )
             raise Refusal("no attention in this graph (nothing couples tokens, so packing saves only per-token work once the layout is known; a graph break may split the model)")
         scalar_checks = _resolve_scalar_inputs(gm, axes, example_inputs)
         if axes.refusals:
@@ -253,14 +250,6 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
     report.rewritten = True
     log.info("dualkv: graph %d rewritten (%d attention)", report.graph_id, len(axes.attention))
     return PackedRunner(gm, axes, packed, fallback, cfg, mode, report, scalar_checks)
-
-
-def _checkpoint_regions(gm: fx.GraphModule) -> list[fx.Node]:
-    """Calls of the higher-order op Dynamo makes of ``torch.utils.checkpoint`` regions."""
-    return [
-        n for n in gm.graph.nodes
-        if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator) and "checkpoint" in n.target.__class__.__name__.lower()
-    ]
 
 
 def _resolve_scalar_inputs(gm, axes: TokenAxes, example_inputs) -> list[tuple[int, float, str]]:

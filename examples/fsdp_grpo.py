@@ -59,6 +59,7 @@ def parse(argv=None):
     ap.add_argument("--mode", choices=["fsdp", "ddp"], default="fsdp")
     ap.add_argument("--per-layer", action="store_true", help="fsdp: also fully_shard each decoder layer (not packed: see the docstring)")
     ap.add_argument("--bf16", action="store_true", help="fsdp: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
+    ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing per decoder layer (Hugging Face gradient checkpointing, non-reentrant)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--heads", type=int, default=4)
@@ -86,7 +87,11 @@ def build_model(args, device):
     )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)  # the same weights on every rank, as after a broadcast from rank 0
-    return Qwen3ForCausalLM(cfg).to(device).train()
+    model = Qwen3ForCausalLM(cfg).to(device).train()
+    if args.checkpoint:
+        # torch.utils.checkpoint around each layer: dualkv inlines the regions and keeps them recomputed.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def make_batch(args, rank, device):
@@ -263,7 +268,7 @@ def main(argv=None) -> int:
         summary = {
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "device": args.device,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "mode": args.mode, "per_layer": args.per_layer, "bf16": args.bf16, "world_size": world, "inner": inner,
+            "mode": args.mode, "per_layer": args.per_layer, "bf16": args.bf16, "checkpoint": args.checkpoint, "world_size": world, "inner": inner,
             "shape": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "vocab", "prompts", "rollouts", "prompt_len", "response_len")},
             "tolerance": tol, "parity": ok_parity, "packed_on_every_rank": all_packed, "mean_speedup": speedup, "ranks": everyone,
         }
@@ -279,7 +284,7 @@ def main(argv=None) -> int:
         rho = statistics.mean(r["stats"]["rho"] for r in everyone)
         speed = f", speedup {speedup:.2f}x" if speedup else ""
         print(
-            f"{args.mode}{' bf16' if args.bf16 else ''} x{world} ({args.device}): rho {rho:.2f}x{speed}, "
+            f"{args.mode}{' bf16' if args.bf16 else ''}{' checkpoint' if args.checkpoint else ''} x{world} ({args.device}): rho {rho:.2f}x{speed}, "
             f"loss rel err {worst_loss:.1e}, max grad rel err {worst_grad:.1e} (tol {tol:.0e}) - fsdp_grpo: {verdict}",
             flush=True,
         )
@@ -290,7 +295,7 @@ def main(argv=None) -> int:
 def markdown(s: dict) -> str:
     shape = ", ".join(f"{k}={v}" for k, v in s["shape"].items())
     lines = [
-        f"# fsdp_grpo: {s['mode']}{' (fully_shard per layer)' if s['per_layer'] else ''}{', bf16 MixedPrecisionPolicy' if s['bf16'] else ''}, {s['world_size']} ranks",
+        f"# fsdp_grpo: {s['mode']}{' (fully_shard per layer)' if s['per_layer'] else ''}{', bf16 MixedPrecisionPolicy' if s['bf16'] else ''}{', activation checkpointing' if s.get('checkpoint') else ''}, {s['world_size']} ranks",
         "",
         f"{s['date']}; torch {s['torch']}; device {s['gpu'] or s['device']}; inner compiler {s['inner']}; {shape}.",
         f"Parity (relative, tolerance {s['tolerance']:.0e}): {'holds' if s['parity'] else 'FAILS'}; packed on every rank: {s['packed_on_every_rank']}.",

@@ -197,11 +197,13 @@ def test_check_groups_single_process_and_bad_argument():
         check_groups_on_rank(ids, mask, response_mask=mask[:, 1:])
 
 
-def test_example_fsdp_grpo_torchrun(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--checkpoint"]], ids=["plain", "checkpoint"])
+def test_example_fsdp_grpo_torchrun(tmp_path, extra):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
         os.path.join(ROOT, "examples", "fsdp_grpo.py"), "--device", "cpu", "--mode", "fsdp", "--iters", "1", "--out", str(tmp_path),
+        *extra,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     out = proc.stdout + proc.stderr
@@ -213,3 +215,5 @@ def test_example_fsdp_grpo_torchrun(tmp_path):
 
     summary = json.loads((tmp_path / "fsdp_grpo.json").read_text())
     assert summary["parity"] and summary["packed_on_every_rank"] and len(summary["ranks"]) == 2
+    # --checkpoint: per-layer activation checkpointing, still rewritten and packed on every rank.
+    assert summary["checkpoint"] == bool(extra)

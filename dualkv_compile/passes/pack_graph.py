@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from ..kernels import op as _attention_op  # noqa: F401  (registers torch.ops.dualkv.attention_fwd)
 from .attention_match import AttentionMatch, default_scale
+from .inline_checkpoint import RECOMPUTE_META
 from .packed_ops import gather_columns, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
 from .token_axes import Kind, Refusal, TokenAxes, shape_of
 
@@ -130,12 +131,14 @@ class _Packer:
                 self.g.output(out)
                 continue
             info = self.axes.info[n]
+            last = next(iter(reversed(self.g.nodes)))  # nodes emitted for n follow it
             if info.kind is Kind.TOKEN:
                 self.packed[n] = self.emit_packed(n)
             else:
                 self.orig[n] = self.copy(n, self.orig_of)
                 if info.kind is Kind.BCAST:  # both forms; DCE keeps what is read
                     self.packed[n] = self.emit_packed(n)
+            _inherit_recompute_tags(n, last)
         self.g.eliminate_dead_code()
         self.g.lint()
         return fx.GraphModule(self.gm, self.g, class_name="PackedGraph")
@@ -232,6 +235,25 @@ class _Packer:
                 out.append(slice(None) if isinstance(i, slice) and src_tags[d] is not None else i)
                 d += 1
         return out[0] if single else tuple(out)
+
+
+def _inherit_recompute_tags(n: fx.Node, last: fx.Node) -> None:
+    """Give every node emitted after ``last`` (while translating ``n``) ``n``'s checkpoint tags.
+
+    Inside an activation-checkpoint region (``passes.inline_checkpoint``) the
+    packed copy of a node, the shared-prompt attention op replacing an SDPA,
+    and the pack/unpack/gather helpers made for the node's operands belong to
+    the region: they are recomputed in the backward like the nodes they
+    replace, so packing keeps checkpointing's memory behaviour.
+    """
+    tags = {k: n.meta[k] for k in RECOMPUTE_META if k in n.meta}
+    if not tags:
+        return
+    node = last.next
+    while node.op != "root":
+        if node.op in ("call_function", "call_method", "call_module"):
+            node.meta.update(tags)
+        node = node.next
 
 
 def _unrepeated_kv(x: fx.Node, axes: TokenAxes) -> fx.Node:
