@@ -203,7 +203,12 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the script (float32)")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")))
+    ap.add_argument("--stack-dump-s", type=float, default=0, help="dump every thread's stack to stderr every this many seconds (diagnose a stuck compile)")
     args = ap.parse_args(argv)
+    if args.stack_dump_s:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True)
     for name in args.models.split(","):
         if name not in MODELS:
             ap.error(f"--models: unknown model {name!r}; expected some of {sorted(MODELS)}")
