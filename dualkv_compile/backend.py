@@ -32,10 +32,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
+from . import active_layout
 from .layout import SharedPromptLayout, detect, previous_token_index
 from .passes.inline_checkpoint import inline_checkpoint_regions
 from .passes.pack_graph import PACKED_INPUTS, pack_graph
-from .passes.token_axes import Refusal, TokenAxes, analyze_token_axes, find_token_inputs
+from .passes.attention_match import find_attention
+from .passes.token_axes import Kind, Refusal, TokenAxes, analyze_token_axes, find_token_inputs
+from .passes.token_axes import hint as _size
 
 log = logging.getLogger("dualkv_compile")
 
@@ -91,6 +94,8 @@ class GraphReport:
     last_layout: Optional[str] = None
     last_stats: Any = None
     fallback_reasons: list[str] = dataclasses.field(default_factory=list)
+    layout_source: Optional[str] = None  # the last packed call's: "detected from ..." or "carried from graph k ..."
+    not_carried: list[str] = dataclasses.field(default_factory=list)  # why a current layout was not used
 
     def __str__(self) -> str:
         head = f"graph {self.graph_id}: {self.num_nodes} nodes, {self.num_attention} attention"
@@ -98,10 +103,13 @@ class GraphReport:
             return f"{head} - REFUSED: {self.reason}"
         lines = [f"{head} - rewritten; {self.calls} calls, {self.packed_calls} packed, packed graph compiled {self.packed_compiles}x"]
         if self.last_stats is not None:
-            lines.append(f"  last layout: {self.last_layout}")
+            source = f", {self.layout_source}" if self.layout_source else ""
+            lines.append(f"  last layout: {self.last_layout}{source}")
             lines.append(f"  {self.last_stats}")
         for r in self.fallback_reasons[-3:]:
             lines.append(f"  ran unpacked: {r}")
+        for r in self.not_carried[-3:]:
+            lines.append(f"  layout not carried: {r}")
         return "\n".join(lines)
 
 
@@ -227,9 +235,22 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
         # Checkpoint regions inlined, tagged for recomputation, on a copy (the fallback runs the original).
         gm = inline_checkpoint_regions(gm)
         token_inputs = find_token_inputs(gm.graph)
-        axes = analyze_token_axes(gm, token_inputs)
+        batch_shape = None
+        if "input_ids" in token_inputs:
+            B, S = (_size(d) for d in token_inputs["input_ids"].meta["example_value"].shape[:2])
+            token_inputs.update(_token_major_inputs(gm, example_inputs, token_inputs, B, S, floating_3d_only=True))
+        else:
+            # A part of a model after a graph break: its layout is carried from an earlier graph or detected from its inputs.
+            batch_shape = _carried_batch_shape(gm)
+            token_inputs = _token_major_inputs(gm, example_inputs, {}, *batch_shape)
+        axes = analyze_token_axes(gm, token_inputs, batch_shape)
         report.num_attention = len(axes.attention)
-        if not axes.attention:
+        if not axes.attention and not _floating_carried(axes):
+            if batch_shape is not None:
+                raise Refusal(
+                    f"no attention, no input_ids and no floating-point input laid out [B, S, ...] = {list(batch_shape)} "
+                    "(the batch of the layout current when it was compiled): nothing to pack"
+                )
             raise Refusal("no attention in this graph (nothing couples tokens, so packing saves only per-token work once the layout is known; a graph break may split the model)")
         scalar_checks = _resolve_scalar_inputs(gm, axes, example_inputs)
         if axes.refusals:
@@ -249,7 +270,63 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
         return fallback
     report.rewritten = True
     log.info("dualkv: graph %d rewritten (%d attention)", report.graph_id, len(axes.attention))
-    return PackedRunner(gm, axes, packed, fallback, cfg, mode, report, scalar_checks)
+    runner = PackedRunner if "input_ids" in axes.token_inputs else CarriedRunner
+    return runner(gm, axes, packed, fallback, cfg, mode, report, scalar_checks)
+
+
+def _is_parameter(node: fx.Node, example) -> bool:
+    name = node.name.lower()
+    return isinstance(example, torch.nn.Parameter) or "_parameters_" in name or "_buffers_" in name
+
+
+def _token_major_inputs(gm, example_inputs, known: dict, B: int, S: int, floating_3d_only: bool = False) -> dict[str, fx.Node]:
+    """Placeholders laid out ``[B, S, ...]`` (role ``"carried:<name>"``) or ``[1, S, ...]`` (``"column:<name>"``).
+
+    Hidden states, position embeddings and position ids a graph receives
+    from the graph before it. Parameters and buffers are not token-major; a
+    4-D mask ``[B, 1, S, S]`` is not either (it is checked, then dropped).
+    With token ids in the graph only floating-point inputs of rank 3 or more
+    are added (hidden states, logits): ``[B, S]`` loss inputs stay as they were.
+    """
+    found: dict[str, fx.Node] = {}
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    taken = set(known.values())
+    for i, node in enumerate(placeholders):
+        ev = node.meta.get("example_value")
+        example = example_inputs[i] if i < len(example_inputs) else None
+        if node in taken or not isinstance(ev, torch.Tensor) or ev.dim() < 2 or _is_parameter(node, example):
+            continue
+        if floating_3d_only and not (ev.dtype.is_floating_point and ev.dim() >= 3):
+            continue
+        lead = (_size(ev.shape[0]), _size(ev.shape[1]))
+        if lead == (B, S):
+            found[f"carried:{node.name}"] = node
+        elif lead == (1, S) and B > 1 and not floating_3d_only:
+            found[f"column:{node.name}"] = node
+    return found
+
+
+def _carried_batch_shape(gm) -> tuple[int, int]:
+    """``(B, S)`` of a graph without token ids: its attention's query, else the layout current while it is compiled."""
+    for m in find_attention(gm.graph):
+        q = m.q.meta.get("example_value")
+        if isinstance(q, torch.Tensor) and q.dim() == 4:
+            return _size(q.shape[0]), _size(q.shape[2])
+    active = active_layout.current()
+    if active is None:
+        raise Refusal(
+            "no input_ids among this graph's inputs and no attention to find its batch by, and no layout was current "
+            "when it was compiled (a graph break may have split the model, leaving this part without them)"
+        )
+    return active.layout.batch_size, active.layout.seq_len
+
+
+def _floating_carried(axes: TokenAxes) -> list[fx.Node]:
+    """Carried ``[B, S, ...]`` floating-point inputs: the values packing saves work on in a graph without attention."""
+    return [
+        n for role, n in axes.token_inputs.items()
+        if role.startswith("carried:") and axes.info[n].kind is Kind.TOKEN and n.meta["example_value"].dtype.is_floating_point
+    ]
 
 
 def _resolve_scalar_inputs(gm, axes: TokenAxes, example_inputs) -> list[tuple[int, float, str]]:
@@ -278,6 +355,8 @@ def _resolve_scalar_inputs(gm, axes: TokenAxes, example_inputs) -> list[tuple[in
 def _resolve_attention_backend(backend: str, axes: TokenAxes) -> str:
     from .kernels.op import resolve_backend
 
+    if not axes.attention:
+        return backend  # unused: a graph without attention (the lm_head after a graph break)
     q = axes.attention[0].q.meta["example_value"]
     probe = torch.empty((1, q.shape[1], 1, q.shape[3]), dtype=q.dtype, device=q.device)
     return resolve_backend(backend, probe)
@@ -291,6 +370,10 @@ class PackedRunner:
         self.scalar_checks = list(scalar_checks)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.input_index = {role: placeholders.index(node) for role, node in axes.token_inputs.items()}
+        # Token-major inputs carried from an earlier graph (hidden states, logits): checked for sharing per call.
+        self.carried = [(role.split(":", 1)[1], i) for role, i in self.input_index.items() if role.startswith("carried:")]
+        self.active: Optional[active_layout.ActiveLayout] = None
+        self.source: Optional[str] = None
         self.compiled: Optional[Callable] = None
         self.verified = not cfg.verify
         self.disabled: Optional[str] = None
@@ -309,13 +392,9 @@ class PackedRunner:
         for index, value, what in self.scalar_checks:
             if float(args[index]) != value:
                 return self._unpacked(args, f"{what} is {float(args[index])}, the packed graph was built for {value}")
-        ids = args[self.input_index["input_ids"]]
-        mask = args[self.input_index["attention_mask"]] if "attention_mask" in self.input_index else None
-        pos = args[self.input_index["position_ids"]] if "position_ids" in self.input_index else None
-        try:
-            layout = detect(ids, mask, pos, group_size=self.cfg.group_size, min_shared=self.cfg.min_shared)
-        except ValueError as e:
-            return self._unpacked(args, f"layout: {e}")
+        layout = self._layout(args)
+        if isinstance(layout, str):
+            return self._unpacked(args, layout)
         stats = layout.stats()
         self.report.last_layout, self.report.last_stats = repr(layout), stats
         if stats.rho < self.cfg.min_rho:
@@ -346,7 +425,36 @@ class PackedRunner:
         else:
             out = self.compiled(*args, *extra)
         self.report.packed_calls += 1
+        self.report.layout_source = self.source
+        # Later graphs of this forward may carry the layout to the tensors made here (active_layout.produced).
+        self.active.record_outputs(out)
         return out
+
+    def _layout(self, args):
+        """This call's layout, detected from its token ids and made current; or why it runs unpacked."""
+        ids = args[self.input_index["input_ids"]]
+        mask = args[self.input_index["attention_mask"]] if "attention_mask" in self.input_index else None
+        pos = args[self.input_index["position_ids"]] if "position_ids" in self.input_index else None
+        try:
+            layout = detect(ids, mask, pos, group_size=self.cfg.group_size, min_shared=self.cfg.min_shared)
+        except ValueError as e:
+            active_layout.clear()
+            return f"layout: {e}"
+        self.active = active_layout.publish(layout, self.report.graph_id, "input_ids")
+        self.source = "detected from input_ids"
+        return self._share_check(args, self.active) or layout
+
+    def _share_check(self, args, active: active_layout.ActiveLayout) -> Optional[str]:
+        """None if every carried input's dropped copies equal the kept ones bitwise, else why not."""
+        if not self.carried:
+            return None
+        bad = active.share_mismatch([args[i] for _, i in self.carried])
+        if bad is None:
+            return None
+        return (
+            f"input {self.carried[bad][0]}: the copies of a shared token differ across the rows of a group (bitwise), "
+            "so packing would not be exact"
+        )
 
     def _disable(self, args, why: str):
         """Run this graph unchanged from now on (and this call too); the report says why."""
@@ -390,6 +498,138 @@ class PackedRunner:
     @property
     def mask_names(self):
         return [m.output.name for m in self.axes.attention if m.mask is not None]
+
+
+class CarriedRunner(PackedRunner):
+    """Runtime wrapper of a graph without token ids (a part of a model after a graph break).
+
+    Per call: the current layout (``active_layout``) if it is for this
+    ``(B, S)`` and passes the checks (masks among the inputs match it, else
+    an input was produced under it; the shared copies of every token-major
+    input are bitwise equal), else, for a graph with attention, a layout
+    detected from this call's own inputs (rows agree where their hidden
+    states and positions agree bitwise; padding from the mask's diagonal),
+    which becomes the current one. Otherwise the call runs unpacked.
+    """
+
+    def __init__(self, gm, axes: TokenAxes, *rest, **kw):
+        super().__init__(gm, axes, *rest, **kw)
+        # Masks are checked per call against the layout used, not once: one
+        # graph may serve every decoder layer, each with its own mask.
+        self.verified = True
+        self.mask_gm = _mask_graph(gm, axes)
+        self.mask_key: list[int] = []
+        if self.mask_gm is not None:
+            self.mask_key = [i for i, p in enumerate(self.mask_gm.graph.find_nodes(op="placeholder")) if p.users]
+        self.size_index = self.carried[0][1]
+        floating = set(_floating_carried(axes))
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        self.floating_index = [placeholders.index(n) for n in floating]
+        self.causal_unmasked = any(m.mask is None and m.is_causal for m in axes.attention)
+
+    def _layout(self, args):
+        ref = args[self.size_index]
+        B, S = int(ref.shape[0]), int(ref.shape[1])
+        cur = active_layout.current()
+        if cur is None:
+            why = "no layout is current (no earlier graph of this forward established one)"
+        elif not cur.matches(B, S, ref.device):
+            L = cur.layout
+            why = f"the current layout, from {cur.describe()}, is for [{L.batch_size}, {L.seq_len}] on {L.device}, this call is [{B}, {S}] on {ref.device}"
+        else:
+            why = self._check_carried(cur, args)
+            if why is None:
+                self.active, self.source = cur, f"carried from {cur.describe()}"
+                return cur.layout
+            why = f"the layout of {cur.describe()} does not hold here: {why}"
+            self.report.not_carried.append(why)
+            log.info("dualkv: graph %d: %s", self.report.graph_id, why)
+        if not self.axes.attention:
+            return why
+        detected = self._detect(args, B, S, ref.device)
+        if isinstance(detected, str):
+            return f"{why}; no layout detected from this graph's inputs either: {detected}"
+        return detected
+
+    def _check_carried(self, cur: active_layout.ActiveLayout, args) -> Optional[str]:
+        if self.mask_gm is not None:
+            keys = [args[i] for i in self.mask_key]
+            if not cur.mask_checked(keys):
+                with torch.no_grad():
+                    masks = self.mask_gm(*args)
+                why = _mask_mismatch(masks, self.mask_names, cur.layout)
+                if why is not None:
+                    return why
+                cur.mark_mask_checked(keys)
+        else:
+            if not any(cur.produced(args[i]) for i in self.floating_index):
+                return (
+                    "no input of this call was produced by a graph that ran packed on it, and no mask among the "
+                    "inputs ties its padding to this call"
+                )
+            if self.causal_unmasked and any(s > 0 for g in cur.layout.groups for s in g.starts):
+                return "causal attention without a mask attends to left padding, which packing removes"
+        return self._share_check(args, cur)
+
+    def _detect(self, args, B: int, S: int, device) -> "SharedPromptLayout | str":
+        masks = None
+        if self.mask_gm is not None:
+            with torch.no_grad():
+                masks = self.mask_gm(*args)
+            allowed = _allowed(masks[0])
+            if allowed is None:
+                return f"{self.mask_names[0]}: the attention mask carries values other than 0 and -inf/min (a bias); not a pure mask"
+            if allowed.dim() != 4 or tuple(allowed.shape[-2:]) != (S, S) or allowed.shape[0] not in (1, B):
+                return f"{self.mask_names[0]}: attention mask of shape {list(allowed.shape)}, expected [B, heads, S, S]"
+            # Padding positions are those that do not attend to themselves.
+            valid = allowed[:, 0].diagonal(dim1=-2, dim2=-1).expand(B, S)
+        else:
+            valid = torch.ones(B, S, dtype=torch.bool, device=device)
+        values = [args[i] for _, i in self.carried]
+        try:
+            layout = active_layout.detect_from_values(values, valid, group_size=self.cfg.group_size, min_shared=self.cfg.min_shared)
+        except ValueError as e:
+            return f"layout: {e}"
+        if masks is not None:
+            why = _mask_mismatch(masks, self.mask_names, layout)
+            if why is not None:
+                return why
+        self.active = active_layout.publish(layout, self.report.graph_id, "inputs")
+        if masks is not None:
+            self.active.mark_mask_checked([args[i] for i in self.mask_key])
+        self.source = "detected from its hidden states" + (" and mask" if masks is not None else "")
+        return layout
+
+
+def _mask_mismatch(masks, names, layout: SharedPromptLayout) -> Optional[str]:
+    """None if every mask is the causal mask with ``layout``'s key padding, else why not.
+
+    Rows of valid queries must match exactly, and no padding position may
+    attend to itself: that pins the mask's padding to the layout's (a batch
+    whose last token the layout calls padding fails). One sync per mask;
+    temporaries of ``S * S`` elements per row of the batch.
+    """
+    B, S = layout.batch_size, layout.seq_len
+    valid = layout.valid.view(B, S)
+    q = torch.arange(S, device=valid.device)
+    causal = q[None, :] <= q[:, None]  # [Sq, Skv]
+    for name, m in zip(names, masks):
+        allowed = _allowed(m)
+        if allowed is None:
+            return f"{name}: the attention mask carries values other than 0 and -inf/min (a bias); not a pure mask"
+        if allowed.dim() != 4 or tuple(allowed.shape[-2:]) != (S, S) or allowed.shape[0] not in (1, B):
+            return f"{name}: attention mask of shape {list(allowed.shape)}, expected [B, heads, S, S]"
+        bad = torch.zeros((), dtype=torch.bool, device=valid.device)
+        for b in range(B):
+            a, v = allowed[min(b, allowed.shape[0] - 1)], valid[b]
+            wrong = (a ^ (causal & v[None, :])) & v[:, None]
+            bad |= wrong.any() | (a.diagonal(dim1=-2, dim2=-1) & ~v).any()
+        if bool(bad):
+            return (
+                f"{name}: the attention mask is not the causal mask with this layout's key padding "
+                "(sliding window, bidirectional or custom mask, or another batch's padding)"
+            )
+    return None
 
 
 def _allowed(m: torch.Tensor) -> Optional[torch.Tensor]:

@@ -102,13 +102,23 @@ class _Packer:
             b, s = tags.index("b"), tags.index("s")
             if shape[b] != self.B or shape[s] != slen:
                 raise Refusal(f"{n.name}: leaves the packed region with token axes of sizes {shape[b]}, {shape[s]}")
-            ids = self.orig[self.axes.token_inputs["input_ids"]]
+            ids = self.orig[self.size_ref()]
             truncate = info.shift == 0 and slen == self.S - 1
             o = self.g.call_function(
                 unpack_tokens, (p, self.inp["unpack_index"], self.inp["valid"], ids, b, s, info.shift, truncate)
             )
         self.orig[n] = o
         return o
+
+    def size_ref(self) -> fx.Node:
+        """A ``[B, S, ...]`` input that ``unpack`` reads B and S from: ``input_ids``, else a carried token-major input."""
+        inputs = self.axes.token_inputs
+        if "input_ids" in inputs:
+            return inputs["input_ids"]
+        for role, node in inputs.items():
+            if role.startswith("carried:") and self.axes.info[node].tags[:2] == ("b", "s"):
+                return node
+        raise Refusal("no [B, S] input to size the unpacked outputs by")
 
     # ------------------------------------------------------------ translation
     def run(self) -> fx.GraphModule:

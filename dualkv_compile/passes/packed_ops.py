@@ -41,14 +41,15 @@ def unpack_tokens(
 ) -> torch.Tensor:
     """Packed ``[.., 1, .., T, ..]`` -> original ``[.., B, .., S, ..]``, zeros at padding.
 
-    ``B`` and ``S`` are read off the batch's ``input_ids`` so the traced graph
-    follows its sizes, static or symbolic.
+    ``B`` and ``S`` are read off the batch's ``input_ids`` (or another
+    ``[B, S, ...]`` input of the graph) so the traced graph follows its
+    sizes, static or symbolic.
 
     ``shift=1``: the value of ``x[:, 1:]``-style next-token values, ``S - 1``
     columns, column c holding the token at c + 1 (zero where c or c + 1 is
     padding). ``truncate``: the ``x[:, :-1]`` view, ``S - 1`` columns.
     """
-    B, S = input_ids.shape
+    B, S = input_ids.shape[0], input_ids.shape[1]
     y = x.movedim((b_dim, s_dim), (0, 1)).squeeze(0)
     if shift:
         index = unpack_index.view(B, S)[:, 1:].reshape(-1)

@@ -157,7 +157,15 @@ def find_token_inputs(graph: fx.Graph) -> dict[str, fx.Node]:
     return found
 
 
-def analyze_token_axes(gm: fx.GraphModule, token_inputs: dict[str, fx.Node]) -> TokenAxes:
+def analyze_token_axes(gm: fx.GraphModule, token_inputs: dict[str, fx.Node], batch_shape: Optional[tuple[int, int]] = None) -> TokenAxes:
+    """Tag every node (see the module docstring).
+
+    ``B`` and ``S`` come from ``input_ids``; a graph without them (a part of
+    a model after a graph break) is analysed when ``batch_shape`` gives them,
+    its token-major inputs named in ``token_inputs`` under the roles
+    ``"carried:<name>"`` (``[B, S, ...]``: hidden states, positions) and
+    ``"column:<name>"`` (``[1, S, ...]``: values of the column only).
+    """
     graph = gm.graph
     refusals: list[str] = []
     for node in graph.nodes:
@@ -168,14 +176,17 @@ def analyze_token_axes(gm: fx.GraphModule, token_inputs: dict[str, fx.Node]) -> 
                 "use attn_implementation=\"sdpa\" or \"eager\""
             )
     ids = token_inputs.get("input_ids")
-    if ids is None:
+    if ids is None and batch_shape is None:
         raise Refusal(
             "no input_ids among this graph's inputs: the layout is detected from token ids "
             "(a graph break may have split the model, leaving this part without them)"
         )
-    if _ev(ids).dim() != 2:
-        raise Refusal(f"input_ids has shape {shape_of(ids)}, expected [B, S]")
-    B, S = shape_of(ids)
+    if ids is not None:
+        if _ev(ids).dim() != 2:
+            raise Refusal(f"input_ids has shape {shape_of(ids)}, expected [B, S]")
+        B, S = shape_of(ids)
+    else:
+        B, S = batch_shape
     for node in graph.find_nodes(op="placeholder"):
         name = node.name.lower()
         if "past_key" in name or "cache" in name and "cache_position" not in name:
@@ -309,6 +320,10 @@ def _kind(tags: Tags) -> Kind:
 
 def _input_info(role: str, ev, B: int, S: int) -> NodeInfo:
     shape = [hint(d) for d in ev.shape]
+    if role.startswith("carried:"):
+        return NodeInfo(Kind.TOKEN, ("b", "s") + (None,) * (ev.dim() - 2), slen=S)
+    if role.startswith("column:"):
+        return NodeInfo(Kind.COLUMN, (None, "s") + (None,) * (ev.dim() - 2), slen=S)
     if role == "inputs_embeds":
         return NodeInfo(Kind.TOKEN, ("b", "s") + (None,) * (ev.dim() - 2), slen=S)
     if ev.dim() != 2 or shape[1] != S or shape[0] not in (1, B):

@@ -223,8 +223,9 @@ def test_bad_option_names_argument():
         torch.compile(TinyDecoder(), backend="dualkv", options={"min_rh": 2})(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
 
 
-def test_graph_break_splits_model_rest_refused_and_exact():
-    """A graph break after the attention block: the first graph is rewritten (outputs unpacked), the head's graph refused."""
+def test_graph_break_splits_model_head_packed_on_carried_layout():
+    """A graph break after the attention block: the first graph detects the layout from the token ids and runs
+    packed (outputs unpacked); the head's graph (no ids, no attention) runs packed on that layout, carried."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = TinyDecoder(coupling="graph_break").train()
@@ -232,8 +233,9 @@ def test_graph_break_splits_model_rest_refused_and_exact():
     start = len(dualkv_compile.reports())
     _check_model(model, [(ids, mask, pos)], forward=_tiny_forward)
     new = dualkv_compile.reports()[start:]
-    assert [r.rewritten for r in new] == [True, False]
-    assert "graph break" in new[1].reason
+    assert [r.rewritten for r in new] == [True, True] and all(r.packed_calls == 1 for r in new), [str(r) for r in new]
+    assert new[0].layout_source == "detected from input_ids"
+    assert new[1].layout_source.startswith(f"carried from graph {new[0].graph_id}")
 
 
 def test_kv_cache_passed_in_is_refused_and_exact():
