@@ -19,6 +19,16 @@ On the first rewritten call (``verify=True``) it evaluates the attention
 masks the original graph builds and compares them with the causal,
 padding-aware pattern the layout implies; a mismatch (sliding window,
 bidirectional, bias) disables the rewrite for that graph.
+
+A graph without token ids (a model split by graph breaks: FSDP2 per-layer
+hooks, a separately compiled layer) is rewritten with its ``[B, S, ...]``
+inputs (hidden states, positions) as the token-major values and its 4-D
+mask input checked, then dropped (``CarriedRunner``). Per call it uses the
+layout current in the thread (``active_layout``: published by the graph
+that last detected one) if it holds for the call's inputs, else detects one
+from them (attention graphs), else runs unpacked; ``GraphReport.layout_source``
+says which. A graph with no attention but such inputs (final norm, lm_head,
+loss) packs on a carried layout the same way.
 """
 
 from __future__ import annotations

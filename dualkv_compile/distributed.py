@@ -154,8 +154,9 @@ def check_groups_on_rank(
 def graph_split_hint(gm) -> Optional[str]:
     """Why a graph without token ids may exist under DDP / FSDP2, for the backend's refusal reason (None if neither applies).
 
-    Both cut a compiled model into graphs where only the first holds the
-    token inputs the layout is detected from: DDP's Dynamo optimizer splits
+    Both cut a compiled model into graphs where at most the first holds the
+    token inputs (the others pack on a layout carried to them, see
+    ``active_layout``, where they can): DDP's Dynamo optimizer splits
     at gradient-bucket boundaries, and FSDP2 runs its per-module hooks outside
     Dynamo (``torch._dynamo.disable``), a graph break at every submodule that
     ``fully_shard`` was applied to.
@@ -179,6 +180,7 @@ def graph_split_hint(gm) -> Optional[str]:
     if dist.is_available() and dist.is_initialized():
         return (
             "if fully_shard (FSDP2) was applied to submodules, its hooks run outside Dynamo and break the graph "
-            "around each of them; apply fully_shard to the root module only for dualkv to see the whole model"
+            "around each of them: the graphs of those submodules pack on a layout carried from graph to graph, "
+            "a graph like this one is left unchanged"
         )
     return None

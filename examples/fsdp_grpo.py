@@ -18,11 +18,15 @@ other. The script prints each rank's layout stats and which graphs dualkv
 rewrote, compares the loss and every (local shard of every) gradient, times
 both steps (CUDA events on GPU) and records each rank's peak memory.
 
-Why fully_shard on the root only: FSDP2 runs its per-module hooks outside
-Dynamo, so ``fully_shard`` on each decoder layer is a graph break around every
-layer and no compiled graph but the first would hold the token ids the layout
-is detected from; dualkv then refuses those graphs (exact, nothing shared).
-``--per-layer`` shows that (the parity check still runs; the summary says NOT PACKED).
+``--per-layer`` also applies ``fully_shard`` to each decoder layer, as veRL
+and TRL shard large models. FSDP2 runs its per-module hooks outside Dynamo,
+so that is a graph break around every layer: the layer's graph takes hidden
+states, cos/sin and a 4-D mask, not token ids. dualkv packs it anyway: the
+first layer call detects the layout from its hidden states (rows whose
+prompt copies are bitwise equal) and mask, later layer calls and the final
+norm / lm_head graphs carry it (``dualkv_compile.active_layout``), each
+checking that it holds for its inputs; the loss graph detects it again from
+the token ids. The summary lists every graph and its layout source.
 
     torchrun --nproc-per-node 2 examples/fsdp_grpo.py --device cpu --mode ddp
     torchrun --nproc-per-node 2 examples/fsdp_grpo.py --device cuda --mode fsdp --bf16 \\
@@ -57,7 +61,7 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--mode", choices=["fsdp", "ddp"], default="fsdp")
-    ap.add_argument("--per-layer", action="store_true", help="fsdp: also fully_shard each decoder layer (not packed: see the docstring)")
+    ap.add_argument("--per-layer", action="store_true", help="fsdp: also fully_shard each decoder layer (graph breaks per layer; packed on a carried layout, see the docstring)")
     ap.add_argument("--bf16", action="store_true", help="fsdp: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
     ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing per decoder layer (Hugging Face gradient checkpointing, non-reentrant)")
     ap.add_argument("--layers", type=int, default=2)
