@@ -190,6 +190,35 @@ def write(rows, meta, out):
         lines += [f"- {r['model']} {r['batch']} {k[: -len('_error')]}: `{r[k][:300]}`" for r, k in failures]
     with open(os.path.join(out, "model_gpu.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+    plot(rows, meta, out)
+
+
+def plot(rows, meta, out):
+    """model_gpu.png: measured speedup next to the ideal one, per row that has both timings (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed: no model_gpu.png")
+        return
+    done = [r for r in rows if isinstance(r.get("baseline_ms"), float) and isinstance(r.get("dualkv_ms"), float)]
+    if not done:
+        return
+    labels = [f"{r['model']}\n{r['batch']}\nrho {r['rho']:.2f}" for r in done]
+    x = range(len(done))
+    fig, ax = plt.subplots(figsize=(max(5, 2.2 * len(done)), 4))
+    ax.bar([i - 0.2 for i in x], [r["baseline_ms"] / r["dualkv_ms"] for r in done], 0.4, label="measured speedup")
+    ax.bar([i + 0.2 for i in x], [r["ideal"] for r in done], 0.4, label="ideal (FLOP model)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("step time, baseline / dualkv")
+    ax.set_title(f"GRPO loss step, {meta['device']}, {meta['dtype'].replace('torch.', '')}", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "model_gpu.png"), dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
