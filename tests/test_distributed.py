@@ -41,6 +41,10 @@ def _init_and_run(rank, fn, port, args):
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         fn(rank, *args)
+        # Both ranks leave their last collective before teardown: gloo aborts
+        # ("terminate called without an active exception") when one rank
+        # destroys the group while the other still has work in flight.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
