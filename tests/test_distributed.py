@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -32,18 +33,18 @@ def _free_port() -> int:
 
 
 def _spawn(fn, *args):
-    mp.spawn(_init_and_run, args=(fn, _free_port(), args), nprocs=WORLD, join=True)
+    # A file store, not a TCP store: rank 0 hosting the TCP store's server
+    # thread aborted now and then at exit ("terminate called without an
+    # active exception") when the other rank disconnected at the same time.
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_init_and_run, args=(fn, os.path.join(tmp, "store"), args), nprocs=WORLD, join=True)
 
 
-def _init_and_run(rank, fn, port, args):
+def _init_and_run(rank, fn, store_path, args):
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
     try:
         fn(rank, *args)
-        # Both ranks leave their last collective before teardown: gloo aborts
-        # ("terminate called without an active exception") when one rank
-        # destroys the group while the other still has work in flight.
         dist.barrier()
     finally:
         dist.destroy_process_group()
