@@ -1,6 +1,6 @@
 """A whole model on CPU, side by side: dualkv vs Inductor on the duplicated batch vs eager.
 
-    .venv/bin/python benchmarks/model_cpu.py [--runs 7] [--ragged] [--profile] [--out benchmarks/results/model_cpu.md]
+    .venv/bin/python benchmarks/model_cpu.py [--loss outside|policy] [--runs 7] [--ragged] [--profile] [--out ...]
 
 A Qwen3-shaped model built from its config with random weights (4 layers,
 hidden 256, 4 heads, 2 KV heads, head_dim 64, MLP 768, vocab 4096), one GRPO
@@ -8,6 +8,12 @@ group of N=8 responses to a P=512 prompt, R=64 tokens each (``--ragged``:
 response lengths spread over [R/2, R], right padded). One step is forward +
 backward of ``loss = mean over valid positions of logits @ w`` (w a fixed
 random vector), the loss computed outside the compiled model, as a user would.
+``--loss policy`` instead compiles the model with a GRPO-style token loss
+(mean negative log-prob of the response tokens): dualkv through
+``@policy_loss``, Inductor through ``torch.compile`` of the same function.
+There the logits stay packed; with the loss outside, dualkv returns them as
+``[B, S, V]`` and the loss reads all of them, memory-bound work that packing
+does not shrink.
 
     (a) dualkv    torch.compile(model, backend="dualkv")   (inner Inductor)
     (b) inductor  torch.compile(model) on the duplicated batch
@@ -83,9 +89,28 @@ def flops(cfg, tokens, pairs):
 
 
 def step(fn, model, ids, mask, w):
+    """``--loss outside``: ``fn`` is the (compiled) model; the loss runs eagerly on its ``[B, S, V]`` logits."""
     out = fn(input_ids=ids, attention_mask=mask).logits
     valid = mask.bool()
     loss = (out[valid] @ w).mean()
+    loss.backward()
+    return loss.detach()
+
+
+def token_loss(model, input_ids, attention_mask, response_mask):
+    """``--loss policy``: a GRPO-style token loss (mean negative log-prob of the response tokens), model included.
+
+    The argument names are the ones dualkv reads the token inputs by (as in veRL and TRL batches).
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    m = response_mask[:, 1:].float()
+    return -(logp * m).sum() / m.sum()
+
+
+def policy_step(fn, model, ids, mask, resp):
+    """``--loss policy``: ``fn`` is ``token_loss``, compiled (or not) as a whole."""
+    loss = fn(model, ids, mask, resp)
     loss.backward()
     return loss.detach()
 
@@ -95,23 +120,29 @@ def grads(model):
 
 
 CLOCK = time.perf_counter
+STEP_DOC = {
+    "outside": "mean(logits[valid] @ w), the loss outside the compiled model (its [B, S, V] logits unpacked)",
+    "policy": "a GRPO-style token loss (mean negative log-prob of the response tokens) compiled with the model "
+    "(dualkv: @policy_loss; inductor: torch.compile of the same function)",
+}
+TITLE = {"outside": "", "policy": ", model and loss compiled together"}
 
 
-def timed(fn, model, ids, mask, w):
+def timed(step_fn, fn, model, ids, mask, w):
     model.zero_grad(set_to_none=True)
     t0 = CLOCK()
-    step(fn, model, ids, mask, w)
+    step_fn(fn, model, ids, mask, w)
     return (CLOCK() - t0) * 1e3
 
 
-def profile_dualkv(fn, model, ids, mask, w, cfg, layout):
+def profile_dualkv(step_fn, fn, model, ids, mask, w, cfg, layout):
     """Where the dualkv step's time goes: torch.profiler top ops, and the pieces timed alone."""
     lines = []
     from torch.profiler import ProfilerActivity, profile
 
     model.zero_grad(set_to_none=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step(fn, model, ids, mask, w)
+        step_fn(fn, model, ids, mask, w)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60)
     lines.append("torch.profiler, dualkv step, top ops by self CPU time:\n\n```\n" + table + "\n```")
 
@@ -181,8 +212,13 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: process CPU time (robust on a shared machine; use with --threads 1)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "model_cpu.md"))
+    ap.add_argument("--loss", choices=["outside", "policy"], default="outside",
+                    help="outside: compile the model, loss eagerly on its logits; policy: model + token loss compiled "
+                    "together (dualkv through @policy_loss, the logits stay packed)")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/model_cpu.md (--loss outside), model_cpu_policy_loss.md (--loss policy)")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = os.path.join(HERE, "results", "model_cpu.md" if args.loss == "outside" else "model_cpu_policy_loss.md")
     logging.getLogger("dualkv_compile").setLevel(logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -198,14 +234,20 @@ def main():
     layout = dualkv_compile.detect(ids, mask)
     st = layout.stats()
     progress(f"batch {list(ids.shape)}: {st}")
-    w = torch.randn(cfg.vocab_size, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(cfg.vocab_size, generator=torch.Generator().manual_seed(1))  # --loss outside: the projection
 
     models = {"dualkv": model, "inductor": copy.deepcopy(model), "eager": copy.deepcopy(model)}
-    fns = {
-        "dualkv": torch.compile(models["dualkv"], backend="dualkv"),
-        "inductor": torch.compile(models["inductor"]),
-        "eager": models["eager"],
-    }
+    if args.loss == "outside":
+        step_fn = step
+        fns = {
+            "dualkv": torch.compile(models["dualkv"], backend="dualkv"),
+            "inductor": torch.compile(models["inductor"]),
+            "eager": models["eager"],
+        }
+    else:
+        # The response positions are the loss's fourth argument in place of w.
+        step_fn, w = policy_step, mask * (torch.arange(mask.shape[1]) >= args.P)
+        fns = {"dualkv": dualkv_compile.policy_loss(token_loss), "inductor": torch.compile(token_loss), "eager": token_loss}
     start_reports = len(dualkv_compile.reports())
 
     # Warm-up (compiles); the first step's loss and gradients are compared.
@@ -215,7 +257,7 @@ def main():
         t0 = time.perf_counter()
         for i in range(args.warmup):
             models[name].zero_grad(set_to_none=True)
-            loss = step(fns[name], models[name], ids, mask, w)
+            loss = step_fn(fns[name], models[name], ids, mask, w)
             if i == 0:
                 first[name] = (loss, grads(models[name]))
                 compile_s[name] = time.perf_counter() - t0
@@ -228,7 +270,7 @@ def main():
     times = {n: [] for n in fns}
     for i in range(args.runs):
         for name in fns:
-            times[name].append(timed(fns[name], models[name], ids, mask, w))
+            times[name].append(timed(step_fn, fns[name], models[name], ids, mask, w))
         progress(f"run {i + 1}/{args.runs}: " + ", ".join(f"{n} {times[n][-1]:.0f} ms" for n in fns))
     med = {n: statistics.median(t) for n, t in times.items()}
     best_ms = {n: min(t) for n, t in times.items()}
@@ -252,7 +294,7 @@ def main():
         f"heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} kv, head_dim {cfg.head_dim}, "
         f"MLP {cfg.intermediate_size}, vocab {cfg.vocab_size}, fp32\n"
         f"- batch: N={args.N}, P={args.P}, R={args.R}{' ragged ' + str(lens) if args.ragged else ''}; {st}\n"
-        f"- step: forward + backward of mean(logits[valid] @ w); median of {args.runs} interleaved runs after "
+        f"- step: forward + backward of {STEP_DOC[args.loss]}; median of {args.runs} interleaved runs after "
         f"{args.warmup} warm-up steps; clock: {'process CPU time' if args.clock == 'cpu' else 'wall'}"
     )
     table = (
@@ -271,10 +313,10 @@ def main():
         f"max |grad diff| {grad_diff:.3e}, max norm-wise relative grad diff {grad_rel:.3e}\n"
         f"- dualkv graphs: " + "; ".join(str(r).replace("\n", " /") for r in reps)
     )
-    text = "# Whole model on CPU: dualkv vs Inductor (duplicated batch) vs eager\n\n" + info + "\n\n" + table + "\n" + summary + "\n"
+    text = f"# Whole model on CPU: dualkv vs Inductor (duplicated batch) vs eager{TITLE[args.loss]}\n\n" + info + "\n\n" + table + "\n" + summary + "\n"
     if args.profile:
         progress("profiling the dualkv step")
-        text += "\n## Where the dualkv step's time goes\n\n" + profile_dualkv(fns["dualkv"], models["dualkv"], ids, mask, w, cfg, layout) + "\n"
+        text += "\n## Where the dualkv step's time goes\n\n" + profile_dualkv(step_fn, fns["dualkv"], models["dualkv"], ids, mask, w, cfg, layout) + "\n"
     print(text)
     if args.out:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
