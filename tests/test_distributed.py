@@ -153,6 +153,8 @@ def _ddp_and_fsdp_worker(rank):
     # FSDP2 per layer: its hooks run outside Dynamo, a graph break around every layer; no graph but the loss's
     # holds the token ids, so the layer graphs pack on a layout detected from their inputs and carried.
     _check_parity(rank, functools.partial(_fsdp, per_layer=True), expect_packed=True, per_layer=True)
+    # The same with bf16 mixed precision: every layer still packed (the shared copies stay bitwise equal in bf16).
+    _check_parity(rank, functools.partial(_fsdp, per_layer=True, bf16=True), expect_packed=True, per_layer=True, tol=4e-2)
 
 
 def test_ddp_and_fsdp2_parity():
