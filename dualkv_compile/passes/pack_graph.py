@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import logging
 import operator
+from typing import Optional
+
 import torch
 import torch.fx as fx
 
 from ..kernels import op as _attention_op  # noqa: F401  (registers torch.ops.dualkv.attention_fwd)
 from .attention_match import AttentionMatch, default_scale
 from .inline_checkpoint import RECOMPUTE_META
-from .packed_ops import gather_columns, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
+from .packed_ops import gather_columns, gather_previous, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
 from .token_axes import Kind, Refusal, TokenAxes, shape_of
 
 log = logging.getLogger("dualkv_compile")
@@ -169,12 +171,37 @@ class _Packer:
         # token's predecessor. The slice x[:, 1:] that makes a shift-1 value is
         # the identity on the packed stream.
         if self.axes.info[n].shift and not (n.op == "call_function" and n.target is operator.getitem):
+            fused = self.emit_gather_previous(n)
+            if fused is not None:
+                return fused
             lookup = self.packed_at_targets
         args = fx.map_arg(n.args, lookup)
         kwargs = fx.map_arg(n.kwargs, lookup)
         args, kwargs = self.rewrite_shapes(n, args, kwargs)
         new = self.g.create_node(n.op, n.target, args, kwargs, name=n.name + "_packed")
         return new
+
+    def emit_gather_previous(self, n: fx.Node) -> Optional[fx.Node]:
+        """``src.gather(-1, next_ids)`` with ``src`` a ``[B, S, V]`` value of each token (the log-probs), the
+        index a next-token value: read each entry at the token's predecessor without copying ``src``
+        (``gather_previous``). None where the pattern differs; the caller then shifts ``src`` whole."""
+        is_gather = (n.op == "call_method" and n.target == "gather") or (n.op == "call_function" and n.target is torch.gather)
+        if not is_gather or len(n.args) < 2:
+            return None
+        src, dim = n.args[0], n.args[1]
+        index = n.args[2] if len(n.args) > 2 else n.kwargs.get("index")
+        if not isinstance(src, fx.Node) or not isinstance(index, fx.Node) or not isinstance(dim, int):
+            return None
+        if set(n.kwargs) - {"index"}:
+            return None
+        s_info, i_info = self.axes.info[src], self.axes.info[index]
+        if s_info.kind is not Kind.TOKEN or s_info.shift or not i_info.shift or i_info.kind is not Kind.TOKEN:
+            return None
+        if s_info.tags != ("b", "s", None) or i_info.tags != ("b", "s", None) or dim not in (-1, 2):
+            return None
+        return self.g.call_function(
+            gather_previous, (self.packed_of(src), self.inp["prev_index"], self.packed_of(index)), name=n.name + "_packed"
+        )
 
     def emit_attention(self, m: AttentionMatch) -> fx.Node:
         q, k, v = (self.packed_of(_unrepeated_kv(x, self.axes)) for x in (m.q, m.k, m.v))

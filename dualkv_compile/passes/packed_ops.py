@@ -14,7 +14,7 @@ import torch
 
 from ..layout import gather_valid
 
-__all__ = ["pack_tokens", "gather_columns", "unpack_tokens", "previous_tokens", "unpack_merged"]
+__all__ = ["pack_tokens", "gather_columns", "unpack_tokens", "previous_tokens", "gather_previous", "unpack_merged"]
 
 
 def pack_tokens(x: torch.Tensor, pack_index: torch.Tensor, b_dim: int, s_dim: int) -> torch.Tensor:
@@ -67,6 +67,18 @@ def unpack_tokens(
 def previous_tokens(x: torch.Tensor, prev_index: torch.Tensor, s_dim: int) -> torch.Tensor:
     """Each packed token's predecessor's value (the last shared token for a response's first token)."""
     return x.index_select(s_dim, prev_index)
+
+
+def gather_previous(x: torch.Tensor, prev_index: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``previous_tokens(x, prev_index, 1).gather(-1, index)`` for ``x`` of shape ``[1, T, V]``, ``index`` ``[1, T, K]``.
+
+    The next-token log-probs of a packed stream: each token's value read from
+    its predecessor's row. One advanced index reads just the ``T * K``
+    entries, where ``previous_tokens`` first copies all of ``x`` (the
+    ``[T, V]`` log-probs over the vocabulary: gigabytes at a real vocab) and
+    its backward adds a second ``[T, V]`` buffer.
+    """
+    return x[0][prev_index.unsqueeze(-1), index[0]].unsqueeze(0)
 
 
 def unpack_merged(x: torch.Tensor, unpack_index: torch.Tensor, valid: torch.Tensor, bs_dim: int) -> torch.Tensor:

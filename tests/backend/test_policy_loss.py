@@ -156,6 +156,30 @@ def test_no_batch_by_sequence_by_vocab_tensor(loss_fn):
     T = layout.num_tokens
     assert all(v[:-1] == (1, T) for v in vocab_sized.values()), vocab_sized
     assert not any(len(v) >= 3 and v[0] == B and v[-1] == VOCAB for v in shapes.values())
+    # The next-token gather reads each token's predecessor row in place: no shifted [1, T, V] copy.
+    from dualkv_compile.passes.packed_ops import previous_tokens
+
+    shifted = [n.name for n in packed.graph.nodes if n.target is previous_tokens and shapes.get(n.name, ())[-1:] == (VOCAB,)]
+    assert not shifted, shifted
+
+
+def test_gather_previous_matches_shift_then_gather():
+    """gather_previous == previous_tokens(x).gather(-1, index), values and gradients, on random inputs."""
+    from dualkv_compile.passes.packed_ops import gather_previous, previous_tokens
+
+    g = torch.Generator().manual_seed(0)
+    T, V, K = 13, 11, 2
+    prev = torch.randint(0, T, (T,), generator=g)  # a shared token is the predecessor of several tokens
+    prev[3:6] = 2
+    index = torch.randint(0, V, (1, T, K), generator=g)
+    x = torch.randn(1, T, V, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(1, T, K, generator=g, dtype=torch.float64)
+    want = previous_tokens(x, prev, 1).gather(-1, index)
+    (grad_want,) = torch.autograd.grad((want * w).sum(), x)
+    got = gather_previous(x, prev, index)
+    (grad_got,) = torch.autograd.grad((got * w).sum(), x)
+    assert torch.equal(got, want)
+    assert torch.allclose(grad_got, grad_want, rtol=0, atol=1e-12)
 
 
 class TestLossGraph(expecttest.TestCase):
@@ -175,8 +199,7 @@ float_2_packed = logits_1_packed.float()
 logp_packed = torch.log_softmax(float_2_packed, dim = -1)
 getitem_14_packed = pack_tokens[(slice(None, None, None), slice(None, None, None))]
 unsqueeze_3_packed = getitem_14_packed.unsqueeze(-1)
-previous_tokens = dualkv_compile_passes_packed_ops_previous_tokens(logp_packed, prev_index, 1)
-gather_packed = previous_tokens.gather(-1, unsqueeze_3_packed)
+gather_packed = dualkv_compile_passes_packed_ops_gather_previous(logp_packed, prev_index, unsqueeze_3_packed)
 token_logp_packed = gather_packed.squeeze(-1)
 getitem_15 = l_batch_response_mask_[(slice(None, None, None), slice(1, None, None))]
 m = getitem_15.float()
