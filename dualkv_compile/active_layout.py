@@ -58,21 +58,48 @@ class ActiveLayout:
     _share: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     _storages: dict = dataclasses.field(default_factory=dict)
     _masks: dict = dataclasses.field(default_factory=dict)
+    # Tensors whose shared copies are known bitwise equal: unpacked outputs of
+    # a packed graph (equal by construction) and inputs that passed the check.
+    _equal: dict = dataclasses.field(default_factory=dict)
+    share_reads: int = 0  # calls of share_mismatch that had to read tensors (one host sync each)
 
     def matches(self, batch_size: int, seq_len: int, device: torch.device) -> bool:
         L = self.layout
         return (L.batch_size, L.seq_len) == (batch_size, seq_len) and L.device == device
 
     # --------------------------------------------------------------- provenance
-    def record_outputs(self, outputs) -> None:
-        """Remember the storages of the ``[B, S, ...]`` tensors a graph returned while running packed on this layout."""
+    def record_outputs(self, outputs, unpacked: Sequence[int] = ()) -> None:
+        """Remember the storages of the ``[B, S, ...]`` tensors a graph returned while running packed on this layout.
+
+        ``unpacked``: positions (in ``_tensors(outputs)`` order) of outputs made
+        by unpacking the packed stream, whose shared copies are equal by
+        construction (``known_equal``).
+        """
         B, S = self.layout.batch_size, self.layout.seq_len
-        for t in _tensors(outputs):
+        for i, t in enumerate(_tensors(outputs)):
             if t.dim() >= 2 and tuple(t.shape[:2]) == (B, S) and t.numel():
                 s = t.untyped_storage()
                 self._storages[id(s)] = weakref.ref(s)
+                if i in unpacked:
+                    self._mark_equal(t)
         for k in [k for k, r in self._storages.items() if r() is None]:
             del self._storages[k]
+
+    def _mark_equal(self, t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        self._equal[(id(s), t.storage_offset(), tuple(t.shape), t.stride())] = (weakref.ref(s), t._version)
+
+    def known_equal(self, t: torch.Tensor) -> bool:
+        """True if ``t``'s shared copies are known bitwise equal without reading it.
+
+        ``t`` must alias exactly (storage, offset, shape, strides) a tensor
+        recorded as an unpacked output or a checked input, and not have been
+        modified in place since (its version counter, shared by all its views,
+        is unchanged).
+        """
+        s = t.untyped_storage()
+        entry = self._equal.get((id(s), t.storage_offset(), tuple(t.shape), t.stride()))
+        return entry is not None and entry[0]() is s and entry[1] == t._version
 
     def produced(self, t: torch.Tensor) -> bool:
         """True if ``t`` shares storage with a live tensor recorded by ``record_outputs``."""
@@ -95,19 +122,33 @@ class ActiveLayout:
     def share_mismatch(self, tensors: Sequence[torch.Tensor]) -> Optional[int]:
         """Index of the first ``[B, S, ...]`` tensor whose dropped copies differ (bitwise) from the kept ones, else None.
 
-        One device-to-host synchronisation for all tensors together.
+        Tensors ``known_equal`` are not read; the others are, with one
+        device-to-host synchronisation for all of them together, and are
+        remembered as equal if they pass. So in a chain of per-layer graphs
+        only the first call reads its inputs (the hidden states that later
+        layers receive are unpacked outputs, the position embeddings the same
+        tensors each layer).
         """
         dst, src = self._share_index()
         if dst.numel() == 0 or not tensors:
             return None
+        todo = [(i, t) for i, t in enumerate(tensors) if not self.known_equal(t)]
+        if not todo:
+            return None
         B, S = self.layout.batch_size, self.layout.seq_len
+        self.share_reads += 1
         with torch.no_grad():
             bad = []
-            for t in tensors:
+            for _, t in todo:
                 flat = _bits(t.detach()).reshape(B * S, -1)
                 bad.append((flat.index_select(0, dst) != flat.index_select(0, src)).any())
             flags = torch.stack(bad).tolist()
-        return next((i for i, f in enumerate(flags) if f), None)
+        for (i, t), f in zip(todo, flags):
+            if f:
+                return i
+        for _, t in todo:
+            self._mark_equal(t)
+        return None
 
     def _share_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat ``[B*S]`` positions of the dropped copies of shared tokens, and of the copies packing keeps."""

@@ -388,6 +388,7 @@ class PackedRunner:
         self.verified = not cfg.verify
         self.disabled: Optional[str] = None
         self.mask_gm = _mask_graph(gm, axes) if cfg.verify else None
+        self.unpacked_outputs = _unpacked_output_positions(packed)
 
     def _compile_packed(self):
         def count():
@@ -437,7 +438,7 @@ class PackedRunner:
         self.report.packed_calls += 1
         self.report.layout_source = self.source
         # Later graphs of this forward may carry the layout to the tensors made here (active_layout.produced).
-        self.active.record_outputs(out)
+        self.active.record_outputs(out, self.unpacked_outputs)
         return out
 
     def _layout(self, args):
@@ -609,6 +610,39 @@ class CarriedRunner(PackedRunner):
             self.active.mark_mask_checked([args[i] for i in self.mask_key])
         self.source = "detected from its hidden states" + (" and mask" if masks is not None else "")
         return layout
+
+
+def _unpacked_output_positions(packed: fx.GraphModule) -> tuple[int, ...]:
+    """Positions, among the packed graph's tensor outputs in ``active_layout._tensors`` order, made by ``unpack``.
+
+    Their shared copies are equal by construction. Empty when an output's
+    kind (tensor or not) cannot be told, so nothing is taken for granted.
+    """
+    from .passes.packed_ops import unpack_merged, unpack_tokens
+
+    def leaves(a):
+        if isinstance(a, (tuple, list)):
+            for x in a:
+                yield from leaves(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                yield from leaves(x)
+        else:
+            yield a
+
+    out = next(iter(packed.graph.find_nodes(op="output")))
+    positions, i = [], 0
+    for leaf in leaves(out.args[0]):
+        if not isinstance(leaf, fx.Node):
+            continue
+        if leaf.op == "call_function" and leaf.target in (unpack_tokens, unpack_merged):
+            positions.append(i)
+        elif not isinstance(leaf.meta.get("example_value"), torch.Tensor):
+            if "example_value" not in leaf.meta:
+                return ()
+            continue  # a SymInt or other non-tensor output: not counted by _tensors
+        i += 1
+    return tuple(positions)
 
 
 def _mask_mismatch(masks, names, layout: SharedPromptLayout) -> Optional[str]:

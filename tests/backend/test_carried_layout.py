@@ -238,3 +238,42 @@ def forward(self, l_args_0_ : torch.Tensor, input_layernorm.weight : torch.nn.pa
     hidden_states_13_packed = hidden_states_9_packed + down_proj_packed
     unpack_tokens = dualkv_compile_passes_packed_ops_unpack_tokens(hidden_states_13_packed, unpack_index, valid, l_args_0_, 0, 1, 0, False)
     return (unpack_tokens,)""")
+
+
+def test_chain_of_layers_reads_inputs_once_and_catches_in_place_changes(one_thread):
+    """Later layers get unpacked outputs (equal copies by construction) and the same cos/sin: no re-reading.
+
+    A hidden state changed in place between two layers (its version counter
+    moves) is read again, found to differ, and not packed on the carried
+    layout; the result stays exact.
+    """
+    torch._dynamo.reset()
+    active_layout.clear()
+    model = _split_per_layer(_hf_model("qwen3", "sdpa", layers=4))
+    compiled = _compile(model)
+    ids, mask, _ = grpo_batch(BATCHES["one_group"], 101)
+    keep = mask.bool()
+    with torch.no_grad():
+        compiled(input_ids=ids, attention_mask=mask)  # compiles; the next call is the one counted
+        active_layout.clear()
+        out = compiled(input_ids=ids, attention_mask=mask).logits
+        cur = active_layout.current()
+        # 4 layers + norm + lm_head carried: the hidden states are read once at most (the first layer detects the
+        # layout from them), cos/sin once; every later call trusts what it checked or what a packed graph made.
+        assert cur is not None and cur.share_reads <= 1, cur.share_reads
+        assert _rel(out[keep], model(input_ids=ids, attention_mask=mask).logits[keep]) <= 1e-5
+
+        def bump(module, args, kwargs):
+            args[0][1, -2:] += 1.0  # row 1's last columns: its response, and (left padded) none of the prompt
+            args[0][1, :, 0] += 0.5  # every column of row 1, the shared prompt included
+            return None
+
+        handle = model.model.layers[2].register_forward_pre_hook(torch._dynamo.disable(bump), with_kwargs=True)
+        try:
+            out = compiled(input_ids=ids, attention_mask=mask).logits
+            ref = model(input_ids=ids, attention_mask=mask).logits
+        finally:
+            handle.remove()
+    assert _rel(out[keep], ref[keep]) <= 1e-5
+    layer = [r for r in dualkv_compile.reports() if r.num_attention == 1]
+    assert any("differ across the rows of a group" in w for r in layer for w in r.not_carried), [str(r) for r in layer]
