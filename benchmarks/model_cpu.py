@@ -43,7 +43,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import dualkv_compile  # noqa: E402
-from dualkv_compile.kernels import reference  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

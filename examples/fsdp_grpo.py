@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -202,6 +203,21 @@ def main(argv=None) -> int:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # several ranks on one small CPU: threads only contend
     dist.init_process_group(backend)
+    try:
+        code = run_rank(args, device)
+    finally:
+        # Free what holds the process group (FSDP state and its device mesh, compiled graphs, async
+        # work) while the interpreter is fully alive, and let every rank finish before teardown: a gloo
+        # group freed during interpreter shutdown aborts the process now and then.
+        torch._dynamo.reset()
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+    return code
+
+
+def run_rank(args, device) -> int:
+    """The parity step, timing and summary of one rank (the process group is initialised)."""
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def say(msg):
@@ -292,7 +308,6 @@ def main(argv=None) -> int:
             f"loss rel err {worst_loss:.1e}, max grad rel err {worst_grad:.1e} (tol {tol:.0e}) - fsdp_grpo: {verdict}",
             flush=True,
         )
-    dist.destroy_process_group()
     return 0 if ok_parity and all_packed else 1
 
 

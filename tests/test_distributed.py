@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import os
 import socket
 import subprocess
@@ -45,8 +46,11 @@ def _init_and_run(rank, fn, store_path, args):
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
     try:
         fn(rank, *args)
-        dist.barrier()
     finally:
+        # Free what holds the group (FSDP state, device meshes, compiled graphs) before teardown, not at exit.
+        torch._dynamo.reset()
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 
