@@ -45,7 +45,7 @@ import torch
 
 from .layout import SharedPromptLayout, _expand_runs, detect
 
-__all__ = ["ActiveLayout", "current", "publish", "clear", "detect_from_values"]
+__all__ = ["ActiveLayout", "current", "publish", "clear", "detect_from_values", "leaves"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -86,8 +86,7 @@ class ActiveLayout:
             del self._storages[k]
 
     def _mark_equal(self, t: torch.Tensor) -> None:
-        s = t.untyped_storage()
-        self._equal[(id(s), t.storage_offset(), tuple(t.shape), t.stride())] = (weakref.ref(s), t._version)
+        self._equal[_alias_key(t)] = (weakref.ref(t.untyped_storage()), t._version)
 
     def known_equal(self, t: torch.Tensor) -> bool:
         """True if ``t``'s shared copies are known bitwise equal without reading it.
@@ -97,9 +96,8 @@ class ActiveLayout:
         modified in place since (its version counter, shared by all its views,
         is unchanged).
         """
-        s = t.untyped_storage()
-        entry = self._equal.get((id(s), t.storage_offset(), tuple(t.shape), t.stride()))
-        return entry is not None and entry[0]() is s and entry[1] == t._version
+        entry = self._equal.get(_alias_key(t))
+        return entry is not None and entry[0]() is t.untyped_storage() and entry[1] == t._version
 
     def produced(self, t: torch.Tensor) -> bool:
         """True if ``t`` shares storage with a live tensor recorded by ``record_outputs``."""
@@ -175,6 +173,11 @@ class ActiveLayout:
         return f"graph {self.graph_id} (detected from {what})"
 
 
+def _alias_key(t: torch.Tensor) -> tuple:
+    """What makes two tensors the same view of the same memory: storage, offset, shape, strides."""
+    return id(t.untyped_storage()), t.storage_offset(), tuple(t.shape), t.stride()
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """``t`` reinterpreted as integers of its width, so equality is bitwise (NaN == NaN, -0.0 != 0.0)."""
     if t.dtype.is_floating_point or t.dtype.is_complex:
@@ -186,15 +189,20 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _tensors(x) -> Iterable[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (tuple, list)):
+def leaves(x) -> Iterable:
+    """The leaves of nested tuples, lists and dicts, in order (a graph's outputs, or their values)."""
+    if isinstance(x, (tuple, list)):
         for y in x:
-            yield from _tensors(y)
+            yield from leaves(y)
     elif isinstance(x, dict):
         for y in x.values():
-            yield from _tensors(y)
+            yield from leaves(y)
+    else:
+        yield x
+
+
+def _tensors(x) -> Iterable[torch.Tensor]:
+    return (t for t in leaves(x) if isinstance(t, torch.Tensor))
 
 
 class _State(threading.local):

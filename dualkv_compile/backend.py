@@ -587,11 +587,9 @@ class CarriedRunner(PackedRunner):
         if self.mask_gm is not None:
             with torch.no_grad():
                 masks = self.mask_gm(*args)
-            allowed = _allowed(masks[0])
-            if allowed is None:
-                return f"{self.mask_names[0]}: the attention mask carries values other than 0 and -inf/min (a bias); not a pure mask"
-            if allowed.dim() != 4 or tuple(allowed.shape[-2:]) != (S, S) or allowed.shape[0] not in (1, B):
-                return f"{self.mask_names[0]}: attention mask of shape {list(allowed.shape)}, expected [B, heads, S, S]"
+            allowed = _pure_mask(self.mask_names[0], masks[0], B, S)
+            if isinstance(allowed, str):
+                return allowed
             # Padding positions are those that do not attend to themselves.
             valid = allowed[:, 0].diagonal(dim1=-2, dim2=-1).expand(B, S)
         else:
@@ -613,26 +611,16 @@ class CarriedRunner(PackedRunner):
 
 
 def _unpacked_output_positions(packed: fx.GraphModule) -> tuple[int, ...]:
-    """Positions, among the packed graph's tensor outputs in ``active_layout._tensors`` order, made by ``unpack``.
+    """Positions, among the packed graph's tensor outputs in ``active_layout.leaves`` order, made by ``unpack``.
 
     Their shared copies are equal by construction. Empty when an output's
     kind (tensor or not) cannot be told, so nothing is taken for granted.
     """
     from .passes.packed_ops import unpack_merged, unpack_tokens
 
-    def leaves(a):
-        if isinstance(a, (tuple, list)):
-            for x in a:
-                yield from leaves(x)
-        elif isinstance(a, dict):
-            for x in a.values():
-                yield from leaves(x)
-        else:
-            yield a
-
     out = next(iter(packed.graph.find_nodes(op="output")))
     positions, i = [], 0
-    for leaf in leaves(out.args[0]):
+    for leaf in active_layout.leaves(out.args[0]):
         if not isinstance(leaf, fx.Node):
             continue
         if leaf.op == "call_function" and leaf.target in (unpack_tokens, unpack_merged):
@@ -658,11 +646,9 @@ def _mask_mismatch(masks, names, layout: SharedPromptLayout) -> Optional[str]:
     q = torch.arange(S, device=valid.device)
     causal = q[None, :] <= q[:, None]  # [Sq, Skv]
     for name, m in zip(names, masks):
-        allowed = _allowed(m)
-        if allowed is None:
-            return f"{name}: the attention mask carries values other than 0 and -inf/min (a bias); not a pure mask"
-        if allowed.dim() != 4 or tuple(allowed.shape[-2:]) != (S, S) or allowed.shape[0] not in (1, B):
-            return f"{name}: attention mask of shape {list(allowed.shape)}, expected [B, heads, S, S]"
+        allowed = _pure_mask(name, m, B, S)
+        if isinstance(allowed, str):
+            return allowed
         bad = torch.zeros((), dtype=torch.bool, device=valid.device)
         for b in range(B):
             a, v = allowed[min(b, allowed.shape[0] - 1)], valid[b]
@@ -674,6 +660,16 @@ def _mask_mismatch(masks, names, layout: SharedPromptLayout) -> Optional[str]:
                 "(sliding window, bidirectional or custom mask, or another batch's padding)"
             )
     return None
+
+
+def _pure_mask(name: str, m: torch.Tensor, B: int, S: int) -> "torch.Tensor | str":
+    """Attention mask ``m`` as booleans (True: may attend) of shape ``[1 or B, heads, S, S]``, else why it is not one."""
+    allowed = _allowed(m)
+    if allowed is None:
+        return f"{name}: the attention mask carries values other than 0 and -inf/min (a bias); not a pure mask"
+    if allowed.dim() != 4 or tuple(allowed.shape[-2:]) != (S, S) or allowed.shape[0] not in (1, B):
+        return f"{name}: attention mask of shape {list(allowed.shape)}, expected [B, heads, S, S]"
+    return allowed
 
 
 def _allowed(m: torch.Tensor) -> Optional[torch.Tensor]:

@@ -50,12 +50,13 @@ from .token_axes import Refusal
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["inline_checkpoint_regions", "checkpoint_regions", "RECOMPUTE_META"]
+__all__ = ["inline_checkpoint_regions", "checkpoint_regions", "RECOMPUTE_META", "TAGGED_OPS"]
 
 # The node.meta fields that mark a node as part of a checkpoint region.
 RECOMPUTE_META = ("recompute", "ac_graph_id")
 
-_TAGGED_OPS = ("call_function", "call_method", "call_module")
+# The node kinds that carry those fields (ops, not placeholders or attributes).
+TAGGED_OPS = ("call_function", "call_method", "call_module")
 
 
 def _is_checkpoint_hop(n: fx.Node) -> bool:
@@ -75,16 +76,10 @@ def _body_of(gm: fx.GraphModule, call: fx.Node) -> fx.GraphModule:
     body_node = call.args[0]
     if not (isinstance(body_node, fx.Node) and body_node.op == "get_attr"):
         raise Refusal(f"{call.name}: activation checkpoint region whose body is not a get_attr of a subgraph")
-    body = _get_attr(gm, body_node.target)
+    body = operator.attrgetter(body_node.target)(gm)
     if not isinstance(body, fx.GraphModule):
         raise Refusal(f"{call.name}: activation checkpoint region whose body is a {type(body).__name__}, expected a GraphModule")
     return body
-
-
-def _get_attr(mod, target: str):
-    for part in target.split("."):
-        mod = getattr(mod, part)
-    return mod
 
 
 def inline_checkpoint_regions(gm: fx.GraphModule) -> fx.GraphModule:
@@ -142,12 +137,12 @@ def _inline_one(gm: fx.GraphModule, call: fx.Node, region_id: int) -> None:
             if n.op == "get_attr":
                 # A constant or a nested region's body: move it onto the parent under a fresh name.
                 name = _fresh_attr(gm, f"{call.name}_{n.target.replace('.', '_')}")
-                setattr(gm, name, _get_attr(body, n.target))
+                setattr(gm, name, operator.attrgetter(n.target)(body))
                 new = gm.graph.get_attr(name)
                 new.meta = dict(n.meta)
             else:
                 new = gm.graph.node_copy(n, lambda x: env[x])
-                if n.op in _TAGGED_OPS:
+                if n.op in TAGGED_OPS:
                     new.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
                     new.meta["ac_graph_id"] = region_id
             env[n] = new

@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from ..kernels import op as _attention_op  # noqa: F401  (registers torch.ops.dualkv.attention_fwd)
 from .attention_match import AttentionMatch, default_scale
-from .inline_checkpoint import RECOMPUTE_META
+from .inline_checkpoint import RECOMPUTE_META, TAGGED_OPS
 from .packed_ops import gather_columns, gather_previous, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
 from .token_axes import Kind, Refusal, TokenAxes, shape_of
 
@@ -288,7 +288,7 @@ def _inherit_recompute_tags(n: fx.Node, last: fx.Node) -> None:
         return
     node = last.next
     while node.op != "root":
-        if node.op in ("call_function", "call_method", "call_module"):
+        if node.op in TAGGED_OPS:
             node.meta.update(tags)
         node = node.next
 
