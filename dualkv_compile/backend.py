@@ -9,7 +9,9 @@
    "dualkv_compile" logger and kept for ``explain()``;
 3. builds the packed graph (``passes.pack_graph``), compiled lazily on the
    first rewritten call with the inner compiler and dynamic token counts, so
-   new layouts (P, N, R_i, group count) do not recompile it.
+   new layouts (P, N, R_i, group count) do not recompile it; a loss's
+   lm_head -> log_softmax -> next-token gather in it becomes one chunked op
+   (``passes.fuse_linear_log_prob``, option ``chunked_log_probs``).
 
 Per call the wrapper detects the layout from the token inputs (one host
 sync), runs the fallback when nothing is shared or rho is below
@@ -47,6 +49,7 @@ from .layout import SharedPromptLayout, detect, previous_token_index
 from .passes.inline_checkpoint import inline_checkpoint_regions
 from .passes.pack_graph import PACKED_INPUTS, pack_graph
 from .passes.attention_match import find_attention
+from .passes.fuse_linear_log_prob import fuse_linear_log_prob
 from .passes.token_axes import Kind, Refusal, TokenAxes, analyze_token_axes, find_token_inputs
 from .passes.token_axes import hint as _size
 
@@ -66,6 +69,14 @@ class DualKVConfig:
     verify            check the graph's attention masks against the layout on the first rewritten call
     attention_backend "auto", "reference", "flex" or "triton" (see kernels.op)
     verify_max_elements  skip the mask check when a mask would hold more elements than this
+    chunked_log_probs    fuse a loss's lm_head -> log_softmax -> next-token gather into
+                         ``dualkv::linear_log_prob`` (passes.fuse_linear_log_prob): logits and
+                         log-probs exist a chunk of tokens at a time and none are kept for the
+                         backward, which recomputes them (one extra lm_head matmul); False keeps
+                         the unfused graph
+    log_prob_chunk_bytes that op's chunk: as many tokens as one [C, V] float32 buffer (float64 for a
+                         float64 model) holds in this many bytes, at least one; its working set is a
+                         few such buffers
     """
 
     min_rho: float = 1.1
@@ -75,6 +86,8 @@ class DualKVConfig:
     verify: bool = True
     attention_backend: str = "auto"
     verify_max_elements: int = 1 << 26
+    chunked_log_probs: bool = True
+    log_prob_chunk_bytes: int = 1 << 30
 
     @classmethod
     def from_options(cls, options: Optional[dict]) -> "DualKVConfig":
@@ -86,6 +99,11 @@ class DualKVConfig:
         cfg = cls(**options)
         if cfg.inner not in ("inductor", "aot_eager", "eager"):
             raise ValueError(f"options['inner'] must be 'inductor', 'aot_eager' or 'eager', got {cfg.inner!r}")
+        if not isinstance(cfg.chunked_log_probs, bool):
+            raise ValueError(f"options['chunked_log_probs'] must be a bool, got {cfg.chunked_log_probs!r}")
+        chunk = cfg.log_prob_chunk_bytes
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
+            raise ValueError(f"options['log_prob_chunk_bytes'] must be a positive int, got {chunk!r}")
         return cfg
 
 
@@ -106,12 +124,15 @@ class GraphReport:
     fallback_reasons: list[str] = dataclasses.field(default_factory=list)
     layout_source: Optional[str] = None  # the last packed call's: "detected from ..." or "carried from graph k ..."
     not_carried: list[str] = dataclasses.field(default_factory=list)  # why a current layout was not used
+    fused_log_probs: int = 0  # next-token log-prob gathers fused with the lm_head (chunked_log_probs)
 
     def __str__(self) -> str:
         head = f"graph {self.graph_id}: {self.num_nodes} nodes, {self.num_attention} attention"
         if not self.rewritten:
             return f"{head} - REFUSED: {self.reason}"
         lines = [f"{head} - rewritten; {self.calls} calls, {self.packed_calls} packed, packed graph compiled {self.packed_compiles}x"]
+        if self.fused_log_probs:
+            lines.append(f"  next-token log-probs computed from the lm_head in chunks ({self.fused_log_probs} fused)")
         if self.last_stats is not None:
             source = f", {self.layout_source}" if self.layout_source else ""
             lines.append(f"  last layout: {self.last_layout}{source}")
@@ -267,6 +288,10 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
             raise Refusal("; ".join(axes.refusals))
         backend = _resolve_attention_backend(cfg.attention_backend, axes)
         packed = pack_graph(gm, axes, backend)
+        if cfg.chunked_log_probs:
+            fused = fuse_linear_log_prob(packed, cfg.log_prob_chunk_bytes, example_inputs)
+            report.fused_log_probs = fused.count
+            scalar_checks += fused.scalar_checks
     except Refusal as e:
         report.reason = str(e)
         if "input_ids" not in token_inputs:
@@ -279,7 +304,10 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
         log.warning("dualkv: graph %d refused, running it unchanged: %s", report.graph_id, report.reason)
         return fallback
     report.rewritten = True
-    log.info("dualkv: graph %d rewritten (%d attention)", report.graph_id, len(axes.attention))
+    log.info(
+        "dualkv: graph %d rewritten (%d attention, %d next-token log-probs fused with the lm_head)",
+        report.graph_id, len(axes.attention), report.fused_log_probs,
+    )
     runner = PackedRunner if "input_ids" in axes.token_inputs else CarriedRunner
     return runner(gm, axes, packed, fallback, cfg, mode, report, scalar_checks)
 

@@ -8,7 +8,10 @@ loss in the same graph as the model, the rewrite keeps every per-token op on
 the packed stream, turns the shift-by-one and the gather of next-token ids
 into one gather that reads, for each response's first token, the logits of
 its group's last shared token, and unpacks only per-token scalars: no
-``[B, S, V]`` tensor is built.
+``[B, S, V]`` tensor is built. Where nothing else reads the logits or the
+log-probs (no entropy term), the lm_head, log_softmax and that gather become
+one chunked op (``chunked_log_probs``, on by default): no ``[T, V]`` tensor
+is kept either, at the price of recomputing the logits in the backward.
 
 Token inputs are found by name: the tensors the function receives as (or
 under the key) ``input_ids``, ``attention_mask``, ``position_ids``.
@@ -38,7 +41,8 @@ def policy_loss(
     """Decorator: ``@policy_loss`` or ``@policy_loss(group_size=8, min_rho=1.5, fullgraph=True)``.
 
     ``options`` are further ``DualKVConfig`` fields (``inner``, ``verify``,
-    ``attention_backend``, ``min_shared``). The result is a
+    ``attention_backend``, ``min_shared``, ``chunked_log_probs``,
+    ``log_prob_chunk_bytes``). The result is a
     ``torch.compile``-d function with the same signature.
     """
     if group_size is not None:

@@ -11,6 +11,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 import dualkv_compile
 from dualkv_compile.backend import _packed_inputs
+from dualkv_compile.passes.fuse_linear_log_prob import fuse_linear_log_prob
 from dualkv_compile.passes.pack_graph import pack_graph
 from dualkv_compile.passes.token_axes import analyze_token_axes, find_token_inputs
 
@@ -107,6 +108,9 @@ def test_parity_with_undecorated_loss(loss_fn):
     # Two batch shapes: a static graph, then Dynamo's dynamic-shape one; both must run packed.
     new = dualkv_compile.reports()[start:]
     assert len(new) == 2 and all(r.rewritten and r.packed_calls == 1 for r in new), [str(r) for r in new]
+    # The lm_head -> log_softmax -> gather is fused (chunked_log_probs) unless the entropy reads the log-probs whole.
+    fused = 0 if loss_fn is with_entropy_and_kl else 1
+    assert all(r.fused_log_probs == fused for r in new), [str(r) for r in new]
 
 
 def test_decorator_with_options_and_bad_option():
@@ -123,7 +127,8 @@ def test_decorator_with_options_and_bad_option():
         dualkv_compile.policy_loss(min_rh=2)
 
 
-def _packed_loss_graph(loss_fn, model, batch):
+def _packed_loss_graph(loss_fn, model, batch, chunked_log_probs=True):
+    """The packed graph the backend builds for ``loss_fn`` (attention backend "reference"), its shapes propagated."""
     graphs = []
 
     def capture(gm, example_inputs):
@@ -135,6 +140,8 @@ def _packed_loss_graph(loss_fn, model, batch):
     gm, example_inputs = graphs[0]
     axes = analyze_token_axes(gm, find_token_inputs(gm.graph))
     packed = pack_graph(gm, axes, "reference")
+    if chunked_log_probs:
+        fuse_linear_log_prob(packed)
     layout = dualkv_compile.detect(batch["input_ids"], batch["attention_mask"])
     ShapeProp(packed).propagate(*example_inputs, *_packed_inputs(layout))
     return packed, layout
@@ -145,7 +152,7 @@ def test_no_batch_by_sequence_by_vocab_tensor(loss_fn):
     model = _hf_model("qwen3", "sdpa", layers=1)
     batch = make_batch(GROUPS)
     B, S = batch["input_ids"].shape
-    packed, layout = _packed_loss_graph(loss_fn, model, batch)
+    packed, layout = _packed_loss_graph(loss_fn, model, batch, chunked_log_probs=False)  # pack_graph's own output
     shapes = {
         n.name: tuple(n.meta["tensor_meta"].shape)
         for n in packed.graph.nodes
@@ -184,23 +191,26 @@ def test_gather_previous_matches_shift_then_gather():
 
 class TestLossGraph(expecttest.TestCase):
     def test_loss_graph_tail_after_rewrite(self):
-        """Graph diff of the loss part: log_softmax and the next-token gather on the packed stream, then unpack of [B, S-1]."""
+        """Graph diff of the loss part: the lm_head, log_softmax and next-token gather fused into one chunked op on the
+        packed stream, then unpack of [B, S-1]."""
         model = _hf_model("qwen3", "sdpa", layers=1)
         batch = make_batch(GROUPS)
         packed, _ = _packed_loss_graph(grpo_token_mean, model, batch)
         lines = [line.split(";")[0].strip() for line in packed.code.splitlines()]
-        start = next(i for i, line in enumerate(lines) if line.startswith("logits_packed = "))
+        # From the lm_head's input (the final norm's output, by a name that depends on the transformers version).
+        hidden = next(line for line in lines if line.startswith("lm_head_input = ")).split(" = ")[1].split("[")[0]
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"{hidden} = "))
         tail = "\n".join(line for line in lines[start:] if line)
         self.assertExpectedInline(tail, """\
-logits_packed = torch._C._nn.linear(hidden_states_17_packed, l_model_modules_lm_head_parameters_weight_, None)
-getitem_13_packed = logits_packed[(slice(None, None, None), slice(None, None, None))]
-logits_1_packed = getitem_13_packed / 0.7
-float_2_packed = logits_1_packed.float()
-logp_packed = torch.log_softmax(float_2_packed, dim = -1)
+hidden_states_17_packed = hidden_states_16_packed[(slice(None, None, None), slice(None, None, None), slice(None, None, None))]
 getitem_14_packed = pack_tokens[(slice(None, None, None), slice(None, None, None))]
 unsqueeze_3_packed = getitem_14_packed.unsqueeze(-1)
-gather_packed = dualkv_compile_passes_packed_ops_gather_previous(logp_packed, prev_index, unsqueeze_3_packed)
-token_logp_packed = gather_packed.squeeze(-1)
+lm_head_input = hidden_states_17_packed[0]
+next_ids = unsqueeze_3_packed[0]
+linear_log_prob = torch.ops.dualkv.linear_log_prob.default(lm_head_input, l_model_modules_lm_head_parameters_weight_, prev_index, next_ids, scale = 0.7, divide = True, scale_first = True, upcast = True, chunk_bytes = 1073741824)
+next_token_logp = linear_log_prob[0]
+gather_packed_fused = next_token_logp.unsqueeze(0)
+token_logp_packed = gather_packed_fused.squeeze(-1)
 getitem_15 = l_batch_response_mask_[(slice(None, None, None), slice(1, None, None))]
 m = getitem_15.float()
 unpack_tokens_1 = dualkv_compile_passes_packed_ops_unpack_tokens(token_logp_packed, unpack_index, valid, l_batch_input_ids_, 0, 1, 1, False)

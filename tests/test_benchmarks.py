@@ -1,0 +1,59 @@
+"""The whole-model benchmark script: a CPU smoke run, and the merge of several runs into one table."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import model_gpu  # noqa: E402
+
+
+def _run_json(path, meta, rows):
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f)
+    return str(path)
+
+
+def test_model_gpu_smoke_on_cpu(tmp_path):
+    """The script runs both variants on a tiny model and reports dualkv as packed."""
+    cmd = [sys.executable, "benchmarks/model_gpu.py", "--device", "cpu", "--models", "tiny", "--shapes", "4,64,16",
+           "--reps", "1", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(tmp_path / "model_gpu.json") as f:
+        (row,) = json.load(f)["rows"]
+    assert row["dualkv_packed"] is True
+    assert isinstance(row["dualkv_ms"], float) and isinstance(row["baseline_ms"], float)
+    assert row["tokens_after"] < row["tokens_before"]
+    assert "| qwen3-tiny | (4, 64, 16) |" in (tmp_path / "model_gpu.md").read_text()
+
+
+def test_merge_keeps_full_batch_baseline_apart(tmp_path):
+    """A later run's columns fill an earlier row; a full-batch baseline does not replace the micro-batched one."""
+    meta = {"device": "X", "device_gb": 100.0, "torch": "t", "triton": "t", "transformers": "t", "date": "d",
+            "reps": 5, "baseline_max_tokens": 32768, "dtype": "torch.bfloat16"}
+    base = dict(model="m", batch="(8, 1024, 4096)", rho=2.0, ideal=1.9, tokens_before=40960, tokens_after=20480)
+    a = _run_json(tmp_path / "a.json", meta, [dict(base, baseline_ms=800.0, baseline_gb=40.0, baseline_mb=2)])
+    b = _run_json(tmp_path / "b.json", meta, [dict(base, baseline_ms=780.0, baseline_gb=80.0, baseline_mb=1)])
+    c = _run_json(tmp_path / "c.json", meta, [dict(base, dualkv_ms=400.0, dualkv_gb=30.0)])
+    rows, _ = model_gpu.merge([a, b, c])
+    (row,) = rows
+    assert (row["baseline_ms"], row["baseline_gb"], row["baseline_mb"]) == (800.0, 40.0, 2)
+    assert (row["baseline_full_ms"], row["baseline_full_gb"]) == (780.0, 80.0)
+    assert row["dualkv_ms"] == 400.0
+    # saved 1 - 30/80 = 0.625 of a goal of 0.8 x (1 - 1/2) = 0.4
+    assert model_gpu.memory_goal(row, meta) == f"{0.625 / 0.4:.2f}"
+    # The same runs in the other order give the same row.
+    rows2, _ = model_gpu.merge([b, a, c])
+    assert rows2 == rows
+
+
+def test_memory_goal_is_a_bound_where_the_full_batch_ran_out_of_memory():
+    meta = {"device_gb": 100.0}
+    row = dict(rho=4.0, dualkv_gb=40.0, baseline_full_ms="OOM", baseline_mb=4, baseline_gb=50.0)
+    # at least 1 - 40/100 = 0.6 saved, goal 0.8 x 0.75 = 0.6
+    assert model_gpu.memory_goal(row, meta) == ">= 1.00"
+    assert model_gpu.memory_goal(dict(row, baseline_full_ms=None), meta) == "-"
