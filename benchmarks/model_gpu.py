@@ -215,6 +215,7 @@ def merge(paths: list[str]) -> tuple[list[dict], dict]:
     (``baseline_full_ms``/``_gb``), so the table shows both."""
     rows: dict = {}
     meta: dict = {}
+    dates: list = []
     for path in paths:
         with open(path) as f:
             run = json.load(f)
@@ -232,7 +233,12 @@ def merge(paths: list[str]) -> tuple[list[dict], dict]:
             elif into.get("baseline_mb") == 1 and r.get("baseline_mb", 1) > 1:
                 for k in ("ms", "gb"):
                     into[f"baseline_full_{k}"] = into.pop(f"baseline_{k}")
+            for v in ("baseline", "dualkv", "flex"):
+                if f"{v}_ms" in r and f"{v}_error" not in r:
+                    into.pop(f"{v}_error", None)  # measured now
             into.update(r)
+        dates.append(run["meta"].get("date", "?"))
+    meta["date"] = ", ".join(sorted(set(dates)))
     return list(rows.values()), meta
 
 

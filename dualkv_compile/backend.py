@@ -241,7 +241,9 @@ def _nested_compile(gm: fx.GraphModule, cfg: DualKVConfig, mode: Optional[str], 
     def run(*args):
         # Dynamic-shape graphs read module floats as `tensor.item()` (Dynamo
         # lifts them as inputs); the outer trace captured those, so must this one.
-        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        # No duck shaping: a batch dim that happens to equal a fixed size (a rotary buffer's length)
+        # would share its symbol and be specialised with it, recompiling for every new batch.
+        with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.fx.experimental._config.patch(use_duck_shape=False):
             return compiled(*args)
 
     return run
@@ -408,6 +410,7 @@ class PackedRunner:
         self.scalar_checks = list(scalar_checks)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.input_index = {role: placeholders.index(node) for role, node in axes.token_inputs.items()}
+        self.outer_dynamic = _is_dynamic(gm)
         # Token-major inputs carried from an earlier graph (hidden states, logits): checked for sharing per call.
         self.carried = [(role.split(":", 1)[1], i) for role, i in self.input_index.items() if role.startswith("carried:")]
         self.active: Optional[active_layout.ActiveLayout] = None
@@ -422,7 +425,12 @@ class PackedRunner:
         def count():
             self.report.packed_compiles += 1
 
-        return _nested_compile(self.packed_gm, self.cfg, self.mode, dynamic=None, on_compile=count)
+        # A dynamic outer graph (Dynamo's recompile after a shape changed) passes symbolic sizes, ints
+        # included, that a dynamic=None compile would specialise to their first values: all dynamic
+        # then (parameters stay static: force_parameter_static_shapes). A static one: only the
+        # packed layout's per-token and per-segment sizes, marked per call.
+        dynamic = True if self.outer_dynamic else None
+        return _nested_compile(self.packed_gm, self.cfg, self.mode, dynamic=dynamic, on_compile=count)
 
     def __call__(self, *args):
         self.report.calls += 1

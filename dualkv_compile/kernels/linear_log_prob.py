@@ -150,51 +150,69 @@ def _no_autocast(t: torch.Tensor):
     return contextlib.nullcontext()
 
 
-def _post(y, scale, divide, scale_first, upcast):
-    """The scalar chain on one chunk's logits, out of place, rounded step by step as the unfused graph rounds it."""
-    if scale_first and scale != 1.0:
-        y = y / scale if divide else y * scale
+def _scaled(x, scale, divide, inplace):
+    if scale == 1.0:
+        return x
+    if inplace:  # the same kernel and rounding as out of place
+        return x.div_(scale) if divide else x.mul_(scale)
+    return x / scale if divide else x * scale
+
+
+def _post(y, scale, divide, scale_first, upcast, inplace):
+    """The scalar chain on one chunk's logits, rounded step by step as the unfused graph rounds it."""
+    if scale_first:
+        y = _scaled(y, scale, divide, inplace)
     if upcast:
         y = y.float()
-    if not scale_first and scale != 1.0:
-        y = y / scale if divide else y * scale
+    if not scale_first:
+        y = _scaled(y, scale, divide, inplace)
     return y
 
 
-def _chunk_forward(y, index, scale, divide, scale_first, upcast, cd: torch.dtype, out_dtype: torch.dtype):
+# ``inplace``: the eager path works in the chunk's own [C, V] buffer (its lm_head output, which it owns);
+# the compiled path (CUDA) is written out of place, which Inductor fuses without copying inputs back.
+
+
+def _chunk_forward(y, index, scale, divide, scale_first, upcast, cd: torch.dtype, out_dtype: torch.dtype, inplace: bool):
     """(out, lse) of one chunk from its raw lm_head output ``y`` [C, V]: the picked log-probs and the logsumexp."""
-    y = _post(y, scale, divide, scale_first, upcast).to(cd)
+    y = _post(y, scale, divide, scale_first, upcast, inplace).to(cd)
     picked = y.gather(1, index)
     m = y.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row of -inf: no nan from -inf - -inf
-    log_sum = (y - m).exp().sum(dim=-1, keepdim=True).log()
+    if inplace:
+        log_sum = y.sub_(m).exp_().sum(dim=-1, keepdim=True).log_()
+    else:
+        log_sum = (y - m).exp().sum(dim=-1, keepdim=True).log()
     # (x - max) - log(sum), in that order, as the log_softmax kernels round it.
     return ((picked - m) - log_sum).to(out_dtype), (m + log_sum).squeeze(-1)
 
 
-def _chunk_grad(y, g, lse, index, scale, divide, scale_first, upcast, cd: torch.dtype):
+def _chunk_grad(y, g, lse, index, scale, divide, scale_first, upcast, cd: torch.dtype, inplace: bool):
     """The gradient of one chunk's raw lm_head output ``y`` [C, V] (its dtype) for upstream ``g`` [C, K]."""
     logits_dtype = y.dtype
     g = g.to(cd)
     # d log_softmax: scatter(g) - softmax * sum(g).
-    d = (_post(y, scale, divide, scale_first, upcast).to(cd) - lse[:, None]).exp() * -g.sum(dim=-1, keepdim=True)
-    if index.shape[1] == 1:
-        # One id per token (the next token): a select instead of a scatter, so Inductor fuses it.
-        column = torch.arange(d.shape[1], device=d.device)
-        d = d + torch.where(column[None, :] == index, g, torch.zeros_like(g))
+    d = _post(y, scale, divide, scale_first, upcast, inplace).to(cd)
+    if inplace:
+        d.sub_(lse[:, None]).exp_().mul_(-g.sum(dim=-1, keepdim=True))
+        d.scatter_add_(1, index, g)
     else:
-        d = d.scatter_add(1, index, g)
+        d = (d - lse[:, None]).exp() * -g.sum(dim=-1, keepdim=True)
+        if index.shape[1] == 1:
+            # One id per token (the next token): a select instead of a scatter, so Inductor fuses it.
+            column = torch.arange(d.shape[1], device=d.device)
+            d = d + torch.where(column[None, :] == index, g, torch.zeros_like(g))
+        else:
+            d = d.scatter_add(1, index, g)
     # Back through post in reverse, each step in the dtype autograd would use.
     if upcast:
-        if not scale_first and scale != 1.0:
-            d = d / scale if divide else d * scale
+        if not scale_first:
+            d = _scaled(d, scale, divide, inplace)
         d = d.to(logits_dtype)
-        if scale_first and scale != 1.0:
-            d = d / scale if divide else d * scale
+        if scale_first:
+            d = _scaled(d, scale, divide, inplace)
     else:
-        d = d.to(logits_dtype)
-        if scale != 1.0:
-            d = d / scale if divide else d * scale
+        d = _scaled(d.to(logits_dtype), scale, divide, inplace)
     return d
 
 
@@ -206,8 +224,9 @@ _COMPILED: dict = {}
 
 
 def _chunk_fn(fn, device: torch.device):
+    """(the function to run a chunk with, whether it may work in place)."""
     if device.type != "cuda" or _COMPILED.get(fn.__name__) is False:
-        return fn
+        return fn, True
     if fn.__name__ not in _COMPILED:
         _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True, fullgraph=True)
     compiled = _COMPILED[fn.__name__]
@@ -220,7 +239,7 @@ def _chunk_fn(fn, device: torch.device):
             _COMPILED[fn.__name__] = False
             return fn(*args)
 
-    return run
+    return run, False
 
 
 def _forward(hidden, weight, rows, index, scale, divide, scale_first, upcast, chunk_bytes):
@@ -229,11 +248,11 @@ def _forward(hidden, weight, rows, index, scale, divide, scale_first, upcast, ch
     out = torch.empty(index.shape, dtype=out_dtype, device=hidden.device)
     lse = torch.empty(T, dtype=cd, device=hidden.device)
     C = chunk_rows(weight.shape[0], cd, chunk_bytes)
-    chunk_forward = _chunk_fn(_chunk_forward, hidden.device)
+    chunk_forward, inplace = _chunk_fn(_chunk_forward, hidden.device)
     for t0 in range(0, T, C):
         t1 = min(t0 + C, T)
         y = F.linear(hidden.index_select(0, rows[t0:t1]), weight)
-        out[t0:t1], lse[t0:t1] = chunk_forward(y, index[t0:t1], scale, divide, scale_first, upcast, cd, out_dtype)
+        out[t0:t1], lse[t0:t1] = chunk_forward(y, index[t0:t1], scale, divide, scale_first, upcast, cd, out_dtype, inplace)
         del y
     return out, lse
 
@@ -246,12 +265,12 @@ def _backward(grad, hidden, weight, rows, index, lse, scale, divide, scale_first
     d_hidden = torch.zeros(hidden.shape, dtype=acc_dtype, device=hidden.device) if need_hidden else None
     d_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
     C = chunk_rows(weight.shape[0], cd, chunk_bytes)
-    chunk_grad = _chunk_fn(_chunk_grad, hidden.device)
+    chunk_grad, inplace = _chunk_fn(_chunk_grad, hidden.device)
     for t0 in range(0, T, C):
         t1 = min(t0 + C, T)
         rows_c = rows[t0:t1]
         h = hidden.index_select(0, rows_c)
-        d = chunk_grad(F.linear(h, weight), grad[t0:t1], lse[t0:t1], index[t0:t1], scale, divide, scale_first, upcast, cd)
+        d = chunk_grad(F.linear(h, weight), grad[t0:t1], lse[t0:t1], index[t0:t1], scale, divide, scale_first, upcast, cd, inplace)
         if need_hidden:
             d_hidden.index_add_(0, rows_c, _mm(d, weight, acc_dtype))
         if need_weight:

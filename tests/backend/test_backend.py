@@ -183,7 +183,7 @@ def test_sliding_window_mask_disables_rewrite():
 
 
 def test_recompilation_is_bounded():
-    """20 steps with different P, N, R_i and group counts compile the packed graph a bounded number of times."""
+    """20 steps with different P, N, R_i, group counts and batch sizes compile the packed graph once per Dynamo graph."""
     torch._dynamo.reset()
     model = _hf_model("qwen3", "sdpa", layers=1)
     compiled = torch.compile(model, backend=functools.partial(dualkv_backend, options={"inner": "aot_eager"}))
@@ -202,7 +202,10 @@ def test_recompilation_is_bounded():
     graphs = len(new)
     print(f"20 steps: {graphs} Dynamo graphs, packed graph compiled {packed_compiles} times")
     assert sum(r.packed_calls for r in new) == 20
-    assert graphs <= 2 and packed_compiles <= 4
+    # One packed compile per Dynamo graph (the static first one, the dynamic recompile): new layouts,
+    # batch sizes and lengths reuse it. Failed with 3 compiles while the nested compile duck-shaped the
+    # batch dim with the rotary buffer's length (both 4) and specialised it.
+    assert graphs <= 2 and packed_compiles == graphs
 
 
 def test_explain_reports_layout_and_refusals(capsys):

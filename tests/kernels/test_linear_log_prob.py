@@ -199,3 +199,24 @@ def test_compile_once_for_two_token_counts():
         for a, b in zip(got_grads, want_grads):
             assert rel(a, b) <= 1e-5
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("post", POSTS, ids=str)
+@pytest.mark.parametrize("K", [1, 3])
+def test_out_of_place_chunk_math_equals_in_place(post, K):
+    """The chunk functions as CUDA compiles them (out of place, a select for K = 1) equal the in-place eager ones."""
+    from dualkv_compile.kernels.linear_log_prob import _chunk_forward, _chunk_grad
+
+    scale, divide, scale_first, upcast = post
+    g = torch.Generator().manual_seed(1)
+    y = torch.randn(7, V, generator=g).bfloat16()
+    index = torch.randint(0, V, (7, K), generator=g)
+    up = torch.randn(7, K, generator=g)
+    cd, out_dtype = torch.float32, (torch.float32 if upcast else torch.bfloat16)
+    fwd = [_chunk_forward(y.clone(), index, scale, divide, scale_first, upcast, cd, out_dtype, inplace) for inplace in (True, False)]
+    for a, b in zip(*fwd):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    lse = fwd[0][1]
+    grads = [_chunk_grad(y.clone(), up, lse, index, scale, divide, scale_first, upcast, cd, inplace) for inplace in (True, False)]
+    assert grads[0].dtype == grads[1].dtype == torch.bfloat16
+    torch.testing.assert_close(grads[0].float(), grads[1].float(), rtol=0, atol=0)
