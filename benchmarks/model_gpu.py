@@ -219,7 +219,7 @@ def merge(paths: list[str]) -> tuple[list[dict], dict]:
     for path in paths:
         with open(path) as f:
             run = json.load(f)
-        meta = {**run["meta"], **meta} if meta else dict(run["meta"])
+        meta = {**run["meta"], **meta}  # the earliest run's values where runs differ
         for r in run["rows"]:
             key = (r["model"], r["batch"])
             into = rows.setdefault(key, {})

@@ -93,7 +93,7 @@ def _match_sdpa(node: fx.Node) -> AttentionMatch:
     scale = _arg(node, 6, "scale")
     m = AttentionMatch(node, q, k, v, mask, is_causal, scale, "sdpa")
     for name, value in (("dropout_p", dropout), ("scale", scale)):
-        src = _item_of_placeholder(value)
+        src = item_of_placeholder(value)
         if src is not None:
             m.scalar_inputs[name] = src
     if "dropout_p" in m.scalar_inputs:
@@ -165,7 +165,7 @@ def _match_eager(softmax: fx.Node) -> Optional[AttentionMatch]:
     return AttentionMatch(u, q, k, v, mask, False, scale, "eager", tuple(internal), refusal)
 
 
-def _item_of_placeholder(x) -> Optional[fx.Node]:
+def item_of_placeholder(x) -> Optional[fx.Node]:
     """The placeholder ``p`` if ``x`` is ``p.item()``, else None."""
     if isinstance(x, fx.Node) and x.op == "call_method" and x.target == "item":
         src = x.args[0]

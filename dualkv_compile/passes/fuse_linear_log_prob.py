@@ -62,6 +62,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..kernels import linear_log_prob as _op  # registers torch.ops.dualkv.linear_log_prob
+from .attention_match import item_of_placeholder
 from .inline_checkpoint import RECOMPUTE_META
 from .packed_ops import gather_previous
 
@@ -129,10 +130,8 @@ def _input_scalar(n) -> Optional[fx.Node]:
     by Dynamo), or a SymFloat placeholder; else None."""
     if not isinstance(n, fx.Node):
         return None
-    if n.op == "call_method" and n.target == "item" and len(n.args) == 1 and not n.kwargs:
-        src = n.args[0]
-        if not isinstance(src, fx.Node) or src.op != "placeholder":
-            return None
+    src = item_of_placeholder(n)
+    if src is not None:
         ev = src.meta.get("example_value")
         return src if isinstance(ev, torch.Tensor) and ev.dim() == 0 and ev.dtype.is_floating_point else None
     if n.op == "placeholder" and isinstance(n.meta.get("example_value"), (float, torch.SymFloat)):

@@ -320,12 +320,10 @@ def _kind(tags: Tags) -> Kind:
 
 def _input_info(role: str, ev, B: int, S: int) -> NodeInfo:
     shape = [hint(d) for d in ev.shape]
-    if role.startswith("carried:"):
+    if role.startswith("carried:") or role == "inputs_embeds":
         return NodeInfo(Kind.TOKEN, ("b", "s") + (None,) * (ev.dim() - 2), slen=S)
     if role.startswith("column:"):
         return NodeInfo(Kind.COLUMN, (None, "s") + (None,) * (ev.dim() - 2), slen=S)
-    if role == "inputs_embeds":
-        return NodeInfo(Kind.TOKEN, ("b", "s") + (None,) * (ev.dim() - 2), slen=S)
     if ev.dim() != 2 or shape[1] != S or shape[0] not in (1, B):
         return NodeInfo(Kind.ORIG, _untagged(ev), cause=f"{role} has shape {shape}, expected [B, S]")
     if shape[0] == 1 and B > 1:

@@ -27,6 +27,7 @@ from .test_policy_loss import (
     GROUPS,
     VOCAB,
     _packed_loss_graph,
+    assert_loss_and_grads_match,
     clipped_objective,
     grpo_token_mean,
     make_batch,
@@ -214,12 +215,7 @@ def test_policy_loss_parity(loss_fn, fused):
     ref_model = copy.deepcopy(model)
     compiled, runners = _compile_capturing(loss_fn, log_prob_chunk_bytes=8 * VOCAB * 4)
     batch = make_batch(GROUPS, seed=3)
-    loss, ref = compiled(model, batch), loss_fn(ref_model, batch)
-    assert _rel(loss.detach(), ref.detach()) <= 1e-5
-    loss.backward()
-    ref.backward()
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        assert _rel(p.grad, q.grad) <= 1e-5, name
+    assert_loss_and_grads_match(compiled(model, batch), loss_fn(ref_model, batch), model, ref_model)
     (runner,) = runners
     assert runner.report.packed_calls == 1 and runner.report.fused_log_probs == fused, str(runner.report)
     assert _fused_count(runner.packed_gm) == fused
@@ -240,12 +236,7 @@ def test_temperature_argument_under_dynamic_true():
     compiled = dualkv_compile.policy_loss(_grpo_at, inner="aot_eager", dynamic=True)
     start = len(dualkv_compile.reports())
     batch = make_batch(GROUPS, seed=4)
-    loss, ref = compiled(model, batch, 0.7), _grpo_at(ref_model, batch, 0.7)
-    assert _rel(loss.detach(), ref.detach()) <= 1e-5
-    loss.backward()
-    ref.backward()
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        assert _rel(p.grad, q.grad) <= 1e-5, name
+    assert_loss_and_grads_match(compiled(model, batch, 0.7), _grpo_at(ref_model, batch, 0.7), model, ref_model)
     (report,) = dualkv_compile.reports()[start:]
     assert report.fused_log_probs == 1 and report.packed_calls == 1, str(report)
 

@@ -87,6 +87,15 @@ LOSSES = [grpo_token_mean, dr_grpo_seq_mean_token_sum, seq_mean_token_mean, with
 GROUPS = [(6, [3, 4, 1, 5]), (4, [2, 5]), (7, [3])]
 
 
+def assert_loss_and_grads_match(loss, ref, model, ref_model, tol=1e-5):
+    """``loss`` equals ``ref`` and, after both backward passes, every parameter gradient of ``model`` equals ``ref_model``'s."""
+    assert _rel(loss.detach(), ref.detach()) <= tol
+    loss.backward()
+    ref.backward()
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert _rel(p.grad, q.grad) <= tol, name
+
+
 @pytest.mark.parametrize("loss_fn", LOSSES, ids=lambda f: f.__name__)
 def test_parity_with_undecorated_loss(loss_fn):
     torch._dynamo.reset()
@@ -96,13 +105,7 @@ def test_parity_with_undecorated_loss(loss_fn):
     start = len(dualkv_compile.reports())
     for seed, groups in enumerate([GROUPS, [(5, [2, 6, 3])]]):
         batch = make_batch(groups, seed=seed)
-        loss = decorated(model, batch)
-        ref = loss_fn(ref_model, batch)
-        assert _rel(loss.detach(), ref.detach()) <= 1e-5
-        loss.backward()
-        ref.backward()
-        for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-            assert _rel(p.grad, q.grad) <= 1e-5, name
+        assert_loss_and_grads_match(decorated(model, batch), loss_fn(ref_model, batch), model, ref_model)
         model.zero_grad(set_to_none=True)
         ref_model.zero_grad(set_to_none=True)
     # Two batch shapes: a static graph, then Dynamo's dynamic-shape one; both must run packed.
