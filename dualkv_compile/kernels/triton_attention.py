@@ -19,8 +19,9 @@ Backward modes: ``deterministic=True`` uses the KV-major dK/dV kernel with
 all query heads of a kv head in one program plus the Q-major dQ kernel; no
 atomics anywhere, bitwise reproducible. The default mode uses whatever the
 tuning table marks fastest, which may add float32 atomics (``head_split`` > 1
-spreads the query heads of a kv head over programs; ``atomic_dq`` adds dQ
-from the KV-major kernel instead of recomputing it).
+spreads the query heads of a kv head over programs; ``dq_mode`` "atomic" or
+"tma" adds dQ from the KV-major kernel instead of recomputing it in a Q-major
+one, "tma" through TMA bulk reductions, on Hopper and newer only).
 
 Runs on CUDA (compute capability 8.0+; tuned for Hopper) and, for tests, on
 CPU under ``TRITON_INTERPRET=1``, which must be set before this package's
@@ -47,6 +48,9 @@ __all__ = ["supports", "forward", "backward", "KernelConfig", "Config", "config_
 LOG2E = 1.4426950408889634
 
 
+DQ_MODES = ("recompute", "atomic", "tma")
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     block_m: int
@@ -61,15 +65,24 @@ class Config:
 
     ``fwd`` and ``dq`` tile query rows by ``block_m`` and walk keys by
     ``block_n``; ``dkdv`` tiles keys by ``block_n`` and walks query rows by
-    ``block_m``. ``head_split`` and ``atomic_dq`` apply to the default
-    (non-deterministic) backward only.
+    ``block_m``. ``head_split`` and ``dq_mode`` apply to the default
+    (non-deterministic) backward only. ``dq_mode``: "recompute" (the Q-major
+    dQ kernel recomputes S and dP), "atomic" (the dK/dV kernel adds dS K
+    into a float32 buffer, per-element atomics) or "tma" (the same with one
+    TMA bulk reduction per block; CUDA capability 9.0+, else "atomic").
     """
 
     fwd: KernelConfig
     dkdv: KernelConfig
     dq: KernelConfig
     head_split: int = 1
-    atomic_dq: bool = False
+    dq_mode: str = "recompute"
+
+    def __post_init__(self):
+        if self.dq_mode not in DQ_MODES:
+            raise ValueError(f"Config.dq_mode: expected one of {DQ_MODES}, got {self.dq_mode!r}")
+        if self.head_split < 1:
+            raise ValueError(f"Config.head_split: expected a positive int, got {self.head_split}")
 
 
 # Hopper (H100 / H200), bf16/fp16, measured with benchmarks/triton_tune.py
@@ -251,6 +264,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, segs: Segments) -> None:
         raise ValueError(f"triton attention: too many tiles for one launch (T={T})")
 
 
+def _has_tma(q: torch.Tensor) -> bool:
+    return q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) >= (9, 0)
+
+
 def _dot_flags(q: torch.Tensor) -> dict:
     # The CPU interpreter gets bf16 dots wrong; the kernels then widen bf16 tiles to fp32 at load.
     upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
@@ -300,15 +317,20 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     G = Hq // Hkv
     full = config or config_for(q)
     head_split = 1 if deterministic else math.gcd(full.head_split, G)
-    atomic_dq = full.atomic_dq and not deterministic
+    dq_mode = "recompute" if deterministic else full.dq_mode
+    if dq_mode == "tma" and not (_has_tma(q) and D % 4 == 0 and Hq * T < 2**31):
+        # TMA needs Hopper, 16-byte row strides of the float32 buffer, and int32 row indices.
+        log.debug("triton attention: dq_mode 'tma' cannot run here (device, D=%d, Hq*T=%d); using 'atomic'", D, Hq * T)
+        dq_mode = "atomic"
     dev, BD = q.device, _block_d(D)
     lse = lse.contiguous()
     flags = _dot_flags(q)
+    c = full.dkdv
 
-    if atomic_dq:
-        dq = torch.zeros((1, Hq, T, D), dtype=torch.float32, device=dev)
-    else:
+    if dq_mode == "recompute":
         dq = torch.empty((1, Hq, T, D), dtype=q.dtype, device=dev)
+    else:
+        dq = torch.zeros((1, Hq, T, D), dtype=torch.float32, device=dev)
     acc_dtype = torch.float32 if head_split > 1 else k.dtype
     dk = (torch.zeros if head_split > 1 else torch.empty)((1, Hkv, T, D), dtype=acc_dtype, device=dev)
     dv = (torch.zeros if head_split > 1 else torch.empty)((1, Hkv, T, D), dtype=acc_dtype, device=dev)
@@ -322,19 +344,25 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
         HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=pre_block,
     )
 
-    c = full.dkdv
+    dq_arg = dq
+    if dq_mode == "tma":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        # One bulk reduction per [block_m, BD] block of the [Hq * T, D] buffer; rows past
+        # a segment add exact zeros (see triton_bwd), columns past D are clipped by the TMA unit.
+        dq_arg = TensorDescriptor(dq.view(Hq * T, D), [Hq * T, D], [D, 1], [c.block_m, BD])
     tiles = _tile_schedule(segs, T, c.block_n, "kv")
     read_first, read_last = _reader_ranges(segs)
     bwd_dkdv_kernel[(Hkv * head_split, tiles.shape[1])](
-        q, k, v, dout, lse, delta, dk, dv, dq, tiles, tiles.shape[1],
+        q, k, v, dout, lse, delta, dk, dv, dq_arg, tiles, tiles.shape[1], T,
         segs.seg_start, segs.seg_len, read_first, read_last,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv), *_strides(dq),
         lse.stride(1), G, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_SPLIT=head_split,
-        ATOMIC_DQ=atomic_dq, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
+        ATOMIC_DQ=DQ_MODES.index(dq_mode), **flags, num_warps=c.num_warps, num_stages=c.num_stages,
     )
 
-    if not atomic_dq:
+    if dq_mode == "recompute":
         c = full.dq
         tiles = _tile_schedule(segs, T, c.block_m, "q")
         bwd_dq_kernel[(Hq, tiles.shape[1])](

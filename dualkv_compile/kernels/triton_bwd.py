@@ -22,8 +22,11 @@ dQ = scale * dS K,  dK = scale * dS^T Q.  Three kernels:
     query heads of a kv head are spread over that many programs, which then
     add their partial sums into float32 buffers with atomics (more
     parallelism, not bitwise reproducible). With ``ATOMIC_DQ`` the same
-    program also adds dS K into a float32 dQ buffer with atomics, saving the
-    Q-major kernel's recomputation (not bitwise reproducible).
+    program also adds dS K into a float32 dQ buffer, saving the Q-major
+    kernel's recomputation of S and dP (not bitwise reproducible): ``1``
+    with per-element atomics, ``2`` with one TMA bulk reduction per block
+    (Hopper and newer; ``DQ`` is then a tensor descriptor over the buffer
+    seen as ``[Hq * T, D]``, and the reduction's row ``head * T + row``).
 
 ``bwd_dq_kernel`` (Q-major)
     One program per query tile and query head walks the same two regions as
@@ -37,8 +40,12 @@ consecutive: ``READ_FIRST[s]..READ_LAST[s]`` (empty when first > last).
 Guarantees: every valid row of dQ and every valid key row of dK/dV is written
 (or, in the atomic modes, added into zeroed float32 buffers); contributions
 of rows or columns outside a segment are exactly zero: masked loads give
-q = dO = 0 (rows) or k = v = 0 (columns), which zero the products that reach
-a stored value, so ragged edges cost load masks only.
+q = dO = 0 (rows) or k = v = 0 (columns), and the probabilities of masked
+columns are set to zero wherever they reach dQ (exp of a zero score minus a
+very negative lse would overflow, and inf * 0 is NaN). A TMA reduction of a
+ragged query block also adds its rows past the segment, into the next
+segment's rows or the next head's: those rows are exact zeros (q = dO = 0
+and lse = Delta = 0 there), so adding them changes nothing.
 """
 
 from __future__ import annotations
@@ -73,7 +80,7 @@ def bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_q_block(
-    dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, start_m, row_end, offs_n, offs_d, d_ok,
+    dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, dq_row0, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
     stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, ROW_MASK: tl.constexpr,
     EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -98,16 +105,21 @@ def _dkdv_q_block(
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     ds_t = p_t * (dp_t - delta[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
-    if ATOMIC_DQ:
+    if ATOMIC_DQ != 0:
+        # Columns past the segment hold k = 0 but p can overflow there; zero them before dS reaches dQ.
+        ds_t = tl.where(col_ok[:, None], ds_t, 0.0)
         dq = tl.dot(tl.trans(ds_t).to(k.dtype), k, input_precision=DOT_PREC) * sm_scale
-        dq_ptrs = DQh + rows[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
-        tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+        if ATOMIC_DQ == 1:
+            dq_ptrs = DQh + rows[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
+            tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+        else:
+            DQh.atomic_add([dq_row0 + start_m, 0], dq)
     return dk, dv
 
 
 @triton.jit
 def _dkdv_rows(
-    dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, row_start, row_end, offs_n, offs_d, d_ok,
+    dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, dq_row0, row_start, row_end, offs_n, col_ok, offs_d, d_ok,
     stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -116,20 +128,20 @@ def _dkdv_rows(
     full_end = row_start + ((row_end - row_start) // BLOCK_M) * BLOCK_M
     for start_m in range(row_start, full_end, BLOCK_M):
         dk, dv = _dkdv_q_block(
-            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, start_m, row_end, offs_n, offs_d, d_ok,
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, dq_row0, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
             stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
             BLOCK_M, False, False, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST)
     if full_end < row_end:
         dk, dv = _dkdv_q_block(
-            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, full_end, row_end, offs_n, offs_d, d_ok,
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, dq_row0, full_end, row_end, offs_n, col_ok, offs_d, d_ok,
             stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
             BLOCK_M, False, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST)
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["num_tiles"])
+@triton.jit(do_not_specialize=["num_tiles", "T"])
 def bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, TILES, num_tiles,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, TILES, num_tiles, T,
     SEG_START, SEG_LEN, READ_FIRST, READ_LAST,
     stride_qh, stride_qt, stride_qd,
     stride_kh, stride_kt, stride_kd,
@@ -181,14 +193,19 @@ def bwd_dkdv_kernel(
         DOh = DO + head.to(tl.int64) * stride_doh
         LSEh = LSE + head.to(tl.int64) * stride_lh
         DELTAh = DELTA + head.to(tl.int64) * stride_lh
-        DQh = DQ + head.to(tl.int64) * stride_dqh
+        if ATOMIC_DQ == 2:
+            DQh = DQ
+            dq_row0 = head * T
+        else:
+            DQh = DQ + head.to(tl.int64) * stride_dqh
+            dq_row0 = 0
         for j in range(0, n_diag):
             dk, dv = _dkdv_q_block(
-                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, n0 + j * BLOCK_M, seg_end, offs_n, offs_d, d_ok,
+                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, dq_row0, n0 + j * BLOCK_M, seg_end, offs_n, col_ok, offs_d, d_ok,
                 stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
                 BLOCK_M, True, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST)
         dk, dv = _dkdv_rows(
-            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, after_diag, seg_end, offs_n, offs_d, d_ok,
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, dq_row0, after_diag, seg_end, offs_n, col_ok, offs_d, d_ok,
             stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
             BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST)
         # Segments that read this one as their prefix (empty unless it is a shared prompt).
@@ -196,7 +213,7 @@ def bwd_dkdv_kernel(
             r_start = tl.load(SEG_START + r)
             r_end = r_start + tl.load(SEG_LEN + r)
             dk, dv = _dkdv_rows(
-                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, r_start, r_end, offs_n, offs_d, d_ok,
+                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, dq_row0, r_start, r_end, offs_n, col_ok, offs_d, d_ok,
                 stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
                 BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST)
 
@@ -225,9 +242,11 @@ def _dq_kv_block(
     v = _load_tile(Vh + cols[:, None] * stride_vt + offs_d[None, :] * stride_vd, col_ok, d_ok, MASK != 0, EVEN_D, UPCAST)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     p = tl.math.exp2(s * qk_scale - lse2[:, None])
+    if MASK == 1:
+        # k = 0 past the prefix, but p = exp2(0 - lse) can overflow there (and inf * 0 is NaN).
+        p = tl.where(col_ok[None, :], p, 0.0)
     if MASK == 2:
         p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)
-    # Ragged columns need no mask: k = 0 there, so dS's column times k adds nothing.
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     ds = p * (dp - delta[:, None])
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
