@@ -185,7 +185,6 @@ def main():
     for D in (64, 128):
         cfg = ta.config_for(torch.empty(1, 1, 1, D, device="cuda", dtype=torch.bfloat16))
         for variant, c in (("table", cfg), ("atomic_dq", Config(cfg.fwd, cfg.dkdv, cfg.dq, 1, "atomic")),
-                           ("tma_dq", Config(cfg.fwd, cfg.dkdv, cfg.dq, 2, "tma")),
                            ("head_split2", Config(cfg.fwd, cfg.dkdv, cfg.dq, 2, "recompute"))):
             try:
                 check(c, f"{variant}-D{D}", D=D)
@@ -203,16 +202,13 @@ def main():
     fwd_variants = {
         "f128x128w8s3": KC(128, 128, 8, 3), "f128x128w8s4": KC(128, 128, 8, 4), "f128x64w8s4": KC(128, 64, 8, 4),
     }
-    # Run 3 (2026-11-22) chose kv64x128w8s3/q128x64w8s3+hs2; run 4 (2026-11-23) adds dQ by TMA bulk reductions.
+    # Run 3 (2026-11-22) chose kv64x128w8s3/q128x64w8s3+hs2. Run 4 (2026-11-23) also tried dQ by TMA bulk
+    # reductions from the dK/dV kernel: out of shared memory with 64x128 tiles at D=128, 13-21% slower than
+    # this table with 32x128 tiles (triton_tuning.md); that mode is gone.
     bwd_variants = {
         "kv64x128w8s3/q128x64w8s3+hs2": (KC(64, 128, 8, 3), KC(128, 64, 8, 3), 2, "recompute"),
         "kv32x128w8s3/q128x64w8s3+hs2": (KC(32, 128, 8, 3), KC(128, 64, 8, 3), 2, "recompute"),
         "kv64x128w8s3+hs2+atomic": (KC(64, 128, 8, 3), KC(128, 64, 8, 3), 2, "atomic"),
-        "kv64x128w8s3+hs2+tma": (KC(64, 128, 8, 3), KC(128, 64, 8, 3), 2, "tma"),
-        "kv64x128w8s3+hs1+tma": (KC(64, 128, 8, 3), KC(128, 64, 8, 3), 1, "tma"),
-        "kv64x128w8s2+hs2+tma": (KC(64, 128, 8, 2), KC(128, 64, 8, 3), 2, "tma"),
-        "kv32x128w8s3+hs2+tma": (KC(32, 128, 8, 3), KC(128, 64, 8, 3), 2, "tma"),
-        "kv64x128w8s3+hs4+tma": (KC(64, 128, 8, 3), KC(128, 64, 8, 3), 4, "tma"),
     }
     best_fwd, best_bwd = table.fwd, (table.dkdv, table.dq, table.head_split, table.dq_mode)
     if not args.skip_sweep:

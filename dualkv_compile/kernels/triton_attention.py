@@ -19,9 +19,8 @@ Backward modes: ``deterministic=True`` uses the KV-major dK/dV kernel with
 all query heads of a kv head in one program plus the Q-major dQ kernel; no
 atomics anywhere, bitwise reproducible. The default mode uses whatever the
 tuning table marks fastest, which may add float32 atomics (``head_split`` > 1
-spreads the query heads of a kv head over programs; ``dq_mode`` "atomic" or
-"tma" adds dQ from the KV-major kernel instead of recomputing it in a Q-major
-one, "tma" through TMA bulk reductions, on Hopper and newer only).
+spreads the query heads of a kv head over programs; ``dq_mode="atomic"``
+adds dQ from the KV-major kernel instead of recomputing it in a Q-major one).
 
 Runs on CUDA (compute capability 8.0+; tuned for Hopper) and, for tests, on
 CPU under ``TRITON_INTERPRET=1``, which must be set before this package's
@@ -48,7 +47,7 @@ __all__ = ["supports", "forward", "backward", "KernelConfig", "Config", "config_
 LOG2E = 1.4426950408889634
 
 
-DQ_MODES = ("recompute", "atomic", "tma")
+DQ_MODES = ("recompute", "atomic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +66,10 @@ class Config:
     ``block_n``; ``dkdv`` tiles keys by ``block_n`` and walks query rows by
     ``block_m``. ``head_split`` and ``dq_mode`` apply to the default
     (non-deterministic) backward only. ``dq_mode``: "recompute" (the Q-major
-    dQ kernel recomputes S and dP), "atomic" (the dK/dV kernel adds dS K
-    into a float32 buffer, per-element atomics) or "tma" (the same with one
-    TMA bulk reduction per block; CUDA capability 9.0+, else "atomic").
+    dQ kernel recomputes S and dP) or "atomic" (the dK/dV kernel adds dS K
+    into a float32 buffer with atomics; slower on the H200 so far, and TMA
+    bulk reductions instead of per-element atomics did not fit its tiles:
+    benchmarks/results/triton_tuning.md).
     """
 
     fwd: KernelConfig
@@ -264,10 +264,6 @@ def _check(q: torch.Tensor, k: torch.Tensor, segs: Segments) -> None:
         raise ValueError(f"triton attention: too many tiles for one launch (T={T})")
 
 
-def _has_tma(q: torch.Tensor) -> bool:
-    return q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) >= (9, 0)
-
-
 def _dot_flags(q: torch.Tensor) -> dict:
     # The CPU interpreter gets bf16 dots wrong; the kernels then widen bf16 tiles to fp32 at load.
     upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
@@ -318,10 +314,6 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     full = config or config_for(q)
     head_split = 1 if deterministic else math.gcd(full.head_split, G)
     dq_mode = "recompute" if deterministic else full.dq_mode
-    if dq_mode == "tma" and not (_has_tma(q) and D % 4 == 0 and Hq * T < 2**31):
-        # TMA needs Hopper, 16-byte row strides of the float32 buffer, and int32 row indices.
-        log.debug("triton attention: dq_mode 'tma' cannot run here (device, D=%d, Hq*T=%d); using 'atomic'", D, Hq * T)
-        dq_mode = "atomic"
     dev, BD = q.device, _block_d(D)
     lse = lse.contiguous()
     flags = _dot_flags(q)
@@ -344,22 +336,15 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
         HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=pre_block,
     )
 
-    dq_arg = dq
-    if dq_mode == "tma":
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        # One bulk reduction per [block_m, BD] block of the [Hq * T, D] buffer; rows past
-        # a segment add exact zeros (see triton_bwd), columns past D are clipped by the TMA unit.
-        dq_arg = TensorDescriptor(dq.view(Hq * T, D), [Hq * T, D], [D, 1], [c.block_m, BD])
     tiles = _tile_schedule(segs, T, c.block_n, "kv")
     read_first, read_last = _reader_ranges(segs)
     bwd_dkdv_kernel[(Hkv * head_split, tiles.shape[1])](
-        q, k, v, dout, lse, delta, dk, dv, dq_arg, tiles, tiles.shape[1], T,
+        q, k, v, dout, lse, delta, dk, dv, dq, tiles, tiles.shape[1],
         segs.seg_start, segs.seg_len, read_first, read_last,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv), *_strides(dq),
         lse.stride(1), G, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_SPLIT=head_split,
-        ATOMIC_DQ=DQ_MODES.index(dq_mode), **flags, num_warps=c.num_warps, num_stages=c.num_stages,
+        ATOMIC_DQ=dq_mode == "atomic", **flags, num_warps=c.num_warps, num_stages=c.num_stages,
     )
 
     if dq_mode == "recompute":

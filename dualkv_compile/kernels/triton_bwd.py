@@ -22,11 +22,8 @@ dQ = scale * dS K,  dK = scale * dS^T Q.  Three kernels:
     query heads of a kv head are spread over that many programs, which then
     add their partial sums into float32 buffers with atomics (more
     parallelism, not bitwise reproducible). With ``ATOMIC_DQ`` the same
-    program also adds dS K into a float32 dQ buffer, saving the Q-major
-    kernel's recomputation of S and dP (not bitwise reproducible): ``1``
-    with per-element atomics, ``2`` with one TMA bulk reduction per block
-    (Hopper and newer; ``DQ`` is then a tensor descriptor over the buffer
-    seen as ``[Hq * T, D]``, and the reduction's row ``head * T + row``).
+    program also adds dS K into a float32 dQ buffer with atomics, saving the
+    Q-major kernel's recomputation (not bitwise reproducible).
 
 ``bwd_dq_kernel`` (Q-major)
     One program per query tile and query head walks the same two regions as
@@ -42,10 +39,7 @@ Guarantees: every valid row of dQ and every valid key row of dK/dV is written
 of rows or columns outside a segment are exactly zero: masked loads give
 q = dO = 0 (rows) or k = v = 0 (columns), and the probabilities of masked
 columns are set to zero wherever they reach dQ (exp of a zero score minus a
-very negative lse would overflow, and inf * 0 is NaN). A TMA reduction of a
-ragged query block also adds its rows past the segment, into the next
-segment's rows or the next head's: those rows are exact zeros (q = dO = 0
-and lse = Delta = 0 there), so adding them changes nothing.
+very negative lse overflows, and inf * 0 is NaN).
 """
 
 from __future__ import annotations
@@ -80,7 +74,7 @@ def bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_q_block(
-    dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, dq_row0, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
+    dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
     stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, ROW_MASK: tl.constexpr,
     EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -105,21 +99,18 @@ def _dkdv_q_block(
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     ds_t = p_t * (dp_t - delta[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
-    if ATOMIC_DQ != 0:
-        # Columns past the segment hold k = 0 but p can overflow there; zero them before dS reaches dQ.
+    if ATOMIC_DQ:
+        # Columns past the segment hold k = 0, but p can overflow there: zero them before dS reaches dQ.
         ds_t = tl.where(col_ok[:, None], ds_t, 0.0)
         dq = tl.dot(tl.trans(ds_t).to(k.dtype), k, input_precision=DOT_PREC) * sm_scale
-        if ATOMIC_DQ == 1:
-            dq_ptrs = DQh + rows[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
-            tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
-        else:
-            DQh.atomic_add([dq_row0 + start_m, 0], dq)
+        dq_ptrs = DQh + rows[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
+        tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _dkdv_rows(
-    dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, dq_row0, row_start, row_end, offs_n, col_ok, offs_d, d_ok,
+    dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, row_start, row_end, offs_n, col_ok, offs_d, d_ok,
     stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -128,20 +119,20 @@ def _dkdv_rows(
     full_end = row_start + ((row_end - row_start) // BLOCK_M) * BLOCK_M
     for start_m in range(row_start, full_end, BLOCK_M):
         dk, dv = _dkdv_q_block(
-            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, dq_row0, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
             stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
             BLOCK_M, False, False, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST)
     if full_end < row_end:
         dk, dv = _dkdv_q_block(
-            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, dq_row0, full_end, row_end, offs_n, col_ok, offs_d, d_ok,
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, full_end, row_end, offs_n, col_ok, offs_d, d_ok,
             stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
             BLOCK_M, False, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST)
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["num_tiles", "T"])
+@triton.jit(do_not_specialize=["num_tiles"])
 def bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, TILES, num_tiles, T,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, TILES, num_tiles,
     SEG_START, SEG_LEN, READ_FIRST, READ_LAST,
     stride_qh, stride_qt, stride_qd,
     stride_kh, stride_kt, stride_kd,
@@ -193,19 +184,14 @@ def bwd_dkdv_kernel(
         DOh = DO + head.to(tl.int64) * stride_doh
         LSEh = LSE + head.to(tl.int64) * stride_lh
         DELTAh = DELTA + head.to(tl.int64) * stride_lh
-        if ATOMIC_DQ == 2:
-            DQh = DQ
-            dq_row0 = head * T
-        else:
-            DQh = DQ + head.to(tl.int64) * stride_dqh
-            dq_row0 = 0
+        DQh = DQ + head.to(tl.int64) * stride_dqh
         for j in range(0, n_diag):
             dk, dv = _dkdv_q_block(
-                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, dq_row0, n0 + j * BLOCK_M, seg_end, offs_n, col_ok, offs_d, d_ok,
+                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, n0 + j * BLOCK_M, seg_end, offs_n, col_ok, offs_d, d_ok,
                 stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
                 BLOCK_M, True, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST)
         dk, dv = _dkdv_rows(
-            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, dq_row0, after_diag, seg_end, offs_n, col_ok, offs_d, d_ok,
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, after_diag, seg_end, offs_n, col_ok, offs_d, d_ok,
             stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
             BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST)
         # Segments that read this one as their prefix (empty unless it is a shared prompt).
@@ -213,7 +199,7 @@ def bwd_dkdv_kernel(
             r_start = tl.load(SEG_START + r)
             r_end = r_start + tl.load(SEG_LEN + r)
             dk, dv = _dkdv_rows(
-                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, dq_row0, r_start, r_end, offs_n, col_ok, offs_d, d_ok,
+                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, r_start, r_end, offs_n, col_ok, offs_d, d_ok,
                 stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
                 BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST)
 

@@ -166,12 +166,6 @@ def test_config_rejects_unknown_dq_mode():
         Config(SMALL, SMALL, SMALL, head_split=0)
 
 
-def test_tma_dq_falls_back_to_atomics_without_hopper():
-    layout = make_layout([(19, [5, 12])], seed=6)
-    tma = Config(SMALL, KernelConfig(16, 32, 4, 1), SMALL, head_split=2, dq_mode="tma")
-    check_against_reference(layout, layout.num_tokens, 4, 2, 64, torch.float32, tma if DEVICE == "cpu" else None, seed=6)
-
-
 def test_through_op_forward_and_backward():
     layout = make_layout([(21, [7, 13, 2]), (12, [30])], seed=3)
     T, Hq, Hkv, D = layout.num_tokens, 4, 2, 64
