@@ -239,7 +239,15 @@ def merge(paths: list[str]) -> tuple[list[dict], dict]:
             into.update(r)
         dates.append(run["meta"].get("date", "?"))
     meta["date"] = ", ".join(sorted(set(dates)))
-    return list(rows.values()), meta
+    return sorted(rows.values(), key=_row_order), meta
+
+
+def _row_order(r: dict) -> tuple:
+    """Models in MODELS' order, then batches in SHAPES' order; unknown ones last, as they came."""
+    model = r["model"].split()[0].removeprefix("qwen3-")
+    shapes = [str(s) for s in SHAPES]
+    return (list(MODELS).index(model) if model in MODELS else len(MODELS),
+            shapes.index(r["batch"]) if r["batch"] in shapes else len(shapes))
 
 
 def plot(rows, meta, out):

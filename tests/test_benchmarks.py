@@ -57,3 +57,15 @@ def test_memory_goal_is_a_bound_where_the_full_batch_ran_out_of_memory():
     # at least 1 - 40/100 = 0.6 saved, goal 0.8 x 0.75 = 0.6
     assert model_gpu.memory_goal(row, meta) == ">= 1.00"
     assert model_gpu.memory_goal(dict(row, baseline_full_ms=None), meta) == "-"
+
+
+def test_merge_orders_rows_by_model_then_shape(tmp_path):
+    meta = {"device": "X", "date": "d"}
+    row = lambda model, batch: dict(model=model, batch=batch, rho=2.0, ideal=1.9, tokens_before=2, tokens_after=1)  # noqa: E731
+    a = _run_json(tmp_path / "a.json", meta, [row("qwen3-8b (4 layers)", "groups"), row("qwen3-1.7b", "(8, 1024, 4096)")])
+    b = _run_json(tmp_path / "b.json", meta, [row("qwen3-1.7b", "(16, 4096, 1024)"), row("qwen3-0.6b", "groups")])
+    rows, _ = model_gpu.merge([a, b])
+    assert [(r["model"], r["batch"]) for r in rows] == [
+        ("qwen3-0.6b", "groups"), ("qwen3-1.7b", "(16, 4096, 1024)"), ("qwen3-1.7b", "(8, 1024, 4096)"),
+        ("qwen3-8b (4 layers)", "groups"),
+    ]
