@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -69,3 +71,30 @@ def test_merge_orders_rows_by_model_then_shape(tmp_path):
         ("qwen3-0.6b", "groups"), ("qwen3-1.7b", "(16, 4096, 1024)"), ("qwen3-1.7b", "(8, 1024, 4096)"),
         ("qwen3-8b (4 layers)", "groups"),
     ]
+
+
+def test_parameter_count_matches_the_model_it_builds():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    for name, vocab in (("tiny", model_gpu.TINY_VOCAB), ("0.6b", model_gpu.VOCAB)):
+        cfg = model_gpu.MODELS[name]
+        with torch.device("meta"):
+            model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, use_cache=False, **cfg))
+        assert model_gpu.parameter_count(cfg, vocab) == sum(p.numel() for p in model.parameters())
+
+
+def test_estimated_full_batch_memory_and_its_goal():
+    meta = {"dtype": "torch.bfloat16", "device_gb": 100.0}
+    static = model_gpu.parameter_count(model_gpu.MODELS["0.6b"]) * 4 / 2**30
+    row = dict(model="qwen3-0.6b", batch="(8, 1024, 4096)", rho=4.0, baseline_mb=4, baseline_gb=static + 10.0, dualkv_gb=8.0)
+    est = model_gpu.estimated_full_gb(row, meta)
+    assert abs(est - (static + 40.0)) < 1e-9
+    goal = (1 - 8.0 / est) / 0.6
+    assert model_gpu.memory_goal(row, meta) == f"est. {goal:.2f}"
+    # a full batch that ran out of memory: the bound, with the estimate beside it
+    assert model_gpu.memory_goal(dict(row, baseline_full_ms="OOM"), meta) == f">= {(1 - 8.0 / 100) / 0.6:.2f} (est. {goal:.2f})"
+    # a measured full batch wins over both
+    assert model_gpu.memory_goal(dict(row, baseline_full_gb=50.0), meta) == f"{(1 - 8.0 / 50) / 0.6:.2f}"
+    # one micro-batch, or an unknown model: nothing to scale
+    assert model_gpu.estimated_full_gb(dict(row, baseline_mb=1), meta) is None
+    assert model_gpu.estimated_full_gb(dict(row, model="other"), meta) is None
