@@ -252,6 +252,12 @@ def run_rank(args, device) -> int:
     a, b = local_grads(dk_model), local_grads(plain_model)
     grad_err = max((rel(a[k], b[k]) for k in b if b[k] is not None and b[k].numel()), default=0.0)
     missing = [k for k in b if (a[k] is None) != (b[k] is None)]
+    nonfinite = {}
+    for side, grads in (("dualkv", a), ("plain", b)):
+        bad = [k for k, g in grads.items() if g is not None and not torch.isfinite(g).all()]
+        nonfinite[side] = len(bad)
+        if bad:
+            say(f"non-finite gradients ({side}): {len(bad)} of {len(grads)}, first {bad[:4]}")
     say(f"parity: loss {dk_loss.item():+.6f} vs {plain_loss.item():+.6f} (rel {loss_err:.2e}), max rel grad diff {grad_err:.2e}")
 
     # Timing: the same step again, each variant separately, after the warm-up above.
@@ -274,7 +280,7 @@ def run_rank(args, device) -> int:
 
     mine = {
         "rank": rank, "packed": packed, "loss_rel_err": loss_err, "grad_max_rel_err": grad_err, "missing_grads": missing,
-        "stats": {"rows": stats.num_rows, "groups": stats.num_groups, "tokens_before": stats.tokens_before,
+        "nonfinite_grads": nonfinite, "stats": {"rows": stats.num_rows, "groups": stats.num_groups, "tokens_before": stats.tokens_before,
                   "tokens_after": stats.tokens_after, "rho": stats.rho, "attention_ratio": stats.attention_ratio},
         "split_prompts": [str(s) for s in report.split], **result,
     }
@@ -299,6 +305,9 @@ def run_rank(args, device) -> int:
             with open(os.path.join(args.out, "fsdp_grpo.md"), "w") as f:
                 f.write(markdown(summary))
         verdict = "OK" if ok_parity and all_packed else ("NOT PACKED" if ok_parity else "MISMATCH")
+        if not ok_parity and any(r["nonfinite_grads"]["plain"] for r in everyone) and not any(r["nonfinite_grads"]["dualkv"] for r in everyone):
+            # A NaN in the reference's gradients (e.g. fully masked padding rows through a fused SDPA) leaves nothing to compare.
+            verdict = "REFERENCE NON-FINITE (plain step's gradients; dualkv's are finite)"
         worst_loss = max(r["loss_rel_err"] for r in everyone)
         worst_grad = max(r["grad_max_rel_err"] for r in everyone)
         rho = statistics.mean(r["stats"]["rho"] for r in everyone)
