@@ -229,7 +229,8 @@ def estimated_full_gb(r: dict, meta: dict) -> Optional[float]:
     if cfg is None or not isinstance(mb, int) or mb < 2 or not isinstance(gb, float):
         return None
     vocab = TINY_VOCAB if label.startswith("qwen3-tiny") else VOCAB
-    static = parameter_count(cfg, vocab) * 2 * (2 if "bfloat16" in meta.get("dtype", "") or "float16" in meta.get("dtype", "") else 4) / 2**30
+    param_bytes = 2 if meta.get("dtype") in ("torch.bfloat16", "torch.float16") else 4
+    static = parameter_count(cfg, vocab) * 2 * param_bytes / 2**30
     return static + mb * (gb - static)
 
 

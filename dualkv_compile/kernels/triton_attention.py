@@ -317,7 +317,6 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     dev, BD = q.device, _block_d(D)
     lse = lse.contiguous()
     flags = _dot_flags(q)
-    c = full.dkdv
 
     if dq_mode == "recompute":
         dq = torch.empty((1, Hq, T, D), dtype=q.dtype, device=dev)
@@ -336,6 +335,7 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
         HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=pre_block,
     )
 
+    c = full.dkdv
     tiles = _tile_schedule(segs, T, c.block_n, "kv")
     read_first, read_last = _reader_ranges(segs)
     bwd_dkdv_kernel[(Hkv * head_split, tiles.shape[1])](
