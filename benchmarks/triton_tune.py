@@ -158,6 +158,37 @@ def sdpa_padded_ms(N, P, R, Hq, Hkv, D):
 # ----------------------------------------------------------------------------- timing
 
 
+def profile_kernels(*configs, shapes=((28, 16384, 1024), (16, 4096, 1024)), D=128):
+    """GPU time per kernel (and per helper op) of one forward + backward, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    Hq, Hkv = 32, 8
+    for shape in shapes:
+        N, P, R = shape
+        segs, T, _ = make_segments([(P, [R] * N)])
+        q, k, v, do = qkv(T, Hq, Hkv, D)
+        for cfg in configs:
+            def step():
+                o, lse = ta.forward(q, k, v, segs, 1 / math.sqrt(D), config=cfg)
+                ta.backward(do, q, k, v, o, lse, segs, 1 / math.sqrt(D), False, config=cfg)
+
+            step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+            per = {}
+            for e in prof.key_averages():
+                if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0):
+                    t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+                    if t:
+                        per[e.key[:60]] = round(t / 3 / 1e3, 3)
+            emit(kind="profile", shape=shape, cfg=str(cfg), ms_per_step=per)
+        del q, k, v, do
+        torch.cuda.empty_cache()
+
+
 def time_triton(segs, T, q, k, v, do, scale, cfg, det):
     o, lse = ta.forward(q, k, v, segs, scale, config=cfg)
     fwd = bench(lambda: ta.forward(q, k, v, segs, scale, config=cfg))
@@ -172,6 +203,12 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--skip-sdpa", action="store_true")
+    ap.add_argument("--sweep-only", action="store_true", help="stop after the sweep and the kernel profile")
+    ap.add_argument("--variants", default="", help="regex: sweep only the variants whose names match")
+    ap.add_argument("--skip-table-checks", action="store_true")
+    ap.add_argument("--check-only", action="store_true", help="check the selected variants, time nothing")
+    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="head dim of the sweep")
+    ap.add_argument("--config", default=None, help="a Config(...) expression to time on the target shapes")
     args = ap.parse_args()
     OUT = args.out
     import triton
@@ -182,7 +219,7 @@ def main():
     emit(kind="table", cfg=str(table))
 
     # --- correctness of the table configs, D=64 and 128
-    for D in (64, 128):
+    for D in (() if args.skip_table_checks else (64, 128)):
         cfg = ta.config_for(torch.empty(1, 1, 1, D, device="cuda", dtype=torch.bfloat16))
         for variant, c in (("table", cfg), ("atomic_dq", Config(cfg.fwd, cfg.dkdv, cfg.dq, 1, "atomic")),
                            ("head_split2", Config(cfg.fwd, cfg.dkdv, cfg.dq, 2, "recompute"))):
@@ -191,27 +228,64 @@ def main():
             except Exception:
                 emit(kind="check", name=f"{variant}-D{D}", error=traceback.format_exc()[-2000:])
     try:
-        check(ta.config_for(torch.empty(1, 1, 1, 96, device="cuda", dtype=torch.float16)), "table-D96-fp16", D=96,
-              dtype=torch.float16)
+        if not args.skip_table_checks:
+            check(ta.config_for(torch.empty(1, 1, 1, 96, device="cuda", dtype=torch.float16)), "table-D96-fp16",
+                  D=96, dtype=torch.float16)
     except Exception:
         emit(kind="check", name="D96", error=traceback.format_exc()[-2000:])
 
-    Hq, Hkv, D = 32, 8, 128
+    Hq, Hkv, D = 32, 8, args.head_dim
     scale = 1 / math.sqrt(D)
-    # Run 2 (2026-11-22, H200) swept tiles and pipelining; these are the survivors around its best.
-    fwd_variants = {
-        "f128x128w8s3": KC(128, 128, 8, 3), "f128x128w8s4": KC(128, 128, 8, 4), "f128x64w8s4": KC(128, 64, 8, 4),
-    }
-    # Run 3 (2026-11-22) chose kv64x128w8s3/q128x64w8s3+hs2. Run 4 (2026-11-23) also tried dQ by TMA bulk
-    # reductions from the dK/dV kernel: out of shared memory with 64x128 tiles at D=128, 13-21% slower than
-    # this table with 32x128 tiles (triton_tuning.md); that mode is gone.
+    table = ta.config_for(torch.empty(1, 1, 1, D, device="cuda", dtype=torch.bfloat16))
+    # Run 5 (2026-11-24): tensor-descriptor (TMA) loads, tiles that compile without spills or fit
+    # two programs per SM (benchmarks/sm90_resources.py reports registers, spills and shared memory
+    # without a GPU), and packed row statistics for the dK/dV kernel. Earlier runs' variants and
+    # what they measured: benchmarks/results/triton_tuning.md.
+    T, S = dict(tma=True), dict(tma=True, stats_tma=True)
+    fwd_variants = {"f128x128w8s3": KC(128, 128, 8, 3), "f128x128w8s3t": KC(128, 128, 8, 3, **T),
+                    "f128x64w8s3t": KC(128, 64, 8, 3, **T)}
+    q_table = KC(128, 64, 8, 3)
+    # name: (dK/dV config, dQ config, head_split)
     bwd_variants = {
-        "kv64x128w8s3/q128x64w8s3+hs2": (KC(64, 128, 8, 3), KC(128, 64, 8, 3), 2, "recompute"),
-        "kv32x128w8s3/q128x64w8s3+hs2": (KC(32, 128, 8, 3), KC(128, 64, 8, 3), 2, "recompute"),
-        "kv64x128w8s3+hs2+atomic": (KC(64, 128, 8, 3), KC(128, 64, 8, 3), 2, "atomic"),
+        "kv64x128w8s3-hs2": (KC(64, 128, 8, 3), q_table, 2),
+        "kv32x64w4s3t-stats-hs1": (KC(32, 64, 4, 3, **S), q_table, 1),
+        "kv32x64w4s4t-stats-hs1": (KC(32, 64, 4, 4, **S), q_table, 1),
+        "kv32x64w4s3t-stats-hs2": (KC(32, 64, 4, 3, **S), q_table, 2),
+        "kv32x128w8s3t-stats-hs1": (KC(32, 128, 8, 3, **S), q_table, 1),
+        "q128x64w8s3t": (KC(32, 64, 4, 3, **S), KC(128, 64, 8, 3, **T), 1),
     }
+    if D == 64:
+        fwd_variants = {"f128x64w4s3": KC(128, 64, 4, 3), "f128x64w4s3t": KC(128, 64, 4, 3, **T),
+                        "f128x128w8s3t": KC(128, 128, 8, 3, **T), "f128x64w8s3t": KC(128, 64, 8, 3, **T)}
+        bwd_variants = {
+            "kv64x128w8s3-hs2": (KC(64, 128, 8, 3), q_table, 2),
+            "kv32x64w4s3t-stats-hs1": (KC(32, 64, 4, 3, **S), q_table, 1),
+            "kv64x64w4s3t-stats-hs1": (KC(64, 64, 4, 3, **S), q_table, 1),
+            "kv64x64w4s2t-stats-hs1": (KC(64, 64, 4, 2, **S), q_table, 1),
+            "kv64x128w8s3t-stats-hs1": (KC(64, 128, 8, 3, **S), q_table, 1),
+            "kv64x128w8s3t-stats-hs2": (KC(64, 128, 8, 3, **S), q_table, 2),
+            "kv32x128w8s3t-stats-hs1": (KC(32, 128, 8, 3, **S), q_table, 1),
+            "q128x64w8s3t": (KC(64, 128, 8, 3), KC(128, 64, 8, 3, **T), 2),
+        }
+    import re
+
+    fwd_variants = {k_: v_ for k_, v_ in fwd_variants.items() if re.search(args.variants, k_)}
+    bwd_variants = {k_: v_ for k_, v_ in bwd_variants.items() if re.search(args.variants, k_)}
     best_fwd, best_bwd = table.fwd, (table.dkdv, table.dq, table.head_split, table.dq_mode)
     if not args.skip_sweep:
+        # Every variant is checked against the reference before it is timed: a fast wrong kernel is no result.
+        for name, c in fwd_variants.items():
+            try:
+                check(Config(c, table.dkdv, table.dq, table.head_split), f"sweep-{name}", D=D)
+            except Exception:
+                emit(kind="check", name=f"sweep-{name}", error=traceback.format_exc()[-1500:])
+        for name, (ckv, cq, hs) in bwd_variants.items():
+            try:
+                check(Config(table.fwd, ckv, cq, hs), f"sweep-{name}", D=D)
+            except Exception:
+                emit(kind="check", name=f"sweep-{name}", error=traceback.format_exc()[-1500:])
+        if args.check_only:
+            return
         sweep = {}
         for shape in ([(28, 16384, 1024), (16, 4096, 1024), (8, 2048, 2048)] if not args.quick else [(8, 2048, 2048)]):
             N, P, R = shape
@@ -231,34 +305,46 @@ def main():
             except Exception:
                 emit(kind="sweep_bwd", shape=shape, error=traceback.format_exc()[-1500:])
                 continue
-            for name, (ckv, cq, hs, adq) in bwd_variants.items():
+            for name, (ckv, cq, hs) in bwd_variants.items():
                 try:
-                    cfg = Config(table.fwd, ckv, cq, hs, adq)
-                    ms = bench(lambda: ta.backward(do, q, k, v, o, lse, segs, scale, False, config=cfg))
-                    sweep.setdefault(("b", name), []).append(ms)
+                    cfg = Config(table.fwd, ckv, cq, hs)
+                    ms = bench(lambda: ta.backward(do, q, k, v, o, lse, segs, scale, False, config=cfg), ms=400)
+                    # dK/dV variants keep the table's dQ kernel and the reverse, so each family ranks on its own.
+                    sweep.setdefault(("k", name), []).append(ms)
                     emit(kind="sweep_bwd", shape=shape, name=name, ms=ms, tflops=2.5 * flop / ms / 1e9)
                 except Exception:
                     emit(kind="sweep_bwd", shape=shape, name=name, error=traceback.format_exc()[-1500:])
             del q, k, v, do, o, lse
             torch.cuda.empty_cache()
         # Rank by the sum over shapes of time / the shape's best time, so the long shape does not decide alone.
-        nshapes = max(len(x) for x in sweep.values())
+        nshapes = max((len(x) for x in sweep.values()), default=0)
         done = {k_: v_ for k_, v_ in sweep.items() if len(v_) == nshapes}
-        low = {kind: [min(v_[i] for k_, v_ in done.items() if k_[0] == kind) for i in range(nshapes)] for kind in "fb"}
+        low = {kind: [min(v_[i] for k_, v_ in done.items() if k_[0] == kind) for i in range(nshapes)]
+               for kind in {k_[0] for k_ in done}}
         full = {k_: sum(m / lo for m, lo in zip(v_, low[k_[0]])) for k_, v_ in done.items()}
-        fb = min((k_ for k_ in full if k_[0] == "f"), key=full.get, default=None)
-        bb = min((k_ for k_ in full if k_[0] == "b"), key=full.get, default=None)
-        if fb:
-            best_fwd = fwd_variants[fb[1]]
-        if bb:
-            best_bwd = bwd_variants[bb[1]]
-        emit(kind="best", fwd=fb, bwd=bb)
+        pick = {kind: min((k_ for k_ in full if k_[0] == kind), key=full.get, default=None) for kind in "fkq"}
+        if pick["f"]:
+            best_fwd = fwd_variants[pick["f"][1]]
+        # The dQ variants are timed beside a dK/dV variant too here: one family ("k"), whole backward configs.
+        if pick["k"]:
+            ckv, cq, hs = bwd_variants[pick["k"][1]]
+            best_bwd = (ckv, cq, hs, "recompute")
+        emit(kind="best", fwd=pick["f"], dkdv=pick["k"], dq=pick["q"], cfg=str(Config(best_fwd, *best_bwd)))
         try:
-            check(Config(best_fwd, *best_bwd), "best-D128")
+            check(Config(best_fwd, *best_bwd), f"best-D{D}", D=D)
         except Exception:
-            emit(kind="check", name="best-D128", error=traceback.format_exc()[-2000:])
+            emit(kind="check", name="best", error=traceback.format_exc()[-2000:])
+        try:
+            profile_kernels(Config(best_fwd, *best_bwd), table, D=D)
+        except Exception:
+            emit(kind="profile", error=traceback.format_exc()[-1500:])
+        if args.sweep_only:
+            return
 
     best = Config(best_fwd, *best_bwd)
+    if args.config:
+        best = eval(args.config, {"Config": Config, "KernelConfig": KC, "KC": KC})
+        emit(kind="config", cfg=str(best))
     rows = []
     for shape in (TARGETS if not args.quick else TARGETS[:2]):
         N, P, R = shape

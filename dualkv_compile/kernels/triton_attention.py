@@ -22,6 +22,14 @@ tuning table marks fastest, which may add float32 atomics (``head_split`` > 1
 spreads the query heads of a kv head over programs; ``dq_mode="atomic"``
 adds dQ from the KV-major kernel instead of recomputing it in a Q-major one).
 
+Loads: with ``KernelConfig.tma`` (the Hopper table) the full blocks of the
+operand a kernel streams (k and v in the forward and dQ kernels, q and dO in
+the dK/dV kernel) come through tensor descriptors, Hopper's copy engine;
+ragged and diagonal blocks keep masked pointer loads, so nothing outside a
+segment enters a product. Operands whose strides have no 2-D descriptor view
+(``_tma_view``), GPUs before Hopper and padded head dims load through
+pointers throughout.
+
 Runs on CUDA (compute capability 8.0+; tuned for Hopper) and, for tests, on
 CPU under ``TRITON_INTERPRET=1``, which must be set before this package's
 kernel modules are first imported.
@@ -52,10 +60,21 @@ DQ_MODES = ("recompute", "atomic")
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
+    """Tiles and pipelining of one kernel.
+
+    ``tma``: load the full blocks of the streamed operands through tensor
+    descriptors (Hopper's copy engine) where the device and the operands'
+    strides allow it, else through pointers. ``stats_tma`` (dK/dV kernel, with
+    ``tma``): its per-row lse and Delta too, from a packed copy the backward's
+    preprocess kernel writes.
+    """
+
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False
+    stats_tma: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,21 +106,21 @@ class Config:
 
 # Hopper (H100 / H200), bf16/fp16, measured with benchmarks/triton_tune.py
 # (see benchmarks/results/triton_tuning.md). Keyed by the padded head dim.
-# D=128 is the measured one (fwd 128x128 w8 s3 beat 128x64 and 64x64 tiles and 2 or 4
-# stages; backward: 3 stages beat 2 and 4, head_split=2 beat 1 and 4, atomic dQ lost);
-# D=64 and 256 follow from it (untuned beyond the correctness checks).
+# D=128 and D=64 are measured (run 5, H200): tensor-descriptor loads; the dK/dV kernel
+# in one warpgroup on 64 keys (two programs per SM; 32 query rows at D=128, where 64
+# rows spill registers, 64 at D=64) with all query heads of a kv head in one program
+# and the row statistics packed for the copy engine. D=256 is untuned beyond the
+# correctness checks and keeps pointer loads.
 HOPPER_CONFIGS: dict[int, Config] = {
     64: Config(
-        fwd=KernelConfig(128, 64, 4, 3),
-        dkdv=KernelConfig(64, 128, 8, 3),
+        fwd=KernelConfig(128, 64, 8, 3, tma=True),
+        dkdv=KernelConfig(64, 64, 4, 3, tma=True, stats_tma=True),
         dq=KernelConfig(128, 64, 8, 3),
-        head_split=2,
     ),
     128: Config(
-        fwd=KernelConfig(128, 128, 8, 3),
-        dkdv=KernelConfig(64, 128, 8, 3),
+        fwd=KernelConfig(128, 128, 8, 3, tma=True),
+        dkdv=KernelConfig(32, 64, 4, 3, tma=True, stats_tma=True),
         dq=KernelConfig(128, 64, 8, 3),
-        head_split=2,
     ),
     256: Config(
         fwd=KernelConfig(64, 64, 4, 2),
@@ -249,6 +268,71 @@ def _reader_ranges(segs: Segments) -> tuple[torch.Tensor, torch.Tensor]:
     return _plans.get(segs, ("readers",), lambda: _readers(segs)[:2])
 
 
+# --------------------------------------------------------------------------- descriptors
+
+
+def _tma_view(t: torch.Tensor, block_rows: int) -> Optional[tuple]:
+    """``(descriptor, row_h, col_h)``: a 2-D tensor descriptor over ``t`` [1, H, T, D] in
+    which the ``block_rows`` x D tile of head h at token r is ``load([h * row_h + r, h * col_h])``.
+
+    Two layouts have such a view: head-major (the head stride a multiple of the
+    token stride, e.g. contiguous [1, H, T, D]) and token-major (the token
+    stride a multiple of the head stride, e.g. a [T, H * D] projection viewed as
+    [1, H, T, D]). None for anything else, or where the copy engine's
+    alignment rules (16-byte base and row stride) do not hold.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    _, H, T, D = t.shape
+    sh, st, sd = t.stride(1), t.stride(2), t.stride(3)
+    es = t.element_size()
+    if T < 2 or sd != 1 or t.data_ptr() % 16 or (st * es) % 16 or (D * es) % 16:
+        return None
+    if H == 1:
+        shape, row_h, col_h = [T, D], 0, 0
+    elif sh % st == 0:
+        shape, row_h, col_h = [(H - 1) * (sh // st) + T, D], sh // st, 0
+    elif st % sh == 0 and sh >= D and (sh * es) % 16 == 0:
+        shape, row_h, col_h = [T, (H - 1) * sh + D], 0, sh
+    else:
+        return None
+    return TensorDescriptor(t, shape, [st, 1], [block_rows, D]), row_h, col_h
+
+
+def _descriptors(cfg: KernelConfig, block_rows: int, a: torch.Tensor, b: torch.Tensor) -> tuple[list, bool]:
+    """Kernel arguments ``[A_DESC, B_DESC, a_row_h, a_col_h, b_row_h, b_col_h]`` and the TMA flag.
+
+    TMA needs Hopper or newer (or the interpreter, for tests) and an unpadded
+    head dim; otherwise, or when either operand has no descriptor view, the
+    kernels load through pointers.
+    """
+    off = [None, None, 0, 0, 0, 0], False
+    if not cfg.tma or a.shape[-1] != _block_d(a.shape[-1]):
+        return off
+    if a.device.type == "cuda":
+        if torch.cuda.get_device_capability(a.device)[0] < 9:
+            return off
+    elif not _interpreting():
+        return off
+    va, vb = _tma_view(a, block_rows), _tma_view(b, block_rows)
+    if va is None or vb is None:
+        return off
+    return [va[0], vb[0], va[1], va[2], vb[1], vb[2]], True
+
+
+def _row_stats_descriptor(stats: torch.Tensor, block_rows: int):
+    """A descriptor over the packed per-row statistics of the dK/dV kernel.
+
+    ``stats`` is ``[H * T, 4]`` float32, written by the preprocess kernel: lse in
+    base 2, Delta and two unused words per row, so one bulk copy per block
+    (16-byte rows, every copy starting at column 0) replaces two 4-byte pointer
+    loads per column that a thread holds.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(stats, list(stats.shape), [4, 1], [block_rows, 4])
+
+
 # --------------------------------------------------------------------------- launches
 
 
@@ -291,13 +375,14 @@ def forward(q, k, v, segs: Segments, scale: float, *, config: Optional[Config] =
     if T == 0 or Hq == 0:
         return out, lse
     tiles = _tile_schedule(segs, T, cfg.block_m, "q")
+    descs, tma = _descriptors(cfg, cfg.block_n, k, v)
     shared_prompt_fwd_kernel[(Hq, tiles.shape[1])](
-        q, k, v, out, lse, tiles, tiles.shape[1],
+        q, k, v, out, lse, tiles, tiles.shape[1], *descs,
         segs.seg_start, segs.seg_len, segs.prefix_start, segs.prefix_len,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), lse.stride(1),
         Hq // Hkv, scale * LOG2E,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        **_dot_flags(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_dot_flags(q), TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
@@ -305,7 +390,7 @@ def forward(q, k, v, segs: Segments, scale: float, *, config: Optional[Config] =
 def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, *,
              config: Optional[Config] = None):
     """``(dq, dk, dv)``; dk and dv per kv head (summed over the query heads that share it)."""
-    from .triton_bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
+    from .triton_bwd import bwd_dkdv_kernel, bwd_preprocess_kernel
 
     _check(q, k, segs)
     _, Hq, T, D = q.shape
@@ -328,34 +413,45 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     if T == 0 or Hq == 0:
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
+    c = full.dkdv
+    descs, tma = _descriptors(c, c.block_m, q, dout)
+    stats_tma = tma and c.stats_tma
+    stats = torch.empty((Hq * T, 4), dtype=torch.float32, device=dev) if stats_tma else None
     delta = torch.empty((1, Hq, T), dtype=torch.float32, device=dev)
     pre_block = 64 if BD <= 128 else 32
     bwd_preprocess_kernel[(Hq, -(-T // pre_block))](
-        out, dout, delta, T, *_strides(out), *_strides(dout), delta.stride(1),
-        HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=pre_block,
+        out, dout, delta, lse, stats, T, *_strides(out), *_strides(dout), delta.stride(1),
+        HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=pre_block, PACK_STATS=stats_tma,
     )
 
-    c = full.dkdv
     tiles = _tile_schedule(segs, T, c.block_n, "kv")
     read_first, read_last = _reader_ranges(segs)
     bwd_dkdv_kernel[(Hkv * head_split, tiles.shape[1])](
-        q, k, v, dout, lse, delta, dk, dv, dq, tiles, tiles.shape[1],
+        q, k, v, dout, lse, delta, dk, dv, dq, tiles, tiles.shape[1], *descs,
+        *((_row_stats_descriptor(stats, c.block_m), T) if stats_tma else (None, 0)),
         segs.seg_start, segs.seg_len, read_first, read_last,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv), *_strides(dq),
         lse.stride(1), G, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_SPLIT=head_split,
-        ATOMIC_DQ=dq_mode == "atomic", **flags, num_warps=c.num_warps, num_stages=c.num_stages,
+        ATOMIC_DQ=dq_mode == "atomic", **flags, TMA=tma, STATS_TMA=stats_tma,
+        num_warps=c.num_warps, num_stages=c.num_stages,
     )
-
     if dq_mode == "recompute":
-        c = full.dq
-        tiles = _tile_schedule(segs, T, c.block_m, "q")
-        bwd_dq_kernel[(Hq, tiles.shape[1])](
-            q, k, v, dout, lse, delta, dq, tiles, tiles.shape[1],
-            segs.seg_start, segs.seg_len, segs.prefix_start, segs.prefix_len,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-            lse.stride(1), G, scale * LOG2E, scale,
-            HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-            **flags, num_warps=c.num_warps, num_stages=c.num_stages,
-        )
+        _launch_dq(full.dq, q, k, v, dout, lse, delta, dq, segs, scale, flags)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _launch_dq(c: KernelConfig, q, k, v, dout, lse, delta, dq, segs: Segments, scale: float, flags: dict) -> None:
+    from .triton_bwd import bwd_dq_kernel
+
+    _, Hq, T, D = q.shape
+    tiles = _tile_schedule(segs, T, c.block_m, "q")
+    descs, tma = _descriptors(c, c.block_n, k, v)
+    bwd_dq_kernel[(Hq, tiles.shape[1])](
+        q, k, v, dout, lse, delta, dq, tiles, tiles.shape[1], *descs,
+        segs.seg_start, segs.seg_len, segs.prefix_start, segs.prefix_len,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+        lse.stride(1), Hq // k.shape[1], scale * LOG2E, scale,
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        **flags, TMA=tma, num_warps=c.num_warps, num_stages=c.num_stages,
+    )

@@ -5,7 +5,9 @@ Delta = rowsum(dO * O):  dV = P^T dO,  dS = P * (dO V^T - Delta),
 dQ = scale * dS K,  dK = scale * dS^T Q.  Three kernels:
 
 ``bwd_preprocess_kernel``
-    Delta per query row and head, float32.
+    Delta per query row and head, float32; with ``PACK_STATS`` also a copy of
+    (lse in base 2, Delta) per row in 16-byte rows, which the dK/dV kernel
+    reads with one bulk copy per block (``STATS_TMA``).
 
 ``bwd_dkdv_kernel`` (KV-major)
     One program owns one ``BLOCK_N`` tile of keys of one segment and one kv
@@ -14,7 +16,7 @@ dQ = scale * dS K,  dK = scale * dS^T Q.  Three kernels:
           blocks on the diagonal are masked, later blocks are full);
         * when the segment is a shared prefix, every row of every segment
           reading it ("readers", a contiguous range of segments), all full
-          blocks but the ragged last of each reader;
+          blocks but the ragged last one;
     and over the ``heads_per_kv`` query heads sharing the kv head. dK and dV
     accumulate in float32 registers and are written once, so the sum over the
     N responses (and the GQA heads) never goes through atomics and its order
@@ -32,7 +34,12 @@ dQ = scale * dS K,  dK = scale * dS^T Q.  Three kernels:
 Assumes what ``triton_fwd`` assumes, plus: a non-empty prefix is exactly one
 earlier segment (the group's shared segment) and the segments reading it are
 consecutive: ``READ_FIRST[s]..READ_LAST[s]`` (empty when first > last).
-``SharedPromptLayout`` always builds such segments.
+``SharedPromptLayout`` always builds such segments, and puts the readers
+right after their prefix; the dK/dV kernel then walks the prefix's own rows
+after the diagonal and all its readers' rows as one range, in one pipelined
+loop. With ``TMA``, full blocks of the loop-carried operands (q and dO in the
+dK/dV kernel, k and v in the dQ kernel) are loaded through tensor
+descriptors, as in ``triton_fwd``; masked blocks keep masked pointer loads.
 
 Guarantees: every valid row of dQ and every valid key row of dK/dV is written
 (or, in the atomic modes, added into zeroed float32 buffers); contributions
@@ -47,18 +54,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import _load_tile
+from .triton_fwd import _load_pair, _load_tile
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit(do_not_specialize=["T"])
 def bwd_preprocess_kernel(
-    O, DO, DELTA, T,
+    O, DO, DELTA, LSE, ROW_STATS, T,
     stride_oh, stride_ot, stride_od,
     stride_dh, stride_dt, stride_dd,
     stride_deltah,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PACK_STATS: tl.constexpr,
 ):
     head = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,22 +77,37 @@ def bwd_preprocess_kernel(
                  mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + head.to(tl.int64) * stride_deltah + rows, delta, mask=rows < T)
+    if PACK_STATS:
+        # LSE is laid out like DELTA. Rows of 16 bytes (lse in base 2, Delta, two unused words) for the dK/dV kernel's copy engine.
+        lse2 = tl.load(LSE + head.to(tl.int64) * stride_deltah + rows, mask=rows < T, other=0.0) * LOG2E
+        zero = tl.zeros([BLOCK_M], tl.float32)
+        packed = tl.reshape(tl.join(tl.join(lse2, delta), tl.join(zero, zero)), [BLOCK_M, 4])
+        ptrs = ROW_STATS + (head.to(tl.int64) * T + rows)[:, None] * 4 + tl.arange(0, 4)[None, :]
+        tl.store(ptrs, packed, mask=(rows < T)[:, None])
 
 
 @triton.jit
 def _dkdv_q_block(
-    dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
+    dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
     stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, ROW_MASK: tl.constexpr,
-    EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    STATS_TMA: tl.constexpr,
 ):
     rows = start_m + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
-    q = _load_tile(Qh + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd, row_ok, d_ok, ROW_MASK, EVEN_D, UPCAST)
-    do = _load_tile(DOh + rows[:, None] * stride_dot + offs_d[None, :] * stride_dod, row_ok, d_ok, ROW_MASK, EVEN_D, UPCAST)
+    # descs: (q descriptor, this head's row and column in it, the same for dO,
+    #         the packed row statistics' descriptor, this head's first row in it)
+    q, do = _load_pair(Qh, DOh, descs[0], descs[3], descs[1], descs[2], descs[4], descs[5], start_m, rows, row_ok,
+                     offs_d, d_ok, stride_qt, stride_qd, stride_dot, stride_dod, ROW_MASK, EVEN_D, UPCAST, TMA)
     if ROW_MASK:
         lse2 = tl.load(LSEh + rows, mask=row_ok, other=0.0) * LOG2E
         delta = tl.load(DELTAh + rows, mask=row_ok, other=0.0)
+    elif STATS_TMA:
+        # One bulk copy of the packed rows: pointer loads here cost one 4-byte copy (and a
+        # 64-bit address) per column each thread holds, which pushed the kernel into spills.
+        packed = tl.reshape(descs[6].load([descs[7] + start_m, 0]), [BLOCK_M, 2, 2])
+        lse2, delta = tl.split(tl.split(packed)[0])
     else:
         lse2 = tl.load(LSEh + rows) * LOG2E
         delta = tl.load(DELTAh + rows)
@@ -110,29 +132,31 @@ def _dkdv_q_block(
 
 @triton.jit
 def _dkdv_rows(
-    dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, row_start, row_end, offs_n, col_ok, offs_d, d_ok,
+    dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, row_start, row_end, offs_n, col_ok, offs_d, d_ok,
     stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
-    BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr, TMA: tl.constexpr, STATS_TMA: tl.constexpr,
 ):
     # Query rows [row_start, row_end) that see every column of the tile: full
     # blocks, then the ragged tail with row masks on the loads only.
     full_end = row_start + ((row_end - row_start) // BLOCK_M) * BLOCK_M
     for start_m in range(row_start, full_end, BLOCK_M):
         dk, dv = _dkdv_q_block(
-            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
             stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
-            BLOCK_M, False, False, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST)
+            BLOCK_M, False, False, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
     if full_end < row_end:
         dk, dv = _dkdv_q_block(
-            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, full_end, row_end, offs_n, col_ok, offs_d, d_ok,
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, full_end, row_end, offs_n, col_ok, offs_d, d_ok,
             stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
-            BLOCK_M, False, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST)
+            BLOCK_M, False, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["num_tiles"])
 def bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ, TILES, num_tiles,
+    Q_DESC, DO_DESC, q_row_h, q_col_h, do_row_h, do_col_h, STATS_DESC, stats_row_h,
     SEG_START, SEG_LEN, READ_FIRST, READ_LAST,
     stride_qh, stride_qt, stride_qd,
     stride_kh, stride_kt, stride_kd,
@@ -145,7 +169,8 @@ def bwd_dkdv_kernel(
     heads_per_kv, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_SPLIT: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    STATS_TMA: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     t = tl.program_id(1)
@@ -174,9 +199,20 @@ def bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
     # Own rows on the diagonal: blocks starting at n0 until they pass the
-    # tile's last column; then the rows after the tile see all of it.
+    # tile's last column; then the rows after the tile see all of it, and so
+    # does every row of the segments reading this one as their prefix.
     n_diag = tl.cdiv(tl.minimum(BLOCK_N, seg_end - n0), BLOCK_M)
-    after_diag = n0 + n_diag * BLOCK_M
+    after_diag = tl.minimum(n0 + n_diag * BLOCK_M, seg_end)
+    own_end = seg_end
+    readers_start = seg_end
+    readers_end = seg_end
+    if read_last >= read_first:
+        readers_start = tl.load(SEG_START + read_first)
+        readers_end = tl.load(SEG_START + read_last) + tl.load(SEG_LEN + read_last)
+        if readers_start == seg_end:
+            # The readers follow right after this segment: one range, one pipelined loop.
+            own_end = readers_end
+            readers_start = readers_end
     heads_per_prog = heads_per_kv // HEAD_SPLIT
     for i in range(0, heads_per_prog):
         head = kv_head * heads_per_kv + split * heads_per_prog + i
@@ -185,23 +221,21 @@ def bwd_dkdv_kernel(
         LSEh = LSE + head.to(tl.int64) * stride_lh
         DELTAh = DELTA + head.to(tl.int64) * stride_lh
         DQh = DQ + head.to(tl.int64) * stride_dqh
+        descs = (Q_DESC, head * q_row_h, head * q_col_h, DO_DESC, head * do_row_h, head * do_col_h,
+                 STATS_DESC, head * stats_row_h)
         for j in range(0, n_diag):
             dk, dv = _dkdv_q_block(
-                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, n0 + j * BLOCK_M, seg_end, offs_n, col_ok, offs_d, d_ok,
-                stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
-                BLOCK_M, True, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST)
+                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, n0 + j * BLOCK_M, seg_end, offs_n, col_ok, offs_d,
+                d_ok, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
+                BLOCK_M, True, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
         dk, dv = _dkdv_rows(
-            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, after_diag, seg_end, offs_n, col_ok, offs_d, d_ok,
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, after_diag, own_end, offs_n, col_ok, offs_d, d_ok,
             stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
-            BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST)
-        # Segments that read this one as their prefix (empty unless it is a shared prompt).
-        for r in range(read_first, read_last + 1):
-            r_start = tl.load(SEG_START + r)
-            r_end = r_start + tl.load(SEG_LEN + r)
-            dk, dv = _dkdv_rows(
-                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, r_start, r_end, offs_n, col_ok, offs_d, d_ok,
-                stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
-                BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST)
+            BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
+        dk, dv = _dkdv_rows(
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, readers_start, readers_end, offs_n, col_ok, offs_d,
+            d_ok, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
+            BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
 
     dk = dk * sm_scale
     dk_ptrs = DK + kv_head.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :] * stride_dkd
@@ -217,15 +251,15 @@ def bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_kv_block(
-    dq, q, do, lse2, delta, Kh, Vh, start_n, col_end, rows, offs_n, offs_d, d_ok,
+    dq, q, do, lse2, delta, Kh, Vh, descs, start_n, col_end, rows, offs_n, offs_d, d_ok,
     stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
     MASK: tl.constexpr,  # 0: full block, 1: ragged columns (zero-loaded), 2: causal diagonal
-    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     cols = start_n + offs_n
     col_ok = cols < col_end
-    k = _load_tile(Kh + cols[:, None] * stride_kt + offs_d[None, :] * stride_kd, col_ok, d_ok, MASK != 0, EVEN_D, UPCAST)
-    v = _load_tile(Vh + cols[:, None] * stride_vt + offs_d[None, :] * stride_vd, col_ok, d_ok, MASK != 0, EVEN_D, UPCAST)
+    k, v = _load_pair(Kh, Vh, descs[0], descs[3], descs[1], descs[2], descs[4], descs[5], start_n, cols, col_ok,
+                    offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, MASK != 0, EVEN_D, UPCAST, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     p = tl.math.exp2(s * qk_scale - lse2[:, None])
     if MASK == 1:
@@ -242,6 +276,7 @@ def _dq_kv_block(
 @triton.jit(do_not_specialize=["num_tiles"])
 def bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, TILES, num_tiles,
+    K_DESC, V_DESC, k_row_h, k_col_h, v_row_h, v_col_h,
     SEG_START, SEG_LEN, PREFIX_START, PREFIX_LEN,
     stride_qh, stride_qt, stride_qd,
     stride_kh, stride_kt, stride_kd,
@@ -252,6 +287,7 @@ def bwd_dq_kernel(
     heads_per_kv, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     head = tl.program_id(0)
     t = tl.program_id(1)
@@ -274,6 +310,7 @@ def bwd_dq_kernel(
     kv_head = head // heads_per_kv
     Kh = K + kv_head.to(tl.int64) * stride_kh
     Vh = V + kv_head.to(tl.int64) * stride_vh
+    descs = (K_DESC, kv_head * k_row_h, kv_head * k_col_h, V_DESC, kv_head * v_row_h, kv_head * v_col_h)
     q = _load_tile(Q + head.to(tl.int64) * stride_qh + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd,
                    row_ok, d_ok, True, EVEN_D, UPCAST)
     do = _load_tile(DO + head.to(tl.int64) * stride_doh + rows[:, None] * stride_dot + offs_d[None, :] * stride_dod,
@@ -285,19 +322,19 @@ def bwd_dq_kernel(
 
     pre_full_end = pre_start + ((pre_end - pre_start) // BLOCK_N) * BLOCK_N
     for start_n in range(pre_start, pre_full_end, BLOCK_N):
-        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, start_n, pre_end, rows, offs_n, offs_d, d_ok,
-                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST)
+        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, start_n, pre_end, rows, offs_n, offs_d, d_ok,
+                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
     if pre_full_end < pre_end:
-        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, pre_full_end, pre_end, rows, offs_n, offs_d, d_ok,
-                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 1, EVEN_D, DOT_PREC, UPCAST)
+        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, pre_full_end, pre_end, rows, offs_n, offs_d, d_ok,
+                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 1, EVEN_D, DOT_PREC, UPCAST, TMA)
     diag_start = seg_start + ((m0 - seg_start) // BLOCK_N) * BLOCK_N
     for start_n in range(seg_start, diag_start, BLOCK_N):
-        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, start_n, seg_end, rows, offs_n, offs_d, d_ok,
-                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST)
+        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, start_n, seg_end, rows, offs_n, offs_d, d_ok,
+                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
     diag_end = tl.minimum(m0 + BLOCK_M, seg_end)
     for start_n in range(diag_start, diag_end, BLOCK_N):
-        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, start_n, seg_end, rows, offs_n, offs_d, d_ok,
-                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 2, EVEN_D, DOT_PREC, UPCAST)
+        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, start_n, seg_end, rows, offs_n, offs_d, d_ok,
+                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 2, EVEN_D, DOT_PREC, UPCAST, TMA)
 
     dq = dq * sm_scale
     dq_ptrs = DQ + head.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqt + offs_d[None, :] * stride_dqd

@@ -22,6 +22,12 @@ Assumes
       the heaviest tiles first so the tail of the launch is short tiles.
     * Segment lengths only ever reach the kernel through tensors: a new
       layout never triggers a recompilation.
+    * With ``TMA``, ``K_DESC`` / ``V_DESC`` are Hopper tensor descriptors over
+      the same memory as K / V (built by ``triton_attention._tma_view``): the
+      ``BLOCK_N`` rows of kv head ``h`` from token ``t`` are
+      ``desc.load([h * row_h + t, h * col_h])``. Only full blocks (every row
+      inside the segment) are loaded through them; masked blocks keep masked
+      pointer loads, so no value outside a segment is ever read into a product.
 Guarantees
     * Every valid query row of every segment is written exactly once; rows
       of other segments are never touched.
@@ -61,16 +67,34 @@ def _load_tile(ptrs, row_ok, d_ok, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr,
 
 
 @triton.jit
+def _load_pair(K, V, K_DESC, V_DESC, k_row0, k_col, v_row0, v_col, start_n, cols, col_ok, offs_d, d_ok,
+               stride_kt, stride_kd, stride_vt, stride_vd,
+               MASKED: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
+    # The same rows of two tensors (k and v here; q and dO in the dK/dV kernel). A full block
+    # goes through the copy engine when descriptors are given; masked blocks never do.
+    if TMA and not MASKED:
+        k = K_DESC.load([k_row0 + start_n, k_col])
+        v = V_DESC.load([v_row0 + start_n, v_col])
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+    else:
+        k = _load_tile(K + cols[:, None] * stride_kt + offs_d[None, :] * stride_kd, col_ok, d_ok, MASKED, EVEN_D, UPCAST)
+        v = _load_tile(V + cols[:, None] * stride_vt + offs_d[None, :] * stride_vd, col_ok, d_ok, MASKED, EVEN_D, UPCAST)
+    return k, v
+
+
+@triton.jit
 def _fwd_kv_block(
-    acc, l_i, m_i, q, K, V, start_n, col_end, rows,
+    acc, l_i, m_i, q, K, V, K_DESC, V_DESC, k_row0, k_col, v_row0, v_col, start_n, col_end, rows,
     offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
     MASK: tl.constexpr,  # 0: full block, 1: ragged columns (>= col_end hidden), 2: causal diagonal
-    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     cols = start_n + offs_n
     col_ok = cols < col_end
-    k = _load_tile(K + cols[:, None] * stride_kt + offs_d[None, :] * stride_kd, col_ok, d_ok, MASK != 0, EVEN_D, UPCAST)
-    v = _load_tile(V + cols[:, None] * stride_vt + offs_d[None, :] * stride_vd, col_ok, d_ok, MASK != 0, EVEN_D, UPCAST)
+    k, v = _load_pair(K, V, K_DESC, V_DESC, k_row0, k_col, v_row0, v_col, start_n, cols, col_ok, offs_d, d_ok,
+                    stride_kt, stride_kd, stride_vt, stride_vd, MASK != 0, EVEN_D, UPCAST, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if MASK == 1:
         s = tl.where(col_ok[None, :], s, float("-inf"))
@@ -91,6 +115,7 @@ def _fwd_kv_block(
 @triton.jit(do_not_specialize=["num_tiles"])
 def shared_prompt_fwd_kernel(
     Q, K, V, O, LSE, TILES, num_tiles,
+    K_DESC, V_DESC, k_row_h, k_col_h, v_row_h, v_col_h,
     SEG_START, SEG_LEN, PREFIX_START, PREFIX_LEN,
     stride_qh, stride_qt, stride_qd,
     stride_kh, stride_kt, stride_kd,
@@ -100,6 +125,7 @@ def shared_prompt_fwd_kernel(
     heads_per_kv, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # Heads vary fastest so the query heads of one kv head (and of one tile) run
     # side by side and share the k/v blocks in L2.
@@ -126,6 +152,8 @@ def shared_prompt_fwd_kernel(
     Qh = Q + head.to(tl.int64) * stride_qh
     Kh = K + kv_head.to(tl.int64) * stride_kh
     Vh = V + kv_head.to(tl.int64) * stride_vh
+    k_row0, k_col = kv_head * k_row_h, kv_head * k_col_h
+    v_row0, v_col = kv_head * v_row_h, kv_head * v_col_h
     q = _load_tile(Qh + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd, row_ok, d_ok, True, EVEN_D, UPCAST)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -136,25 +164,25 @@ def shared_prompt_fwd_kernel(
     pre_full_end = pre_start + ((pre_end - pre_start) // BLOCK_N) * BLOCK_N
     for start_n in range(pre_start, pre_full_end, BLOCK_N):
         acc, l_i, m_i = _fwd_kv_block(
-            acc, l_i, m_i, q, Kh, Vh, start_n, pre_end, rows, offs_n, offs_d, d_ok,
-            stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST)
+            acc, l_i, m_i, q, Kh, Vh, K_DESC, V_DESC, k_row0, k_col, v_row0, v_col, start_n, pre_end, rows,
+            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
     if pre_full_end < pre_end:
         acc, l_i, m_i = _fwd_kv_block(
-            acc, l_i, m_i, q, Kh, Vh, pre_full_end, pre_end, rows, offs_n, offs_d, d_ok,
-            stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 1, EVEN_D, DOT_PREC, UPCAST)
+            acc, l_i, m_i, q, Kh, Vh, K_DESC, V_DESC, k_row0, k_col, v_row0, v_col, pre_full_end, pre_end, rows,
+            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 1, EVEN_D, DOT_PREC, UPCAST, TMA)
 
     # Region 2: the segment's own tokens, causal. Blocks ending at or before the
     # tile's first row are full; the rest straddle the diagonal.
     diag_start = seg_start + ((m0 - seg_start) // BLOCK_N) * BLOCK_N
     for start_n in range(seg_start, diag_start, BLOCK_N):
         acc, l_i, m_i = _fwd_kv_block(
-            acc, l_i, m_i, q, Kh, Vh, start_n, seg_end, rows, offs_n, offs_d, d_ok,
-            stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST)
+            acc, l_i, m_i, q, Kh, Vh, K_DESC, V_DESC, k_row0, k_col, v_row0, v_col, start_n, seg_end, rows,
+            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
     diag_end = tl.minimum(m0 + BLOCK_M, seg_end)
     for start_n in range(diag_start, diag_end, BLOCK_N):
         acc, l_i, m_i = _fwd_kv_block(
-            acc, l_i, m_i, q, Kh, Vh, start_n, seg_end, rows, offs_n, offs_d, d_ok,
-            stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 2, EVEN_D, DOT_PREC, UPCAST)
+            acc, l_i, m_i, q, Kh, Vh, K_DESC, V_DESC, k_row0, k_col, v_row0, v_col, start_n, seg_end, rows,
+            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 2, EVEN_D, DOT_PREC, UPCAST, TMA)
 
     out = acc / l_i[:, None]
     Oh = O + head.to(tl.int64) * stride_oh

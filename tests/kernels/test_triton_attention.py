@@ -99,11 +99,16 @@ def check_against_reference(layout_or_segs, T, Hq, Hkv, D, dtype, config=None, s
 
 
 # Interpreter-sized tiles that still cover the GPU code paths: BLOCK_M != BLOCK_N
-# both ways, query heads split over programs with atomics, dQ by atomics.
+# both ways, query heads split over programs with atomics, dQ by atomics, and
+# full blocks loaded through tensor descriptors (with the packed row statistics).
 SMALL = KernelConfig(16, 16, 4, 1)
 MIXED = Config(KernelConfig(32, 16, 4, 1), KernelConfig(16, 32, 4, 1), KernelConfig(16, 32, 4, 1), head_split=2)
 ATOMIC = Config(KernelConfig(16, 32, 4, 1), KernelConfig(32, 16, 4, 1), KernelConfig(32, 16, 4, 1), dq_mode="atomic")
 INTERP = Config(SMALL, SMALL, SMALL)
+TMA = Config(KernelConfig(32, 16, 4, 1, tma=True), KernelConfig(16, 32, 4, 1, tma=True, stats_tma=True),
+             KernelConfig(16, 32, 4, 1, tma=True))
+TMA_SPLIT = Config(KernelConfig(16, 16, 4, 1, tma=True), KernelConfig(16, 16, 4, 1, tma=True, stats_tma=True),
+                   KernelConfig(16, 16, 4, 1, tma=True), head_split=2)
 
 
 @pytest.mark.parametrize(
@@ -114,6 +119,9 @@ INTERP = Config(SMALL, SMALL, SMALL)
         (2, 64, 4, 1, torch.bfloat16, ATOMIC),
         (3, 128, 2, 2, torch.bfloat16, INTERP),
         (4, 64, 4, 2, torch.float16, MIXED),
+        (5, 64, 4, 2, torch.float32, TMA),
+        (6, 128, 2, 1, torch.bfloat16, TMA_SPLIT),
+        (7, 64, 4, 1, torch.float16, TMA),
     ],
 )
 def test_matches_reference_random_layouts(seed, D, Hq, Hkv, dtype, config):
@@ -157,6 +165,55 @@ def test_very_negative_scores_give_finite_gradients(config):
     for name, g, r in zip("dq dk dv".split(), grads, ref_grads):
         assert torch.isfinite(g).all(), name
         assert rel(g, r) < 1e-3, (name, rel(g, r))
+
+
+def test_readers_not_right_after_their_prefix():
+    # SharedPromptLayout puts a prompt's responses right after it, and the dK/dV kernel then walks
+    # the prompt's own rows and its readers' rows as one range; a segment in between splits them.
+    host = [(0, 37, 0, 0), (37, 21, 37, 0), (58, 19, 0, 37), (77, 40, 0, 37), (117, 3, 0, 37)]
+    t = torch.tensor(host, dtype=torch.int32, device=DEVICE)
+    segs = Segments(*(t[:, i].contiguous() for i in range(4)), 40, 37)
+    assert ta._readers(segs)[0].tolist()[0] == 2  # the prompt's readers start two segments later
+    for config in (INTERP, TMA):
+        check_against_reference(segs, 120, 2, 1, 64, torch.float32, config if DEVICE == "cpu" else None, seed=9)
+
+
+def test_tma_paths_are_taken():
+    layout = make_layout([(40, [20, 33]), (9, [17])], seed=8)
+    T = layout.num_tokens
+    q, k, v, do = qkv(T, 4, 2, 64, torch.float32, seed=8)
+    assert ta._descriptors(TMA.fwd, 16, k, v)[1]
+    assert ta._descriptors(TMA.dkdv, 16, q.transpose(1, 2).contiguous().transpose(1, 2), do)[1]
+    assert not ta._descriptors(INTERP.fwd, 16, k, v)[1]  # tma off in the config
+    padded = torch.randn(1, 2, T, 96, device=DEVICE)  # D=96 runs in 128-wide blocks: pointers only
+    assert not ta._descriptors(TMA.fwd, 16, padded, padded)[1]
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major", "one_head", "strided_heads"])
+def test_tma_view_addresses_every_head(layout):
+    H, T, D = 3, 40, 32
+    base = torch.randn(H, T, D, device=DEVICE)
+    t = {
+        "head_major": base.unsqueeze(0),
+        "token_major": base.transpose(0, 1).contiguous().transpose(0, 1).unsqueeze(0),
+        "one_head": base[:1].unsqueeze(0),
+        "strided_heads": torch.randn(H, T + 5, D, device=DEVICE)[:, :T].unsqueeze(0),  # gaps between heads
+    }[layout]
+    desc, row_h, col_h = ta._tma_view(t, 8)
+    assert desc.block_shape == [8, D] and desc.strides[-1] == 1
+    flat = torch.as_strided(t, desc.shape, desc.strides)
+    for h in range(t.shape[1]):
+        assert torch.equal(flat[h * row_h: h * row_h + T, h * col_h: h * col_h + D], t[0, h])
+
+
+def test_tma_view_refuses_layouts_it_cannot_address():
+    t = torch.randn(1, 2, 16, 64, device=DEVICE)
+    assert ta._tma_view(t[..., ::2], 8) is None  # last dim not contiguous
+    assert ta._tma_view(torch.randn(1, 2, 16, 65, device=DEVICE)[..., 1:], 8) is None  # misaligned base
+    # a head stride (80) neither a multiple of the token stride (192) nor dividing it
+    odd = torch.randn(16 * 192, device=DEVICE).as_strided((1, 2, 16, 64), (0, 80, 192, 1))
+    assert ta._tma_view(odd, 8) is None
+    assert ta._tma_view(torch.randn(16 * 192, device=DEVICE).as_strided((1, 2, 16, 64), (0, 96, 192, 1)), 8)
 
 
 def test_config_rejects_unknown_dq_mode():
