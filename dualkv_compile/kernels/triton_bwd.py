@@ -112,13 +112,15 @@ def _dkdv_q_block(
         lse2 = tl.load(LSEh + rows) * LOG2E
         delta = tl.load(DELTAh + rows)
     # Work on the transposed scores [BLOCK_N, BLOCK_M] so dK and dV come out
-    # of the dots in the tile's own row order.
+    # of the dots in the tile's own row order. dP is issued right after S so the
+    # tensor cores compute it while the exponentials of P run (sm_90 SASS: the
+    # exp2s interleave with dP's matrix instructions instead of waiting between them).
     s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
     if CAUSAL:
         p_t = tl.where(offs_n[:, None] <= rows[None, :], p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     ds_t = p_t * (dp_t - delta[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
     if ATOMIC_DQ:
