@@ -1,16 +1,22 @@
 """Check and time the shared-prompt Triton kernels on a GPU, beside FlexAttention and SDPA.
 
     PYTHONUNBUFFERED=1 python benchmarks/triton_tune.py [--out DIR] [--quick]
+    python benchmarks/triton_tune.py --sweep-only --variants 'kv32' --head-dim 64   # part of a sweep
+    python benchmarks/triton_tune.py --skip-sweep --config "Config(KC(...), KC(...), KC(...))"
 
 1. correctness at moderate size (several groups, ragged lengths, GQA, D=64/128)
-   against the fp32 reference, for every config variant swept, both backward
-   modes, and bitwise determinism of the deterministic backward;
-2. a sweep of forward / backward configs on two shapes;
-3. the target shapes (bf16, Hq=32, Hkv=8, D=128): Triton (table config and the
-   sweep's best) vs FlexAttention (two-region BlockMask, compiled) vs SDPA on
-   the unpacked padded batch. Useful FLOPs = attention pairs x 4 x D x Hq,
-   backward 2.5x forward.
-Writes JSON lines and a summary table under --out.
+   against the fp32 reference, for the table's configs and every variant
+   swept (checked before it is timed), both backward modes, and bitwise
+   determinism of the deterministic backward;
+2. a sweep of forward / backward configs on three shapes (``--variants``
+   selects by name, ``--head-dim`` 64 or 128), its pick checked again, and a
+   profile of the kernels' times in one forward + backward;
+3. the target shapes (bf16, Hq=32, Hkv=8, D=128): Triton (the sweep's pick,
+   or ``--config``) vs FlexAttention (two-region BlockMask, compiled for each
+   shape) vs SDPA on the unpacked padded batch. Useful FLOPs = attention
+   pairs x 4 x D x Hq, backward 2.5x forward.
+Writes JSON lines and a summary table under --out. The variants of each
+tuning run and what they measured: benchmarks/results/triton_tuning.md.
 """
 
 from __future__ import annotations

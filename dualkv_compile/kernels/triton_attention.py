@@ -21,6 +21,7 @@ atomics anywhere, bitwise reproducible. The default mode uses whatever the
 tuning table marks fastest, which may add float32 atomics (``head_split`` > 1
 spreads the query heads of a kv head over programs; ``dq_mode="atomic"``
 adds dQ from the KV-major kernel instead of recomputing it in a Q-major one).
+The Hopper table uses neither: there both modes run the same kernels.
 
 Loads: with ``KernelConfig.tma`` (the Hopper table) the full blocks of the
 operand a kernel streams (k and v in the forward and dQ kernels, q and dO in
