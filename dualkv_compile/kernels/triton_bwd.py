@@ -59,7 +59,8 @@ from .triton_fwd import _load_pair, _load_tile
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit(do_not_specialize=["T"])
+# As in triton_fwd: arguments that follow T get no value specialisation, so new lengths reuse the kernels.
+@triton.jit(do_not_specialize=["T", "stride_deltah"])
 def bwd_preprocess_kernel(
     O, DO, DELTA, LSE, ROW_STATS, T,
     stride_oh, stride_ot, stride_od,
@@ -155,7 +156,7 @@ def _dkdv_rows(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["num_tiles"])
+@triton.jit(do_not_specialize=["num_tiles", "q_row_h", "q_col_h", "do_row_h", "do_col_h", "stats_row_h", "stride_lh"])
 def bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ, TILES, num_tiles,
     Q_DESC, DO_DESC, q_row_h, q_col_h, do_row_h, do_col_h, STATS_DESC, stats_row_h,
@@ -275,7 +276,7 @@ def _dq_kv_block(
     return dq
 
 
-@triton.jit(do_not_specialize=["num_tiles"])
+@triton.jit(do_not_specialize=["num_tiles", "k_row_h", "k_col_h", "v_row_h", "v_col_h", "stride_lh"])
 def bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, TILES, num_tiles,
     K_DESC, V_DESC, k_row_h, k_col_h, v_row_h, v_col_h,

@@ -112,7 +112,9 @@ def _fwd_kv_block(
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["num_tiles"])
+# Arguments that follow T (the tile count, the lse head stride, the descriptors' row and column offsets)
+# get no value specialisation (divisible by 16 or not), so a new length never compiles a second variant.
+@triton.jit(do_not_specialize=["num_tiles", "k_row_h", "k_col_h", "v_row_h", "v_col_h", "stride_lh"])
 def shared_prompt_fwd_kernel(
     Q, K, V, O, LSE, TILES, num_tiles,
     K_DESC, V_DESC, k_row_h, k_col_h, v_row_h, v_col_h,

@@ -329,3 +329,26 @@ def test_gpu_through_op():
     ref = shared_prompt_attention(q.detach().float(), k.detach().float(), v.detach().float(), layout, backend="reference")
     assert rel(out, ref) < 1e-2
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.cuda
+@cuda
+def test_gpu_new_lengths_do_not_recompile():
+    """Layouts reach the kernels as tensors and descriptor offsets: new P, N and R_i reuse the compiled kernels."""
+    from dualkv_compile.kernels.triton_bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
+    from dualkv_compile.kernels.triton_fwd import shared_prompt_fwd_kernel
+
+    kernels = (shared_prompt_fwd_kernel, bwd_preprocess_kernel, bwd_dkdv_kernel, bwd_dq_kernel)
+
+    def compiled():
+        return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+    counts = []
+    for groups in ([(1000, [300, 17])], [(4096, [1024] * 4)], [(777, [5, 1, 333]), (129, [1000])]):
+        layout = make_layout(groups, seed=len(groups))
+        q, k, v, do = qkv(layout.num_tokens, 32, 8, 128, torch.bfloat16, seed=1)
+        segs = layout.attention_segments
+        out, lse = ta.forward(q, k, v, segs, 0.0883)
+        ta.backward(do, q, k, v, out, lse, segs, 0.0883)
+        counts.append(compiled())
+    assert counts[1:] == counts[:1] * 2, counts
