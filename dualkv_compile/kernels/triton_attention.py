@@ -391,7 +391,7 @@ def forward(q, k, v, segs: Segments, scale: float, *, config: Optional[Config] =
 def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, *,
              config: Optional[Config] = None):
     """``(dq, dk, dv)``; dk and dv per kv head (summed over the query heads that share it)."""
-    from .triton_bwd import bwd_dkdv_kernel, bwd_preprocess_kernel
+    from .triton_bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
 
     _check(q, k, segs)
     _, Hq, T, D = q.shape
@@ -438,21 +438,15 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if dq_mode == "recompute":
-        _launch_dq(full.dq, q, k, v, dout, lse, delta, dq, segs, scale, flags)
+        c = full.dq
+        tiles = _tile_schedule(segs, T, c.block_m, "q")
+        descs, tma = _descriptors(c, c.block_n, k, v)
+        bwd_dq_kernel[(Hq, tiles.shape[1])](
+            q, k, v, dout, lse, delta, dq, tiles, tiles.shape[1], *descs,
+            segs.seg_start, segs.seg_len, segs.prefix_start, segs.prefix_len,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+            lse.stride(1), G, scale * LOG2E, scale,
+            HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+            **flags, TMA=tma, num_warps=c.num_warps, num_stages=c.num_stages,
+        )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _launch_dq(c: KernelConfig, q, k, v, dout, lse, delta, dq, segs: Segments, scale: float, flags: dict) -> None:
-    from .triton_bwd import bwd_dq_kernel
-
-    _, Hq, T, D = q.shape
-    tiles = _tile_schedule(segs, T, c.block_m, "q")
-    descs, tma = _descriptors(c, c.block_n, k, v)
-    bwd_dq_kernel[(Hq, tiles.shape[1])](
-        q, k, v, dout, lse, delta, dq, tiles, tiles.shape[1], *descs,
-        segs.seg_start, segs.seg_len, segs.prefix_start, segs.prefix_len,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-        lse.stride(1), Hq // k.shape[1], scale * LOG2E, scale,
-        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-        **flags, TMA=tma, num_warps=c.num_warps, num_stages=c.num_stages,
-    )

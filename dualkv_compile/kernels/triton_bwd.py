@@ -79,7 +79,8 @@ def bwd_preprocess_kernel(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + head.to(tl.int64) * stride_deltah + rows, delta, mask=rows < T)
     if PACK_STATS:
-        # LSE is laid out like DELTA. Rows of 16 bytes (lse in base 2, Delta, two unused words) for the dK/dV kernel's copy engine.
+        # LSE is laid out like DELTA. Rows of 16 bytes (lse in base 2, Delta, two unused words)
+        # for the dK/dV kernel's copy engine.
         lse2 = tl.load(LSE + head.to(tl.int64) * stride_deltah + rows, mask=rows < T, other=0.0) * LOG2E
         zero = tl.zeros([BLOCK_M], tl.float32)
         packed = tl.reshape(tl.join(tl.join(lse2, delta), tl.join(zero, zero)), [BLOCK_M, 4])
@@ -99,8 +100,8 @@ def _dkdv_q_block(
     row_ok = rows < row_end
     # descs: (q descriptor, this head's row and column in it, the same for dO,
     #         the packed row statistics' descriptor, this head's first row in it)
-    q, do = _load_pair(Qh, DOh, descs[0], descs[3], descs[1], descs[2], descs[4], descs[5], start_m, rows, row_ok,
-                     offs_d, d_ok, stride_qt, stride_qd, stride_dot, stride_dod, ROW_MASK, EVEN_D, UPCAST, TMA)
+    q, do = _load_pair(Qh, DOh, descs, start_m, rows, row_ok, offs_d, d_ok, stride_qt, stride_qd, stride_dot,
+                       stride_dod, ROW_MASK, EVEN_D, UPCAST, TMA)
     if ROW_MASK:
         lse2 = tl.load(LSEh + rows, mask=row_ok, other=0.0) * LOG2E
         delta = tl.load(DELTAh + rows, mask=row_ok, other=0.0)
@@ -261,8 +262,8 @@ def _dq_kv_block(
 ):
     cols = start_n + offs_n
     col_ok = cols < col_end
-    k, v = _load_pair(Kh, Vh, descs[0], descs[3], descs[1], descs[2], descs[4], descs[5], start_n, cols, col_ok,
-                    offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, MASK != 0, EVEN_D, UPCAST, TMA)
+    k, v = _load_pair(Kh, Vh, descs, start_n, cols, col_ok, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd,
+                      MASK != 0, EVEN_D, UPCAST, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     p = tl.math.exp2(s * qk_scale - lse2[:, None])
     if MASK == 1:

@@ -67,34 +67,34 @@ def _load_tile(ptrs, row_ok, d_ok, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr,
 
 
 @triton.jit
-def _load_pair(K, V, K_DESC, V_DESC, k_row0, k_col, v_row0, v_col, start_n, cols, col_ok, offs_d, d_ok,
-               stride_kt, stride_kd, stride_vt, stride_vd,
+def _load_pair(A, B, descs, start, rows, row_ok, offs_d, d_ok, stride_at, stride_ad, stride_bt, stride_bd,
                MASKED: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
-    # The same rows of two tensors (k and v here; q and dO in the dK/dV kernel). A full block
+    # The same rows of two tensors (k and v here and in the dQ kernel; q and dO in the dK/dV kernel).
+    # descs = (A's descriptor, this head's row and column in it, the same for B, ...). A full block
     # goes through the copy engine when descriptors are given; masked blocks never do.
     if TMA and not MASKED:
-        k = K_DESC.load([k_row0 + start_n, k_col])
-        v = V_DESC.load([v_row0 + start_n, v_col])
+        a = descs[0].load([descs[1] + start, descs[2]])
+        b = descs[3].load([descs[4] + start, descs[5]])
         if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
     else:
-        k = _load_tile(K + cols[:, None] * stride_kt + offs_d[None, :] * stride_kd, col_ok, d_ok, MASKED, EVEN_D, UPCAST)
-        v = _load_tile(V + cols[:, None] * stride_vt + offs_d[None, :] * stride_vd, col_ok, d_ok, MASKED, EVEN_D, UPCAST)
-    return k, v
+        a = _load_tile(A + rows[:, None] * stride_at + offs_d[None, :] * stride_ad, row_ok, d_ok, MASKED, EVEN_D, UPCAST)
+        b = _load_tile(B + rows[:, None] * stride_bt + offs_d[None, :] * stride_bd, row_ok, d_ok, MASKED, EVEN_D, UPCAST)
+    return a, b
 
 
 @triton.jit
 def _fwd_kv_block(
-    acc, l_i, m_i, q, K, V, K_DESC, V_DESC, k_row0, k_col, v_row0, v_col, start_n, col_end, rows,
+    acc, l_i, m_i, q, K, V, descs, start_n, col_end, rows,
     offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
     MASK: tl.constexpr,  # 0: full block, 1: ragged columns (>= col_end hidden), 2: causal diagonal
     EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     cols = start_n + offs_n
     col_ok = cols < col_end
-    k, v = _load_pair(K, V, K_DESC, V_DESC, k_row0, k_col, v_row0, v_col, start_n, cols, col_ok, offs_d, d_ok,
-                    stride_kt, stride_kd, stride_vt, stride_vd, MASK != 0, EVEN_D, UPCAST, TMA)
+    k, v = _load_pair(K, V, descs, start_n, cols, col_ok, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd,
+                      MASK != 0, EVEN_D, UPCAST, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if MASK == 1:
         s = tl.where(col_ok[None, :], s, float("-inf"))
@@ -154,8 +154,7 @@ def shared_prompt_fwd_kernel(
     Qh = Q + head.to(tl.int64) * stride_qh
     Kh = K + kv_head.to(tl.int64) * stride_kh
     Vh = V + kv_head.to(tl.int64) * stride_vh
-    k_row0, k_col = kv_head * k_row_h, kv_head * k_col_h
-    v_row0, v_col = kv_head * v_row_h, kv_head * v_col_h
+    descs = (K_DESC, kv_head * k_row_h, kv_head * k_col_h, V_DESC, kv_head * v_row_h, kv_head * v_col_h)
     q = _load_tile(Qh + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd, row_ok, d_ok, True, EVEN_D, UPCAST)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -166,11 +165,11 @@ def shared_prompt_fwd_kernel(
     pre_full_end = pre_start + ((pre_end - pre_start) // BLOCK_N) * BLOCK_N
     for start_n in range(pre_start, pre_full_end, BLOCK_N):
         acc, l_i, m_i = _fwd_kv_block(
-            acc, l_i, m_i, q, Kh, Vh, K_DESC, V_DESC, k_row0, k_col, v_row0, v_col, start_n, pre_end, rows,
+            acc, l_i, m_i, q, Kh, Vh, descs, start_n, pre_end, rows,
             offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
     if pre_full_end < pre_end:
         acc, l_i, m_i = _fwd_kv_block(
-            acc, l_i, m_i, q, Kh, Vh, K_DESC, V_DESC, k_row0, k_col, v_row0, v_col, pre_full_end, pre_end, rows,
+            acc, l_i, m_i, q, Kh, Vh, descs, pre_full_end, pre_end, rows,
             offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 1, EVEN_D, DOT_PREC, UPCAST, TMA)
 
     # Region 2: the segment's own tokens, causal. Blocks ending at or before the
@@ -178,12 +177,12 @@ def shared_prompt_fwd_kernel(
     diag_start = seg_start + ((m0 - seg_start) // BLOCK_N) * BLOCK_N
     for start_n in range(seg_start, diag_start, BLOCK_N):
         acc, l_i, m_i = _fwd_kv_block(
-            acc, l_i, m_i, q, Kh, Vh, K_DESC, V_DESC, k_row0, k_col, v_row0, v_col, start_n, seg_end, rows,
+            acc, l_i, m_i, q, Kh, Vh, descs, start_n, seg_end, rows,
             offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
     diag_end = tl.minimum(m0 + BLOCK_M, seg_end)
     for start_n in range(diag_start, diag_end, BLOCK_N):
         acc, l_i, m_i = _fwd_kv_block(
-            acc, l_i, m_i, q, Kh, Vh, K_DESC, V_DESC, k_row0, k_col, v_row0, v_col, start_n, seg_end, rows,
+            acc, l_i, m_i, q, Kh, Vh, descs, start_n, seg_end, rows,
             offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 2, EVEN_D, DOT_PREC, UPCAST, TMA)
 
     out = acc / l_i[:, None]
