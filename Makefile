@@ -1,19 +1,25 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
-# Both create .venv when missing and install the package with what it needs.
-# On CPU machines torch is pinned to the CPU build (an unpinned torch pulls CUDA wheels).
+# Both create .venv when missing and install the package with exact versions from constraints.txt
+# (the environment CI passed with; moving a pin is a deliberate commit: `make lock`).
+# On CPU machines torch is the CPU build (an unpinned torch pulls CUDA wheels); it is pinned in constraints.txt.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-TORCH_CPU ?= torch==2.13.0
+LOCK := constraints.txt
 STAMP := $(VENV)/.installed
+# The CPU build of torch for the environments that float (test-latest, lock): the newest one the machine has.
+TORCH_CPU ?= torch==2.13.0
+LATEST := .venv-latest
+LATEST_STAMP := $(LATEST)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-latest lock venv clean
 
-$(STAMP): pyproject.toml Makefile
+# PIP_CONSTRAINT reaches pip's isolated build environment too (setuptools, wheel).
+$(STAMP): pyproject.toml Makefile $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_CPU)"
-	$(PY) -m pip install -q -e ".[test,bench]" "$(TORCH_CPU)"
+	PIP_CONSTRAINT=$(LOCK) $(PY) -m pip install -q pip
+	PIP_CONSTRAINT=$(LOCK) $(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -c "import sys; from importlib.metadata import version as v; pins = dict(l.strip().split('==') for l in open('$(LOCK)') if '==' in l and not l.startswith('#')); bad = {n: (p, v(n)) for n, p in pins.items() if n not in ('pip', 'setuptools', 'wheel') and v(n) != p}; sys.exit(f'installed versions differ from $(LOCK): {bad}' if bad else 0)"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -25,5 +31,24 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# The suite against the newest releases of everything but torch (not run by CI): breakage is seen before a pin moves.
+$(LATEST_STAMP): pyproject.toml Makefile
+	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q --upgrade "$(TORCH_CPU)" -e ".[test,bench]"
+	touch $(LATEST_STAMP)
+
+test-latest: $(LATEST_STAMP)
+	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager "$(TORCH_CPU)" -e ".[test,bench]"
+	$(LATEST)/bin/python -m pip freeze --exclude-editable | grep -E '^(torch|transformers|triton|numpy|hypothesis|expecttest|pytest)=='
+	$(LATEST)/bin/python -m pytest -q tests
+
+# Rewrite constraints.txt from the newest releases (run test-latest first, then commit the lock with a message).
+lock: $(LATEST_STAMP)
+	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager "$(TORCH_CPU)" -e ".[test,bench]"
+	{ sed -n '/^#/p' $(LOCK); $(LATEST)/bin/python -m pip freeze --exclude-editable | grep -v '^-e'; \
+	  for p in pip setuptools wheel; do echo "$$p==$$($(LATEST)/bin/python -m pip index versions $$p 2>/dev/null | sed -n 's/^[^ ]* (\(.*\))/\1/p')"; done; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LATEST) *.egg-info .pytest_cache .hypothesis
