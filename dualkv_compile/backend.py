@@ -38,6 +38,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
+import numbers
 import types
 from typing import Any, Callable, Optional
 
@@ -48,12 +50,16 @@ from . import active_layout
 from .layout import SharedPromptLayout, detect, previous_token_index
 from .passes.inline_checkpoint import inline_checkpoint_regions
 from .passes.pack_graph import PACKED_INPUTS, pack_graph
-from .passes.attention_match import find_attention
+from .passes.attention_match import find_attention, item_of_placeholder
 from .passes.fuse_linear_log_prob import fuse_linear_log_prob
+from .passes.functionalize import functionalize_mutations, mutation_refusal
 from .passes.token_axes import Kind, Refusal, TokenAxes, analyze_token_axes, find_token_inputs
 from .passes.token_axes import hint as _size
 
 log = logging.getLogger("dualkv_compile")
+
+# Kinds of value the packed graph computes on the packed stream (an in-place op on one would change one form only).
+_PACKED_KINDS = (Kind.TOKEN, Kind.COLUMN, Kind.BCAST)
 
 __all__ = ["DualKVConfig", "dualkv_backend", "GraphReport", "reports"]
 
@@ -67,7 +73,8 @@ class DualKVConfig:
     min_shared        shortest shared prefix (tokens) that makes rows a group
     inner             "inductor" or "aot_eager": compiles both the fallback and the packed graph
     verify            check the graph's attention masks against the layout on the first rewritten call
-    attention_backend "auto", "reference", "flex" or "triton" (see kernels.op)
+    attention_backend "auto", "reference", "cpu_flash", "flex" or "triton" (see kernels.op); one that
+                      cannot run a graph's attention (device, dtype, head dim) refuses the graph
     verify_max_elements  skip the mask check when a mask would hold more elements than this
     chunked_log_probs    fuse a loss's lm_head -> log_softmax -> next-token gather into
                          ``dualkv::linear_log_prob`` (passes.fuse_linear_log_prob): logits and
@@ -97,13 +104,34 @@ class DualKVConfig:
         if unknown:
             raise ValueError(f"options: unknown dualkv option(s) {unknown}; expected some of {sorted(names)}")
         cfg = cls(**options)
-        if cfg.inner not in ("inductor", "aot_eager", "eager"):
-            raise ValueError(f"options['inner'] must be 'inductor', 'aot_eager' or 'eager', got {cfg.inner!r}")
-        if not isinstance(cfg.chunked_log_probs, bool):
-            raise ValueError(f"options['chunked_log_probs'] must be a bool, got {cfg.chunked_log_probs!r}")
-        chunk = cfg.log_prob_chunk_bytes
-        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
-            raise ValueError(f"options['log_prob_chunk_bytes'] must be a positive int, got {chunk!r}")
+
+        def bad(name: str, expected: str):
+            return ValueError(f"options[{name!r}] must be {expected}, got {getattr(cfg, name)!r}")
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        # rho is valid tokens per packed token, never below 1: a min_rho below 1 means nothing.
+        rho = cfg.min_rho
+        if not isinstance(rho, numbers.Real) or isinstance(rho, bool) or not rho >= 1.0:
+            raise bad("min_rho", "a number >= 1.0 (rho, the token reduction, is always >= 1)")
+        if cfg.group_size is not None and not (is_int(cfg.group_size) and cfg.group_size >= 1):
+            raise bad("group_size", "None or a positive int")
+        if not (is_int(cfg.min_shared) and cfg.min_shared >= 1):
+            raise bad("min_shared", "an int >= 1")
+        if not isinstance(cfg.inner, str) or cfg.inner not in ("inductor", "aot_eager", "eager"):
+            raise bad("inner", "'inductor', 'aot_eager' or 'eager'")
+        for name in ("verify", "chunked_log_probs"):
+            if not isinstance(getattr(cfg, name), bool):
+                raise bad(name, "a bool")
+        from .kernels.op import BACKENDS
+
+        if not isinstance(cfg.attention_backend, str) or cfg.attention_backend not in BACKENDS:
+            raise bad("attention_backend", f"one of {', '.join(map(repr, BACKENDS))}")
+        if not (is_int(cfg.verify_max_elements) and cfg.verify_max_elements >= 0):
+            raise bad("verify_max_elements", "a non-negative int")
+        if not (is_int(cfg.log_prob_chunk_bytes) and cfg.log_prob_chunk_bytes > 0):
+            raise bad("log_prob_chunk_bytes", "a positive int")
         return cfg
 
 
@@ -129,6 +157,8 @@ class GraphReport:
     def __str__(self) -> str:
         head = f"graph {self.graph_id}: {self.num_nodes} nodes, {self.num_attention} attention"
         if not self.rewritten:
+            if self.reason is None:  # an error other than a refusal escaped the backend on this graph
+                return f"{head} - not rewritten: the dualkv backend raised an error on it (torch.compile reported it)"
             return f"{head} - REFUSED: {self.reason}"
         lines = [f"{head} - rewritten; {self.calls} calls, {self.packed_calls} packed, packed graph compiled {self.packed_compiles}x"]
         if self.fused_log_probs:
@@ -175,6 +205,11 @@ def _is_dynamic(gm: fx.GraphModule) -> bool:
     return False
 
 
+def _reads_lifted_scalars(gm: fx.GraphModule) -> bool:
+    """True if the graph reads an input as a Python scalar (``placeholder.item()``: Dynamo's lifted module floats)."""
+    return any(item_of_placeholder(n) is not None for n in gm.graph.find_nodes(op="call_method", target="item"))
+
+
 class _LazyCompile:
     """The original graph, compiled by the inner compiler on its first call.
 
@@ -193,7 +228,11 @@ class _LazyCompile:
     def __call__(self, *args):
         if self.compiled is None:
             gm, example_inputs, cfg, mode = self.args
-            if _is_dynamic(gm):
+            # A graph Dynamo traced with dynamic=True but specialised on sizes 0/1 everywhere (a [1, 1]
+            # batch) has static shapes yet still reads module floats as `placeholder.item()`: compiled
+            # from its example inputs outside Dynamo's tracing context, that .item() is data-dependent
+            # (DataDependentOutputException). The nested route captures it like the outer trace did.
+            if _is_dynamic(gm) or _reads_lifted_scalars(gm):
                 self.compiled = _nested_compile(gm, cfg, mode, dynamic=True)
             else:
                 self.compiled = _inner_compile(gm, example_inputs, cfg, mode)
@@ -267,10 +306,17 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
     try:
         # Checkpoint regions inlined, tagged for recomputation, on a copy (the fallback runs the original).
         gm = inline_checkpoint_regions(gm)
+        # In-place ops on private values made out-of-place (on a copy); the others are checked after the analysis.
+        gm, mutations = functionalize_mutations(gm)
         token_inputs = find_token_inputs(gm.graph)
         batch_shape = None
         if "input_ids" in token_inputs:
-            B, S = (_size(d) for d in token_inputs["input_ids"].meta["example_value"].shape[:2])
+            ids_shape = token_inputs["input_ids"].meta["example_value"].shape
+            if tuple(ids_shape[:2]) == (1, 1) and not any(isinstance(d, torch.SymInt) for d in ids_shape[:2]):
+                # Dynamo specialises sizes of 1, so this graph only ever sees a single token: nothing
+                # to share or to pack (and the analysis cannot tell its size-1 token axes from broadcasts).
+                raise Refusal("a [1, 1] batch (one row of one token): nothing to share, so nothing to pack")
+            B, S = (_size(d) for d in ids_shape[:2])
             token_inputs.update(_token_major_inputs(gm, example_inputs, token_inputs, B, S, floating_3d_only=True))
         else:
             # A part of a model after a graph break: its layout is carried from an earlier graph or detected from its inputs.
@@ -278,6 +324,9 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
             token_inputs = _token_major_inputs(gm, example_inputs, {}, *batch_shape)
         axes = analyze_token_axes(gm, token_inputs, batch_shape)
         report.num_attention = len(axes.attention)
+        why = mutation_refusal(mutations, lambda n: n in axes.info and axes.info[n].kind in _PACKED_KINDS)
+        if why is not None:
+            raise Refusal(why)
         if not axes.attention and not _floating_carried(axes):
             if batch_shape is not None:
                 raise Refusal(
@@ -384,8 +433,16 @@ def _resolve_scalar_inputs(gm, axes: TokenAxes, example_inputs) -> list[tuple[in
             index = placeholders.index(src)
             value = float(example_inputs[index])
             checks.append((index, value, f"{m.output.name}.{what}"))
+            # Eager attention's scale may also carry constant factors (m.scale); SDPA's is None here.
             if what == "scale":
-                m.scale = value
+                m.scale = value * (m.scale if m.scale is not None else 1.0)
+            elif what == "scale_divisor":
+                if value == 0 or not math.isfinite(value):
+                    if not m.refusal:
+                        m.refusal = f"{m.output.name}: attention scores divided by {value}"
+                        axes.refusals.append(m.refusal)
+                else:
+                    m.scale = (m.scale if m.scale is not None else 1.0) / value
             elif value != 0 and not m.refusal:
                 m.refusal = f"{m.output.name}: attention dropout_p={value} couples the copies of a shared prompt (dropout in training mode)"
                 axes.refusals.append(m.refusal)
@@ -393,12 +450,17 @@ def _resolve_scalar_inputs(gm, axes: TokenAxes, example_inputs) -> list[tuple[in
 
 
 def _resolve_attention_backend(backend: str, axes: TokenAxes) -> str:
-    from .kernels.op import resolve_backend
+    from .kernels.op import resolve_backend, unsupported_reason
 
     if not axes.attention:
         return backend  # unused: a graph without attention (the lm_head after a graph break)
     q = axes.attention[0].q.meta["example_value"]
     probe = torch.empty((1, q.shape[1], 1, q.shape[3]), dtype=q.dtype, device=q.device)
+    why = unsupported_reason(backend, probe)
+    if why is not None:
+        # A Refusal, not a ValueError: the graph runs unchanged and its report (explain()) says why.
+        # (An exception of another kind escaped the backend and left the report reading "REFUSED: None".)
+        raise Refusal(f"attention_backend={backend!r} cannot run this graph's attention: {why}")
     return resolve_backend(backend, probe)
 
 

@@ -391,10 +391,12 @@ def _build(B, S, device, starts, ends, lcps, bounds) -> SharedPromptLayout:
         pack_index=pack_index,
         unpack_index=unpack_index,
         valid=valid,
-        seg_start=seg[:, 0].contiguous(),
-        seg_len=seg[:, 1].contiguous(),
-        prefix_start=seg[:, 2].contiguous(),
-        prefix_len=seg[:, 3].contiguous(),
+        # clone, not .contiguous(): a column of a [1, 4] table is already contiguous, so
+        # .contiguous() would return views sharing one storage (CUDA kernels refuse overlap).
+        seg_start=seg[:, 0].clone(memory_format=torch.contiguous_format),
+        seg_len=seg[:, 1].clone(memory_format=torch.contiguous_format),
+        prefix_start=seg[:, 2].clone(memory_format=torch.contiguous_format),
+        prefix_len=seg[:, 3].clone(memory_format=torch.contiguous_format),
         max_seg_len=max((s[1] for s in segs), default=0),
         max_prefix_len=max((s[3] for s in segs), default=0),
     )

@@ -248,6 +248,21 @@ def test_single_row():
     assert L.pack_index.tolist() == [2, 3]
 
 
+@pytest.mark.parametrize(
+    "ids, mask",
+    [(T([[0, 0, 7, 8]]), T([[0, 0, 1, 1]])), (T([[0, 1, 2, 3, 4]] * 4), T([[0, 1, 1, 1, 1]] * 4))],
+    ids=["single_row", "identical_rows"],
+)
+def test_one_segment_tensors_own_their_storage(ids, mask):
+    # A [1, 4] table's columns are contiguous views of it: the four segment tensors then
+    # shared one storage, which CUDA kernels writing near them refused (overlapping memory).
+    L = detect(ids, mask)
+    assert L.num_segments == 1
+    tensors = L.attention_segments[:4]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 4
+    assert all(t.is_contiguous() and t.untyped_storage().nbytes() == 4 for t in tensors)
+
+
 def test_responses_sharing_first_tokens_extend_the_shared_prefix():
     # Prompt [1, 2, 3]; both responses start with [7, 7]: the shared prefix is 5 tokens.
     L = detect(T([[1, 2, 3, 7, 7, 8], [1, 2, 3, 7, 7, 9]]))

@@ -16,8 +16,8 @@ choice:
 
 Tensor convention: q ``[1, Hq, T, D]``, k and v ``[1, Hkv, T, D]`` (the
 ``scaled_dot_product_attention`` layout with batch 1), Hq a multiple of Hkv.
-The op returns the output in q's dtype; ``lse`` (float32, ``[1, Hq, T]``) is
-saved for the backward.
+The op returns the output in q's dtype; ``lse`` (float32, float64 for float64
+inputs, ``[1, Hq, T]``) is saved for the backward.
 
 Each backend is a module with the same three functions:
     supports(q) -> None, or why it cannot run q
@@ -96,10 +96,20 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
         return "reference"
     if backend == "reference":
         return backend
-    why = _impl(backend).supports(q)
+    why = unsupported_reason(backend, q)
     if why is not None:
         raise ValueError(f"backend={backend!r} cannot run this input: {why}")
     return backend
+
+
+def unsupported_reason(backend: str, q: torch.Tensor) -> Optional[str]:
+    """None if the concrete ``backend`` can run q; else why not (its device first, then its dtype, then its head dim)."""
+    if backend == "auto":
+        return None
+    try:
+        return _impl(backend).supports(q)
+    except ValueError as e:  # an unknown name, or the module is missing
+        return str(e)
 
 
 def _segments(seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len) -> Segments:
@@ -122,12 +132,17 @@ def attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     segs = _segments(seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len)
     out, lse = _impl(backend).forward(q, k, v, segs, scale)
-    return out.contiguous(), lse.float().contiguous()
+    return out.contiguous(), lse.to(lse_dtype(q)).contiguous()
+
+
+def lse_dtype(q: torch.Tensor) -> torch.dtype:
+    """The log-sum-exp's dtype: float32, float64 for float64 inputs (a float32 lse made their backward float32-accurate)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 @attention_fwd.register_fake
 def _(q, k, v, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len, scale, backend):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=lse_dtype(q))
 
 
 @torch.library.custom_op("dualkv::attention_bwd", mutates_args=())

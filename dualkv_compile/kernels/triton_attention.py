@@ -154,25 +154,29 @@ def _block_d(head_dim: int) -> int:
 
 
 def supports(q: torch.Tensor) -> Optional[str]:
-    """None if the kernels can run q (device, dtype, head dim); else the reason."""
+    """None if the kernels can run q; else the reason: the device first, then the dtype, then the head dim."""
+    needs = "it needs a CUDA tensor or the Triton interpreter (TRITON_INTERPRET=1 before importing dualkv_compile)"
+    if q.device.type == "cuda":
+        if torch.cuda.get_device_capability(q.device) < (8, 0):
+            return "the Triton kernels need a CUDA GPU of compute capability 8.0 or newer"
+    elif q.device.type == "cpu":
+        if not _interpreting():
+            return f"{needs}; this input is on cpu"
+        try:
+            from . import triton_fwd
+        except ImportError as e:
+            return f"Triton is unavailable: {e}"
+
+        if type(triton_fwd.shared_prompt_fwd_kernel).__name__ != "InterpretedFunction":
+            return "TRITON_INTERPRET=1 was set after the kernels were compiled for GPU; set it before importing dualkv_compile"
+    else:
+        return f"{needs}; this input is on {q.device.type}"
     if q.dtype not in _DTYPES:
         return f"dtype {q.dtype} is not supported (bfloat16, float16, float32)"
     D = q.shape[-1]
     if not 16 <= D <= 256:
         return f"head dim {D} is not supported (16 to 256)"
-    if q.device.type == "cuda":
-        if torch.cuda.get_device_capability(q.device) < (8, 0):
-            return "the Triton kernels need a CUDA GPU of compute capability 8.0 or newer"
-        return None
-    if q.device.type == "cpu":
-        if not _interpreting():
-            return "CPU tensors run only under the Triton interpreter (TRITON_INTERPRET=1)"
-        from . import triton_fwd
-
-        if type(triton_fwd.shared_prompt_fwd_kernel).__name__ != "InterpretedFunction":
-            return "TRITON_INTERPRET=1 was set after the kernels were compiled for GPU; set it before importing dualkv_compile"
-        return None
-    return f"device {q.device.type} is not supported (CUDA, or CPU under TRITON_INTERPRET=1)"
+    return None
 
 
 def config_for(q: torch.Tensor) -> Config:

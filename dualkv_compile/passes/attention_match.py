@@ -19,7 +19,10 @@ An attention with dropout that can be active is reported through
 A ``dropout_p`` or ``scale`` that is a graph value read from an input
 (``placeholder.item()``, as Dynamo lifts module floats under
 ``dynamic=True``) is recorded in ``AttentionMatch.scalar_inputs``: the backend
-resolves it from the example inputs and checks it on every call.
+resolves it from the example inputs and checks it on every call. In the eager
+form that is ``matmul * scaling.item()`` (key ``"scale"``, or ``"scale_divisor"``
+for ``/``; ``AttentionMatch.scale`` then holds only the constant factors) and
+``dropout(p=attention_dropout.item())``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ _SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attenti
 _MATMUL = {torch.matmul, operator.matmul}
 _SOFTMAX = {F.softmax, torch.softmax}
 _CASTS = {"to", "float", "type_as", "contiguous"}
+_SCALE_OPS = {operator.mul, operator.truediv, torch.mul, torch.div}
 
 
 @dataclasses.dataclass
@@ -121,14 +125,30 @@ def _match_eager(softmax: fx.Node) -> Optional[AttentionMatch]:
         internal.append(x)
         x, mask = (a, b) if _reaches_matmul(a) else (b, a)
     scale = 1.0
-    while isinstance(x, fx.Node) and x.op == "call_function" and x.target in (operator.mul, operator.truediv):
-        a, b = x.args[:2]
-        s = _scalar(b) if isinstance(a, fx.Node) else _scalar(a)
-        if s is None:
+    scalar_inputs: dict = {}
+    while isinstance(x, fx.Node) and x.op == "call_function" and x.target in _SCALE_OPS:
+        if len(x.args) != 2 or x.kwargs:
+            return None  # torch.div(..., rounding_mode=...), keyword operands: not a plain scale
+        a, b = x.args
+        divide = x.target in (operator.truediv, torch.div)
+        if _reaches_matmul(a):
+            t, c = a, b
+        elif not divide and _reaches_matmul(b):
+            t, c = b, a
+        else:
             return None
-        scale = scale * s if x.target is operator.mul else scale / s
+        s = _scalar(c)
+        if s is None:
+            # Under dynamic=True Dynamo lifts the module's float (HF's `self.scaling`) to an input read
+            # as `placeholder.item()`: resolved from the example inputs by the backend, checked per call.
+            src = item_of_placeholder(c)
+            if src is None or scalar_inputs:
+                return None
+            scalar_inputs["scale_divisor" if divide else "scale"] = src
+            s = 1.0
+        scale = scale / s if divide else scale * s
         internal.append(x)
-        x = a if isinstance(a, fx.Node) else b
+        x = t
     if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target in _MATMUL):
         return None
     q, kt = x.args[:2]
@@ -151,7 +171,12 @@ def _match_eager(softmax: fx.Node) -> Optional[AttentionMatch]:
         if u.op == "call_function" and u.target in (F.dropout, torch.dropout):
             p = _arg(u, 1, "p", 0.5)
             training = _arg(u, 2, "training", True)
-            if p != 0 and training is not False:
+            src = item_of_placeholder(p)
+            if training is False:
+                pass  # inactive, whatever p is
+            elif src is not None:
+                scalar_inputs["dropout_p"] = src  # the backend refuses a nonzero one, and checks it per call
+            elif p != 0 and training is not False:
                 refusal = f"{u.name}: attention dropout p={p} in training mode couples the copies of a shared prompt"
             internal.append(u)
             y = u
@@ -162,7 +187,7 @@ def _match_eager(softmax: fx.Node) -> Optional[AttentionMatch]:
     v = u.args[1]
     if mask is None and refusal is None:
         refusal = f"{u.name}: eager attention without a mask is bidirectional, not the causal pattern the kernels implement"
-    return AttentionMatch(u, q, k, v, mask, False, scale, "eager", tuple(internal), refusal)
+    return AttentionMatch(u, q, k, v, mask, False, scale, "eager", tuple(internal), refusal, scalar_inputs)
 
 
 def item_of_placeholder(x) -> Optional[fx.Node]:
@@ -180,9 +205,16 @@ def _norm_dims(node: fx.Node) -> list[int]:
 
 
 def _reaches_matmul(x) -> bool:
-    while isinstance(x, fx.Node) and x.op == "call_function" and x.target in (operator.mul, operator.truediv):
-        x = x.args[0] if isinstance(x.args[0], fx.Node) else x.args[1]
-    return isinstance(x, fx.Node) and x.op == "call_function" and x.target in _MATMUL
+    """True if ``x`` is a matmul, or a matmul scaled by multiplications/divisions (either operand of a product)."""
+    if not isinstance(x, fx.Node) or x.op != "call_function":
+        return False
+    if x.target in _MATMUL:
+        return True
+    if x.target in (operator.truediv, torch.div):
+        return bool(x.args) and _reaches_matmul(x.args[0])
+    if x.target in (operator.mul, torch.mul):
+        return any(_reaches_matmul(a) for a in x.args[:2])
+    return False
 
 
 def default_scale(q: fx.Node) -> float:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 
 import pytest
 import torch
@@ -158,3 +159,84 @@ def test_dynamic_true_lifted_scale_follows_the_module():
     assert new[0].rewritten and new[0].packed_calls == 1, [str(r) for r in new]
     second = new[1:] or new
     assert any(r.packed_calls for r in new[1:]) or any("scale is 0.2" in f for f in new[0].fallback_reasons), [str(r) for r in second]
+
+
+# --------------------------------------------------------------------------- option validation
+
+BAD_OPTIONS = [
+    ("min_rho", "2"), ("min_rho", -1), ("min_rho", 0.5), ("min_rho", 0), ("min_rho", float("nan")),
+    ("min_rho", True), ("min_rho", None),
+    ("group_size", 0), ("group_size", -2), ("group_size", 2.0), ("group_size", "4"), ("group_size", True),
+    ("min_shared", 0), ("min_shared", -1), ("min_shared", 1.5), ("min_shared", "1"), ("min_shared", True),
+    ("min_shared", None),
+    ("inner", "cuda"), ("inner", None), ("inner", 1),
+    ("verify", 1), ("verify", "yes"), ("verify", None),
+    ("attention_backend", "cuda"), ("attention_backend", ""), ("attention_backend", "Reference"),
+    ("attention_backend", None), ("attention_backend", 1),
+    ("verify_max_elements", -1), ("verify_max_elements", 1.5), ("verify_max_elements", "10"),
+    ("verify_max_elements", True), ("verify_max_elements", None),
+    ("chunked_log_probs", 1), ("chunked_log_probs", "yes"), ("chunked_log_probs", None),
+    ("log_prob_chunk_bytes", 0), ("log_prob_chunk_bytes", 1.5), ("log_prob_chunk_bytes", True),
+    ("log_prob_chunk_bytes", None),
+]
+
+
+@pytest.mark.parametrize("name, value", BAD_OPTIONS, ids=[f"{n}={v!r}" for n, v in BAD_OPTIONS])
+def test_bad_option_values_raise_value_error_naming_the_option(name, value):
+    """Every option is checked when the config is built: at decoration (policy_loss) and at the backend's
+    first call (torch.compile only hands options to the backend then; Dynamo wraps the ValueError)."""
+    match = rf"options\['{name}'\] must be .*got {re.escape(repr(value))}"
+    with pytest.raises(ValueError, match=match):
+        dualkv_compile.DualKVConfig.from_options({name: value})
+    if not (name in ("min_rho", "group_size") and value is None):  # policy_loss's "not given"
+        with pytest.raises(ValueError, match=match):
+            dualkv_compile.policy_loss(**{name: value})
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x + 1, backend="dualkv", options={name: value})
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=match):
+        compiled(torch.ones(2))
+
+
+GOOD_OPTIONS = [
+    ("min_rho", 1.0), ("min_rho", 1), ("min_rho", 1.5), ("min_rho", float("inf")),
+    ("group_size", None), ("group_size", 1), ("group_size", 8),
+    ("min_shared", 1), ("min_shared", 32),
+    *[("inner", v) for v in ("inductor", "aot_eager", "eager")], ("verify", False),
+    *[("attention_backend", v) for v in ("auto", "reference", "cpu_flash", "flex", "triton")],
+    ("verify_max_elements", 0), ("chunked_log_probs", False), ("log_prob_chunk_bytes", 1),
+]
+
+
+@pytest.mark.parametrize("name, value", GOOD_OPTIONS, ids=[f"{n}={v!r}" for n, v in GOOD_OPTIONS])
+def test_good_option_values_are_accepted(name, value):
+    cfg = dualkv_compile.DualKVConfig.from_options({name: value})
+    assert getattr(cfg, name) == value
+    dualkv_compile.policy_loss(**{name: value})
+
+
+def test_attention_backend_that_cannot_run_is_refused_with_its_reason(monkeypatch):
+    """attention_backend="triton" on CPU without the interpreter (TinyDecoder: head dim 8): the graph is refused,
+    runs unchanged, and explain() gives the real reason (the device), not the head dim and not "None"."""
+    pytest.importorskip("triton")
+    from dualkv_compile.kernels import triton_fwd  # noqa: F401 - compiled as the session set it, before the flag changes
+
+    from .test_backend import BATCHES
+    from .tiny_decoder import TinyDecoder
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch.manual_seed(0)
+    model = TinyDecoder()
+    ids, _, pos = grpo_batch(BATCHES["one_group"], 61)
+    result = dualkv_compile.explain(model, ids, pos, options={"inner": "aot_eager", "attention_backend": "triton"}, quiet=True)
+    assert len(result.refused) == 1 and not result.rewritten
+    reason = result.refused[0].reason
+    assert reason is not None and "attention_backend='triton'" in reason, reason
+    assert "needs a CUDA tensor" in reason and "TRITON_INTERPRET=1" in reason and "on cpu" in reason, reason
+    assert "head dim" not in reason.split(":", 1)[1], reason
+    assert "REFUSED: None" not in str(result) and reason in str(result)
+    assert torch.equal(result.output, model(ids, pos))
+
+
+def test_report_without_reason_does_not_print_none():
+    text = str(backend_module.GraphReport(graph_id=3, num_nodes=10, num_attention=1, rewritten=False))
+    assert "None" not in text and "graph 3" in text

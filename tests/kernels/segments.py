@@ -20,5 +20,6 @@ def make_segments(groups, device="cpu") -> tuple[Segments, int]:
                 rows.append((off, R, prompt, P))
                 off += R
     t = torch.tensor(rows, dtype=torch.int32, device=device)
-    segs = Segments(*(t[:, i].contiguous() for i in range(4)), max(r[1] for r in rows), max(r[3] for r in rows))
+    # clone: with one segment, t[:, i].contiguous() is a view and the four would share storage
+    segs = Segments(*(t[:, i].clone(memory_format=torch.contiguous_format) for i in range(4)), max(r[1] for r in rows), max(r[3] for r in rows))
     return segs, off

@@ -118,6 +118,29 @@ def test_default_scale_and_layout_object():
     assert rel(out, ref) < 1e-6
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu_flash", "triton"])
+@pytest.mark.parametrize("rows", [1, 3], ids=["single_row", "identical_rows"])
+def test_one_segment_layout(backend, rows):
+    """One row, or identical rows: the layout is one segment, whose four tensors must not share storage."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the triton backend runs on CPU only under TRITON_INTERPRET=1")
+    layout = detect(torch.tensor([[3, 1, 4, 1, 5, 9, 2]] * rows))
+    segs = layout.attention_segments
+    assert layout.num_segments == 1
+    assert len({t.untyped_storage().data_ptr() for t in segs[:4]}) == 4
+    q, k, v = qkv(layout.num_tokens, 4, 2, requires_grad=True, seed=rows)
+    out = shared_prompt_attention(q, k, v, layout, scale=0.3, backend=backend)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    # One causal segment: plain causal attention over the whole stream.
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = sdpa_masked(q64, k64, v64, torch.ones(7, 7, dtype=torch.bool).tril(), scale=0.3)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    assert rel(out, ref) < 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert rel(g, r) < 1e-4
+
+
 def test_lse_is_natural_log_over_both_regions():
     groups = [(10, [4, 6])]
     segs, T = make_segments(groups)
@@ -197,6 +220,29 @@ def test_gpu_backends_refuse_cpu(backend):
     q, k, v = qkv(T)
     with pytest.raises(ValueError, match=f"backend='{backend}'"):
         shared_prompt_attention(q, k, v, segs, backend=backend)
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 8), (torch.float64, 8), (torch.float32, 16)])
+def test_triton_on_cpu_without_interpreter_names_the_device_first(monkeypatch, dtype, head_dim):
+    """Not interpreted, a CPU input fails on its device, whatever its dtype and head dim."""
+    pytest.importorskip("triton")
+    from dualkv_compile.kernels import triton_fwd  # noqa: F401 - compiled as the session set it, before the flag changes
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = torch.zeros(1, 2, 4, head_dim, dtype=dtype)
+    with pytest.raises(ValueError, match=r"backend='triton'.*needs a CUDA tensor.*TRITON_INTERPRET=1.*on cpu") as e:
+        resolve_backend("triton", q)
+    assert "head dim" not in str(e.value) and "dtype" not in str(e.value)
+
+
+def test_triton_reasons_in_order_dtype_then_head_dim():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter to get past the device check on CPU")
+    with pytest.raises(ValueError, match=r"dtype torch.float64") as e:
+        resolve_backend("triton", torch.zeros(1, 2, 4, 8, dtype=torch.float64))
+    assert "head dim" not in str(e.value)
+    with pytest.raises(ValueError, match=r"head dim 8"):
+        resolve_backend("triton", torch.zeros(1, 2, 4, 8))
 
 
 @pytest.mark.parametrize("backend", ["cuda", "", None, "Reference"])

@@ -1,0 +1,292 @@
+"""Rewrite: in-place ops on private intermediate values become out-of-place (DESIGN.md semantics 9).
+
+Contract
+    Input: a Dynamo torch-level ``GraphModule`` whose tensor nodes carry
+    ``meta["example_value"]`` (fake tensors; views share their base's fake
+    storage, as the real tensors would).
+    Output: ``(graph, leftover)``. ``graph`` is ``gm`` itself when nothing is
+    mutated, else a copy (``gm`` is left as it is: the caller's fallback runs
+    it) in which every in-place op on a *private* value is replaced by its
+    out-of-place twin, cast back to the mutated value's dtype where type
+    promotion would change it (``bf16.mul_(fp32)`` stays bf16), and every
+    later read of the mutated value, or of an identity alias of it, reads the
+    new value. ``leftover`` lists the in-place ops it did not rewrite, each
+    with the nodes that share the mutated storage; ``mutation_refusal`` says
+    whether any of them touches a value the packed graph computes twice (its
+    packed and its original form), which would drop the mutation: then the
+    graph is refused and runs unchanged.
+
+A mutated value is private when its storage is shared only by the op that
+made it (not a placeholder or attribute: a caller's tensor, a parameter or a
+buffer must really be mutated), by the in-place ops (which return it) and by
+full aliases: no-op conversions such as ``.float()`` of a float32
+value, and ``detach()``. A view (a slice, a transpose, an aliasing reshape) made before its last
+mutation makes it not private: the mutation would have to be carried
+through the view. Views made after it read only the final value.
+
+Why functional: the rewrite gives a token value two translations, the packed
+one and ``unpack`` of it, and copies nodes into either. An in-place op copied
+into one of them is not seen by readers of the other, so ``logits.div_(t)``
+as a statement was lost on the packed path. Out of place, the data flow
+carries it wherever the value goes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+
+log = logging.getLogger("dualkv_compile")
+
+__all__ = ["Mutation", "functionalize_mutations", "mutation_refusal"]
+
+# ``x op= y`` on tensors: the out-of-place operator.
+_INPLACE_OPERATORS = {
+    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+    operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv, operator.ipow: operator.pow,
+    operator.imod: operator.mod, operator.iand: operator.and_, operator.ior: operator.or_,
+    operator.ixor: operator.xor, operator.ilshift: operator.lshift, operator.irshift: operator.rshift,
+    operator.imatmul: operator.matmul,
+}
+# Methods ending in "_" that change no tensor data.
+_METADATA_METHODS = {"requires_grad_", "retain_grad", "share_memory_"}
+# Ops that return their input itself when the conversion is a no-op, and ``detach`` (the same data, no
+# gradient): full aliases. A read of one after a mutation reads the new value (detached, for ``detach``).
+_FULL_ALIAS_METHODS = {"to", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous", "requires_grad_", "detach"}
+
+
+@dataclasses.dataclass
+class Mutation:
+    """An in-place op left as it is: ``node`` mutates ``target``; ``aliases`` share its storage."""
+
+    node: fx.Node
+    target: fx.Node
+    aliases: list[fx.Node]
+    why: str
+
+
+def _ev(n):
+    return n.meta.get("example_value") if isinstance(n, fx.Node) else None
+
+
+def _storage(n) -> Optional[StorageWeakRef]:
+    ev = _ev(n)
+    if not isinstance(ev, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(ev.untyped_storage())
+    except (RuntimeError, NotImplementedError):  # sparse or other storage-less tensors
+        return None
+
+
+def _op_name(n: fx.Node) -> str:
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+
+
+def _inplace_param(target) -> Optional[int]:
+    """Position of an ``inplace`` parameter of ``target`` (``F.silu``, ``F.relu`` ...), else None."""
+    try:
+        params = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params.index("inplace") if "inplace" in params else None
+
+
+def mutated_input(n: fx.Node) -> Optional[fx.Node]:
+    """The node whose data ``n`` changes in place, or None if ``n`` mutates nothing."""
+    if n.op == "call_method":
+        name = n.target
+        if name.endswith("_") and not name.endswith("__") and name not in _METADATA_METHODS:
+            return n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if n.op != "call_function":
+        return None
+    out = n.kwargs.get("out")
+    if isinstance(out, fx.Node):
+        return out
+    target = n.target
+    first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if target in _INPLACE_OPERATORS or target is operator.setitem:
+        return first if isinstance(_ev(first), torch.Tensor) else None
+    if isinstance(target, torch._ops.OpOverload):
+        for i, arg in enumerate(target._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+                return value if isinstance(value, fx.Node) else None
+        return None
+    name = getattr(target, "__name__", "")
+    if name.endswith("_") and not name.endswith("__") and (getattr(torch, name, None) is target or getattr(F, name, None) is target):
+        return first
+    i = _inplace_param(target) if callable(target) and getattr(target, "__module__", "") == F.__name__ else None
+    if i is not None and (n.kwargs.get("inplace") is True or (len(n.args) > i and n.args[i] is True)):
+        return first
+    return None
+
+
+def _functional_form(n: fx.Node) -> Optional[tuple[str, Any, tuple, dict]]:
+    """``(op, target, args, kwargs)`` of the out-of-place twin of in-place node ``n``, or None if there is none."""
+    args, kwargs = n.args, dict(n.kwargs)
+    if n.op == "call_method":
+        name = n.target[:-1]
+        if n.target == "copy_":
+            dst, src = _ev(args[0]), _ev(args[1]) if len(args) > 1 else None
+            if isinstance(src, torch.Tensor) and src.shape == dst.shape and src.device == dst.device:
+                # A copy, so that a later in-place op left on the source cannot reach this value.
+                return "call_method", "to", (args[1],), {"dtype": dst.dtype, "copy": True}
+            return None  # broadcasting or cross-device copies: left as they are
+        if n.target == "zero_":
+            return "call_function", torch.zeros_like, (args[0],), {}
+        if n.target == "fill_" and len(args) == 2 and not isinstance(args[1], fx.Node):
+            return "call_function", torch.full_like, (args[0], args[1]), {}
+        if not name.startswith("_") and callable(getattr(torch.Tensor, name, None)):
+            return "call_method", name, args, kwargs
+        return None
+    if "out" in kwargs or n.target is operator.setitem or isinstance(n.target, torch._ops.OpOverload):
+        return None
+    if n.target in _INPLACE_OPERATORS:
+        return "call_function", _INPLACE_OPERATORS[n.target], args, kwargs
+    name = getattr(n.target, "__name__", "")
+    for module in (torch, F):
+        if name.endswith("_") and getattr(module, name, None) is n.target and callable(getattr(module, name[:-1], None)):
+            return "call_function", getattr(module, name[:-1]), args, kwargs
+    i = _inplace_param(n.target)
+    if i is not None:
+        if len(args) > i:
+            args = (*args[:i], False, *args[i + 1:])
+        else:
+            kwargs["inplace"] = False
+        return "call_function", n.target, args, kwargs
+    return None
+
+
+def _fake_run(op: str, target, args, kwargs, fake_mode):
+    """The example value of a new node, computed on its inputs' example values."""
+    args, kwargs = fx.map_arg((args, kwargs), _ev)
+    with fake_mode:
+        if op == "call_method":
+            return getattr(args[0], target)(*args[1:], **kwargs)
+        return target(*args, **kwargs)
+
+
+def _full_alias(n: fx.Node, base: fx.Node) -> bool:
+    a, b = _ev(n), _ev(base)
+    return (
+        n.op == "call_method" and n.target in _FULL_ALIAS_METHODS
+        and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        and a.storage_offset() == b.storage_offset()
+    )
+
+
+def functionalize_mutations(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Mutation]]:
+    """See the module docstring."""
+    if not any(mutated_input(n) is not None for n in gm.graph.nodes):
+        return gm, []
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    out = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    nodes = list(graph.nodes)
+
+    members: dict[StorageWeakRef, list[fx.Node]] = {}
+    for n in nodes:
+        key = _storage(n)
+        if key is not None:
+            members.setdefault(key, []).append(n)
+    mutations = {n: mutated_input(n) for n in nodes}
+    mutations = {n: t for n, t in mutations.items() if t is not None}
+    order = {n: i for i, n in enumerate(nodes)}
+    last_mutation: dict[StorageWeakRef, int] = {}
+    for n, target in mutations.items():
+        key = _storage(target)
+        if key is not None:
+            last_mutation[key] = max(last_mutation.get(key, -1), order[n])
+    private: dict[StorageWeakRef, bool] = {}
+    for key, last in last_mutation.items():
+        group = members[key]
+        base = group[0]
+        # A view made after the last mutation reads only the final value: remapped, it views the new node.
+        private[key] = base.op not in ("placeholder", "get_attr") and all(
+            m is base or m in mutations or _full_alias(m, base) or order[m] > last for m in group
+        )
+
+    # The mode the example values were made in (the tracing context's may be another one by now).
+    fake_mode = next((ev.fake_mode for ev in map(_ev, nodes) if hasattr(ev, "fake_mode")), None)
+    latest: dict[StorageWeakRef, fx.Node] = {}
+    latest_at: dict[StorageWeakRef, int] = {}  # position of the mutation that made latest[key]
+    leftover: list[Mutation] = []
+    rewritten: list[fx.Node] = []
+    detached: dict[fx.Node, fx.Node] = {}  # latest value -> its detach(), for reads of a detach() alias
+    for n in nodes:
+        for a in n.all_input_nodes:
+            key = _storage(a)
+            # Only values made before the latest mutation hold stale data; later ones were computed from it.
+            if key not in latest or order.get(a, -1) > latest_at[key]:
+                continue
+            new = latest[key]
+            if a.op == "call_method" and a.target == "detach" and a is not new:
+                if new not in detached:
+                    with graph.inserting_before(n):
+                        detached[new] = graph.call_method("detach", (new,))
+                    detached[new].meta["example_value"] = _fake_run("call_method", "detach", (new,), {}, fake_mode)
+                new = detached[new]
+            n.replace_input_with(a, new)
+        if n not in mutations:
+            continue
+        target = mutations[n]
+        key = _storage(target)
+        form = _functional_form(n) if key is not None and private.get(key) and fake_mode is not None else None
+        if form is None:
+            group = members.get(key, [target])
+            if key is not None and private.get(key):
+                why = f"{_op_name(n)} has no out-of-place form here"
+            elif group[0].op in ("placeholder", "get_attr"):
+                why = f"{group[0].name} is an input, parameter or buffer of the graph"
+            else:
+                why = "a view aliases it"
+            leftover.append(Mutation(n, target, list(group), why))
+            continue
+        op, fn, args, kwargs = form
+        want = _ev(target)
+        with graph.inserting_after(n):
+            new = graph.create_node(op, fn, args, kwargs, name=f"{n.name}_functional")
+            new.meta = {k: v for k, v in n.meta.items() if k != "example_value"}
+            new.meta["example_value"] = _fake_run(op, fn, args, kwargs, fake_mode)
+            if new.meta["example_value"].dtype != want.dtype:
+                with graph.inserting_after(new):
+                    cast = graph.call_method("to", (new, want.dtype))
+                cast.meta = dict(new.meta)
+                cast.meta["example_value"] = _fake_run("call_method", "to", (new, want.dtype), {}, fake_mode)
+                new = cast
+        latest[key], latest_at[key] = new, order[n]
+        rewritten.append(n)
+    for n in reversed(rewritten):
+        if not n.users:
+            graph.erase_node(n)
+    graph.lint()
+    out.recompile()
+    if rewritten:
+        log.info("dualkv: %d in-place op(s) made out-of-place: %s", len(rewritten), ", ".join(_op_name(n) for n in rewritten))
+    return out, leftover
+
+
+def mutation_refusal(leftover: list[Mutation], is_packed) -> Optional[str]:
+    """Why the graph cannot be rewritten with these in-place ops left in it, or None.
+
+    ``is_packed(node)``: whether the rewrite gives ``node`` a packed form
+    (a value with token axes). An in-place op whose storage is shared with
+    such a value, or that reads one, would change only one of its two forms.
+    """
+    for m in leftover:
+        touched = [a for a in (*m.aliases, *m.node.all_input_nodes) if is_packed(a)]
+        if touched:
+            return (
+                f"{m.node.name}: in-place {_op_name(m.node)} on {m.target.name} ({m.why}) touches "
+                f"{touched[0].name}, a value of the packed region; the rewrite cannot carry the mutation"
+            )
+    return None
