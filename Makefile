@@ -12,7 +12,7 @@ TORCH_CPU ?= torch==2.13.0
 LATEST := .venv-latest
 LATEST_STAMP := $(LATEST)/.installed
 
-.PHONY: demo test test-latest lock venv clean
+.PHONY: demo test test-slow test-latest lock venv clean
 
 # PIP_CONSTRAINT reaches pip's isolated build environment too (setuptools, wheel).
 $(STAMP): pyproject.toml Makefile $(LOCK)
@@ -30,6 +30,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The slow tests (pyproject's addopts leave them out of `make test`): the 1,000-example fuzz.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
 
 # The suite against the newest releases of everything but torch (not run by CI): breakage is seen before a pin moves.
 $(LATEST_STAMP): pyproject.toml Makefile

@@ -53,6 +53,7 @@ from .passes.pack_graph import PACKED_INPUTS, pack_graph
 from .passes.attention_match import find_attention, item_of_placeholder
 from .passes.fuse_linear_log_prob import fuse_linear_log_prob
 from .passes.functionalize import functionalize_mutations, mutation_refusal
+from .passes.padding_reads import find_padding_reads, tainted
 from .passes.token_axes import Kind, Refusal, TokenAxes, analyze_token_axes, find_token_inputs
 from .passes.token_axes import hint as _size
 
@@ -482,6 +483,15 @@ class PackedRunner:
         self.disabled: Optional[str] = None
         self.mask_gm = _mask_graph(gm, axes) if cfg.verify else None
         self.unpacked_outputs = _unpacked_output_positions(packed)
+        # Where the program reads a position packing zeroes, and the input-only factors that may mask it.
+        self.padding_reads = find_padding_reads(packed, len(PACKED_INPUTS), gm)
+        factors = list(dict.fromkeys(node for r in self.padding_reads for node, _, _ in r.factors))
+        self.factor_gms = [
+            f for f in (
+                _factor_graph(packed, [n for n in factors if n.graph is packed.graph], len(PACKED_INPUTS)),
+                _factor_graph(gm, [n for n in factors if n.graph is gm.graph], 0),
+            ) if f is not None
+        ]
 
     def _compile_packed(self):
         def count():
@@ -513,6 +523,9 @@ class PackedRunner:
             if why is not None:
                 return self._disable(args, f"disabled on its first call: {why}")
             self.verified = True
+        why = self._padding_read(args, layout)
+        if why is not None:
+            return self._unpacked(args, why)
         if self.compiled is None:
             self.compiled = self._compile_packed()
         extra = _packed_inputs(layout)
@@ -538,6 +551,28 @@ class PackedRunner:
         # Later graphs of this forward may carry the layout to the tensors made here (active_layout.produced).
         self.active.record_outputs(out, self.unpacked_outputs)
         return out
+
+    def _padding_read(self, args, layout: SharedPromptLayout) -> Optional[str]:
+        """None, or why this call reads a position packing does not compute (DESIGN.md semantics 8).
+
+        Packing zeroes padding positions, and next-token values whose previous
+        column is padding (a row's first token: left padding, an empty
+        prompt). Reading them is exact only where a factor zeroes them.
+        """
+        if not self.padding_reads:
+            return None
+        valid = layout.valid.view(layout.batch_size, layout.seq_len)
+        factors = {}
+        with torch.no_grad():
+            for f in self.factor_gms:
+                factors.update(zip(f.factor_nodes, f(*args)))
+        for read in self.padding_reads:
+            if tainted(read, valid, factors):
+                return (
+                    f"{read.reader.name} reads a position packing does not compute (padding, or the column before a "
+                    "row's first token, e.g. an empty prompt) where no mask zeroes it; the original program runs"
+                )
+        return None
 
     def _layout(self, args):
         """This call's layout, detected from its token ids and made current; or why it runs unpacked."""
@@ -790,6 +825,27 @@ def _mask_graph(gm: fx.GraphModule, axes: TokenAxes) -> Optional[fx.GraphModule]
     g.output(tuple(env[m] for m in masks))
     g.eliminate_dead_code()
     return fx.GraphModule(gm, g, class_name="AttentionMasks")
+
+
+def _factor_graph(source: fx.GraphModule, nodes: list, layout_inputs: int) -> Optional[fx.GraphModule]:
+    """A copy of ``source`` returning ``nodes`` (the factors of padding reads) from the call's own inputs.
+
+    ``layout_inputs``: trailing placeholders of ``source`` (the packed graph's layout inputs) the factors
+    do not read (``find_padding_reads`` checked), removed so the copy takes the call's arguments alone.
+    """
+    if not nodes:
+        return None
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    g.graph_copy(source.graph, env)
+    g.output(tuple(env[n] for n in nodes))
+    g.eliminate_dead_code()
+    for ph in list(g.find_nodes(op="placeholder"))[len(list(g.find_nodes(op="placeholder"))) - layout_inputs:]:
+        if not ph.users:
+            g.erase_node(ph)
+    gm = fx.GraphModule(source, g, class_name="PaddingReadFactors")
+    gm.factor_nodes = nodes
+    return gm
 
 
 _PER_TOKEN_OR_SEGMENT = {"pack_index", "col_index", "prev_index", "seg_start", "seg_len", "prefix_start", "prefix_len"}

@@ -109,6 +109,7 @@ class _Packer:
             o = self.g.call_function(
                 unpack_tokens, (p, self.inp["unpack_index"], self.inp["valid"], ids, b, s, info.shift, truncate)
             )
+        o.meta["unpacked_rank"] = len(shape)  # for passes.padding_reads
         self.orig[n] = o
         return o
 
@@ -179,6 +180,7 @@ class _Packer:
         kwargs = fx.map_arg(n.kwargs, lookup)
         args, kwargs = self.rewrite_shapes(n, args, kwargs)
         new = self.g.create_node(n.op, n.target, args, kwargs, name=n.name + "_packed")
+        new.meta["dualkv_original"] = n.name  # for passes.padding_reads (a name: meta may be deep-copied)
         return new
 
     def emit_gather_previous(self, n: fx.Node) -> Optional[fx.Node]:
