@@ -814,24 +814,11 @@ def _allowed(m: torch.Tensor) -> Optional[torch.Tensor]:
     return m == 0
 
 
-def _mask_graph(gm: fx.GraphModule, axes: TokenAxes) -> Optional[fx.GraphModule]:
-    """A copy of ``gm`` that returns the attention masks (as the original graph builds them)."""
-    masks = [m.mask for m in axes.attention if m.mask is not None]
-    if not masks:
-        return None
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    g.graph_copy(gm.graph, env)
-    g.output(tuple(env[m] for m in masks))
-    g.eliminate_dead_code()
-    return fx.GraphModule(gm, g, class_name="AttentionMasks")
+def _graph_returning(source: fx.GraphModule, nodes: list, class_name: str, drop_trailing: int = 0) -> Optional[fx.GraphModule]:
+    """A copy of ``source`` that returns ``nodes`` (a tuple), with what they do not need removed; None if no nodes.
 
-
-def _factor_graph(source: fx.GraphModule, nodes: list, layout_inputs: int) -> Optional[fx.GraphModule]:
-    """A copy of ``source`` returning ``nodes`` (the factors of padding reads) from the call's own inputs.
-
-    ``layout_inputs``: trailing placeholders of ``source`` (the packed graph's layout inputs) the factors
-    do not read (``find_padding_reads`` checked), removed so the copy takes the call's arguments alone.
+    ``drop_trailing``: trailing placeholders (the packed graph's layout inputs) removed when unused, so the
+    copy takes the call's own arguments.
     """
     if not nodes:
         return None
@@ -840,11 +827,27 @@ def _factor_graph(source: fx.GraphModule, nodes: list, layout_inputs: int) -> Op
     g.graph_copy(source.graph, env)
     g.output(tuple(env[n] for n in nodes))
     g.eliminate_dead_code()
-    for ph in list(g.find_nodes(op="placeholder"))[len(list(g.find_nodes(op="placeholder"))) - layout_inputs:]:
+    placeholders = list(g.find_nodes(op="placeholder"))
+    for ph in placeholders[len(placeholders) - drop_trailing:]:
         if not ph.users:
             g.erase_node(ph)
-    gm = fx.GraphModule(source, g, class_name="PaddingReadFactors")
-    gm.factor_nodes = nodes
+    return fx.GraphModule(source, g, class_name=class_name)
+
+
+def _mask_graph(gm: fx.GraphModule, axes: TokenAxes) -> Optional[fx.GraphModule]:
+    """A copy of ``gm`` that returns the attention masks (as the original graph builds them)."""
+    return _graph_returning(gm, [m.mask for m in axes.attention if m.mask is not None], "AttentionMasks")
+
+
+def _factor_graph(source: fx.GraphModule, nodes: list, layout_inputs: int) -> Optional[fx.GraphModule]:
+    """A copy of ``source`` returning ``nodes`` (the factors of padding reads) from the call's own inputs.
+
+    ``layout_inputs``: trailing placeholders of ``source`` (the packed graph's layout inputs), which the
+    factors do not read (``find_padding_reads`` checked).
+    """
+    gm = _graph_returning(source, nodes, "PaddingReadFactors", drop_trailing=layout_inputs)
+    if gm is not None:
+        gm.factor_nodes = nodes
     return gm
 
 

@@ -129,30 +129,37 @@ def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter
 
         axes = analyze_token_axes(gm, find_token_inputs(gm.graph))
         packed = pack_graph(gm, axes, "reference")
-        (
-            FileCheck()
-            .check("pack_tokens")
-            .check_count("torch.ops.dualkv.attention_fwd.default", 1, exactly=True)
-            .check_not("scaled_dot_product_attention")
-            .check("unpack_tokens")
-            .run(packed.code)
-        )
-        placeholders = {n.name: n for n in packed.graph.find_nodes(op="placeholder")}
-        mask_ph = [n for name, n in placeholders.items() if "attention_mask" in name]
-        self.assertEqual(len(mask_ph), 1)
-        self.assertEqual(len(mask_ph[0].users), 0, "the attention mask is dropped, not rebuilt on the packed stream")
-        self.assertEqual(len(packed.graph.find_nodes(op="call_function", target=unpack_tokens)), 1)
-
         layout = dualkv_compile.detect(ids, mask)
         self.assertEqual(layout.num_tokens, 13)
-        ShapeProp(packed).propagate(*inputs, *_packed_inputs(layout))
-        token_major = [
-            n.name for n in packed.graph.nodes
-            if n.op == "call_function" and n.target is not unpack_tokens
-            and isinstance(n.meta.get("tensor_meta"), TensorMetadata) and tuple(n.meta["tensor_meta"].shape[:2]) == (B, S)
-        ]
-        self.assertEqual(token_major, [], "values laid out [B, S, ...] inside the packed region")
+        assert_packed_structure(self, packed, inputs, layout)
+        self.assertEqual(len(packed.graph.find_nodes(op="call_function", target=unpack_tokens)), 1)
         out = packed(*inputs, *_packed_inputs(layout))[0]
         ref = model(input_ids=ids, attention_mask=mask).logits
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
+
+def assert_packed_structure(tc, packed, inputs, layout) -> None:
+    """One packed decoder layer's structure, for graphs whose names a transformers release generates:
+    one shared-prompt attention and no SDPA, the attention mask input dropped (not rebuilt on the packed
+    stream), and no value laid out ``[B, S, ...]`` between the pack and the unpack (``inputs``: the
+    graph's real inputs, ``layout``: one whose token count differs from B * S)."""
+    (
+        FileCheck()
+        .check("pack_tokens")
+        .check_count("torch.ops.dualkv.attention_fwd.default", 1, exactly=True)
+        .check_not("scaled_dot_product_attention")
+        .check("unpack_tokens")
+        .run(packed.code)
+    )
+    mask_ph = [n for n in packed.graph.find_nodes(op="placeholder") if "attention_mask" in n.name]
+    tc.assertEqual(len(mask_ph), 1)
+    tc.assertEqual(len(mask_ph[0].users), 0, "the attention mask is dropped, not rebuilt on the packed stream")
+    B, S = layout.batch_size, layout.seq_len
+    tc.assertNotEqual(layout.num_tokens, B * S)
+    ShapeProp(packed).propagate(*inputs, *_packed_inputs(layout))
+    token_major = [
+        n.name for n in packed.graph.nodes
+        if n.op == "call_function" and n.target is not unpack_tokens
+        and isinstance(n.meta.get("tensor_meta"), TensorMetadata) and tuple(n.meta["tensor_meta"].shape[:2]) == (B, S)
+    ]
+    tc.assertEqual(token_major, [], "values laid out [B, S, ...] inside the packed region")

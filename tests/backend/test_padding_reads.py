@@ -76,3 +76,26 @@ def test_verl_slice_reads_padding_only_for_an_empty_prompt(prompt_len):
         assert reports[-1].packed_calls == 0 and "packing does not compute" in reports[-1].fallback_reasons[-1]
     else:
         assert reports[-1].packed_calls == 1, reports[-1]
+
+
+def test_nan_padding_embedding_poisons_the_original_program_only():
+    """README ("Supported, and refused"): a NaN in the padding token's embedding row makes the unmodified model's loss
+    NaN (its padding positions reach valid ones through a zero weight times NaN), while dualkv, which never reads
+    padding, gives the loss of the model with a finite padding row."""
+    ids = torch.tensor([[0, 0, 4, 5, 8, 9, 1], [0, 0, 4, 5, 8, 7, 0], [0, 0, 4, 5, 8, 3, 3]])
+    mask = (ids != 0).long()
+    response = mask.clone()
+    response[:, :5] = 0
+    model = _hf_model("qwen3", "sdpa")
+    clean = copy.deepcopy(model)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[0] = float("nan")
+
+    def loss(model, input_ids, attention_mask, response_mask):
+        return _next_token_loss(model, input_ids, attention_mask, response_mask)
+
+    torch._dynamo.reset()
+    assert torch.isnan(loss(model, ids, mask, response))
+    got = dualkv_compile.policy_loss(loss, inner="aot_eager")(model, ids, mask, response)
+    assert [r.packed_calls for r in dualkv_compile.reports() if r.num_attention][-1] == 1
+    torch.testing.assert_close(got, loss(clean, ids, mask, response), rtol=1e-5, atol=1e-6)
