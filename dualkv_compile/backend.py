@@ -566,13 +566,14 @@ class PackedRunner:
         with torch.no_grad():
             for f in self.factor_gms:
                 factors.update(zip(f.factor_nodes, f(*args)))
-        for read in self.padding_reads:
-            if tainted(read, valid, factors):
-                return (
-                    f"{read.reader.name} reads a position packing does not compute (padding, or the column before a "
-                    "row's first token, e.g. an empty prompt) where no mask zeroes it; the original program runs"
-                )
-        return None
+        flags = torch.stack([tainted(read, valid, factors) for read in self.padding_reads])
+        if not bool(flags.any()):  # one host sync for all reads
+            return None
+        read = self.padding_reads[int(flags.nonzero()[0, 0])]
+        return (
+            f"{read.reader.name} reads a position packing does not compute (padding, or the column before a "
+            "row's first token, e.g. an empty prompt) where no mask zeroes it; the original program runs"
+        )
 
     def _layout(self, args):
         """This call's layout, detected from its token ids and made current; or why it runs unpacked."""

@@ -204,11 +204,12 @@ def _window(columns: int, slices: tuple[tuple, ...], device) -> torch.Tensor:
     return index
 
 
-def tainted(read: Read, valid: torch.Tensor, factors: dict[fx.Node, torch.Tensor]) -> bool:
+def tainted(read: Read, valid: torch.Tensor, factors: dict[fx.Node, torch.Tensor]) -> torch.Tensor:
     """Whether ``read`` reads a position packing zeroed (``valid``: the call's ``[B, S]`` non-padding mask)
-    where none of its factors (``factors``: their values this call) is zero."""
+    where none of its factors (``factors``: their values this call) is zero: a 0-d bool tensor on ``valid``'s
+    device (the caller syncs once for all reads)."""
     if read.source.target is unpack_merged:
-        return bool((~valid).any())
+        return (~valid).any()
     if read.shift:
         taint = ~(valid[:, 1:] & valid[:, :-1])
     elif read.truncate:
@@ -227,4 +228,4 @@ def tainted(read: Read, valid: torch.Tensor, factors: dict[fx.Node, torch.Tensor
         if nonzero.shape[1] not in (1, cols.numel()) or nonzero.shape[0] not in (1, B):
             continue
         taint[:, cols] &= nonzero.to(taint.device).expand(B, cols.numel())
-    return bool(taint[:, _window(C, read.slices, taint.device)].any())
+    return taint[:, _window(C, read.slices, taint.device)].any()
