@@ -4,7 +4,9 @@
 share a prompt into one stream (prompt once, then each response) across the
 whole model, with attention lowered to ``shared_prompt_attention``.
 """
-from .backend import DualKVConfig, dualkv_backend, register as _register, reports
+from .backend import dualkv_backend, register as _register
+from .config import DualKVConfig
+from .report import reports
 from .explain import Explanation, explain
 from .kernels.op import shared_prompt_attention
 from .layout import Segments, SharedPromptLayout, detect, pack, unpack

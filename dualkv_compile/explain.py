@@ -9,7 +9,8 @@ from typing import Any, Optional, TextIO
 
 import torch
 
-from .backend import GraphReport, dualkv_backend, reports
+from .backend import dualkv_backend
+from .report import GraphReport, reports
 
 __all__ = ["Explanation", "explain"]
 

@@ -24,7 +24,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .backend import DualKVConfig, dualkv_backend
+from .backend import dualkv_backend
+from .config import DualKVConfig
 
 __all__ = ["policy_loss"]
 

@@ -43,9 +43,7 @@ import torch.nn.functional as F
 
 from .attention_match import AttentionMatch, find_attention
 
-__all__ = ["Kind", "NodeInfo", "TokenAxes", "Refusal", "analyze_token_axes", "find_token_inputs", "TOKEN_INPUT_ROLES"]
-
-TOKEN_INPUT_ROLES = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
+__all__ = ["Kind", "NodeInfo", "TokenAxes", "Refusal", "analyze_token_axes"]
 
 
 class Kind(enum.Enum):
@@ -144,17 +142,6 @@ def shape_of(x) -> list[int]:
 
 def _is_tensor(x) -> bool:
     return isinstance(_ev(x), torch.Tensor)
-
-
-def find_token_inputs(graph: fx.Graph) -> dict[str, fx.Node]:
-    """Placeholders whose names say they are token inputs (``L_kwargs_input_ids_``, ``L_batch_attention_mask_`` ...)."""
-    found: dict[str, fx.Node] = {}
-    for node in graph.find_nodes(op="placeholder"):
-        name = node.name.lower()
-        for role in TOKEN_INPUT_ROLES:
-            if role in name and role not in found and _is_tensor(node):
-                found[role] = node
-    return found
 
 
 def analyze_token_axes(gm: fx.GraphModule, token_inputs: dict[str, fx.Node], batch_shape: Optional[tuple[int, int]] = None) -> TokenAxes:

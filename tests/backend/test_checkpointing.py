@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import dualkv_compile
-import dualkv_compile.backend as backend_module
+import dualkv_compile.runtime.nested_compile as nested_compile_module
 from dualkv_compile.backend import dualkv_backend
 from dualkv_compile.passes.inline_checkpoint import checkpoint_regions, inline_checkpoint_regions
 from dualkv_compile.passes.pack_graph import pack_graph
-from dualkv_compile.passes.token_axes import analyze_token_axes, find_token_inputs
+from dualkv_compile.passes.token_axes import analyze_token_axes
+from dualkv_compile.passes.token_inputs import find_token_inputs
 
 from .test_backend import _check_model, _hf_model, grpo_batch
 from .test_graph_diff import capture, normalise
@@ -140,7 +141,7 @@ def _attention_calls(gm: torch.fx.GraphModule) -> int:
 
 def _packed_step(monkeypatch, checkpointing: bool) -> _Recorder:
     recorder = _Recorder()
-    monkeypatch.setattr(backend_module, "_inner_compile", recorder)
+    monkeypatch.setattr(nested_compile_module, "inner_compile", recorder)
     torch._dynamo.reset()
     model = _hf_model("qwen3", "sdpa", layers=2)
     if checkpointing:

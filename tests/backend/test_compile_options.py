@@ -24,6 +24,7 @@ import torch
 
 import dualkv_compile
 from dualkv_compile import backend as backend_module
+from dualkv_compile.runtime import nested_compile as nested_compile_module
 from dualkv_compile.backend import dualkv_backend
 
 from .test_backend import _hf_model, _rel, grpo_batch
@@ -120,13 +121,13 @@ def test_mode_and_options_together_is_refused_by_torch():
 def test_mode_max_autotune_no_cudagraphs(monkeypatch):
     """mode= reaches the backend and the Inductor config of both the fallback and the packed compile."""
     seen = []
-    real = backend_module._mode_patches
+    real = nested_compile_module.mode_patches
 
     def spy(mode):
         seen.append(mode)
         return real(mode)
 
-    monkeypatch.setattr(backend_module, "_mode_patches", spy)
+    monkeypatch.setattr(nested_compile_module, "mode_patches", spy)
     # options cannot be given with mode (see above); inner is Inductor by default.
     model, ref_model, compiled, start = _setup(backend="dualkv", mode="max-autotune-no-cudagraphs")
     _check(compiled, model, ref_model, _batches(SHAPE_A))

@@ -18,7 +18,8 @@ from dualkv_compile.backend import _packed_inputs
 from dualkv_compile.passes.packed_ops import unpack_tokens
 
 from dualkv_compile.passes.pack_graph import pack_graph
-from dualkv_compile.passes.token_axes import analyze_token_axes, find_token_inputs
+from dualkv_compile.passes.token_axes import analyze_token_axes
+from dualkv_compile.passes.token_inputs import find_token_inputs
 
 from .tiny_decoder import TinyDecoder
 

@@ -1,0 +1,64 @@
+"""Attention masks the original graph builds, checked against the causal, padding-aware pattern of a layout.
+
+The rewrite drops the masks a graph builds and attends by the layout instead, so a mask that is not the
+causal mask with the layout's key padding (sliding window, bidirectional, a bias, another batch's padding)
+must stop the packed path. Masks are evaluated by a copy of the graph (``side_graphs.mask_graph``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..layout import SharedPromptLayout
+
+__all__ = ["allowed_from_mask", "mask_mismatch", "pure_mask"]
+
+
+def mask_mismatch(masks, names, layout: SharedPromptLayout) -> Optional[str]:
+    """None if every mask is the causal mask with ``layout``'s key padding, else why not.
+
+    Rows of valid queries must match exactly, and no padding position may
+    attend to itself: that pins the mask's padding to the layout's (a batch
+    whose last token the layout calls padding fails). One sync per mask;
+    temporaries of ``S * S`` elements per row of the batch.
+    """
+    B, S = layout.batch_size, layout.seq_len
+    valid = layout.valid.view(B, S)
+    q = torch.arange(S, device=valid.device)
+    causal = q[None, :] <= q[:, None]  # [Sq, Skv]
+    for name, m in zip(names, masks):
+        allowed = pure_mask(name, m, B, S)
+        if isinstance(allowed, str):
+            return allowed
+        bad = torch.zeros((), dtype=torch.bool, device=valid.device)
+        for b in range(B):
+            a, v = allowed[min(b, allowed.shape[0] - 1)], valid[b]
+            wrong = (a ^ (causal & v[None, :])) & v[:, None]
+            bad |= wrong.any() | (a.diagonal(dim1=-2, dim2=-1) & ~v).any()
+        if bool(bad):
+            return (
+                f"{name}: the attention mask is not the causal mask with this layout's key padding "
+                "(sliding window, bidirectional or custom mask, or another batch's padding)"
+            )
+    return None
+
+
+def pure_mask(name: str, m: torch.Tensor, B: int, S: int) -> "torch.Tensor | str":
+    """Attention mask ``m`` as booleans (True: may attend) of shape ``[1 or B, heads, S, S]``, else why it is not one."""
+    allowed = allowed_from_mask(m)
+    if allowed is None:
+        return f"{name}: the attention mask carries values other than 0 and -inf/min (a bias); not a pure mask"
+    if allowed.dim() != 4 or tuple(allowed.shape[-2:]) != (S, S) or allowed.shape[0] not in (1, B):
+        return f"{name}: attention mask of shape {list(allowed.shape)}, expected [B, heads, S, S]"
+    return allowed
+
+
+def allowed_from_mask(m: torch.Tensor) -> Optional[torch.Tensor]:
+    if m.dtype == torch.bool:
+        return m
+    neg = (m <= torch.finfo(m.dtype).min / 2) | torch.isneginf(m)
+    if not bool(((m == 0) | neg).all()):
+        return None
+    return m == 0

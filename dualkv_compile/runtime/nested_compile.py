@@ -1,0 +1,136 @@
+"""Compiling a graph with the inner compiler: directly, lazily (the fallback), or nested in a fresh ``torch.compile``.
+
+The backend hands the original graph (its fallback) and the packed graph to the inner compiler
+(``"inductor"``, ``"aot_eager"`` or ``"eager"``). A graph with symbolic sizes, or one that reads lifted
+module floats (``placeholder.item()``), is compiled through a nested ``torch.compile(dynamic=True)`` of a
+function calling it: compiled directly outside Dynamo's tracing context it would be specialised to its
+first inputs (or fail on the data-dependent ``.item()``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from ..config import DualKVConfig
+from ..passes.attention_match import item_of_placeholder
+
+__all__ = ["LazyCompile", "inner_compile", "is_dynamic", "mode_patches", "nested_compile", "reads_lifted_scalars"]
+
+_nested_ids = itertools.count()
+
+
+def inner_compile(gm: fx.GraphModule, example_inputs, cfg: DualKVConfig, mode: Optional[str]):
+    if cfg.inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        config_patches = mode_patches(mode)
+        return compile_fx(gm, example_inputs, config_patches=config_patches)
+    if cfg.inner == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+    return gm.forward
+
+
+def is_dynamic(gm: fx.GraphModule) -> bool:
+    for n in gm.graph.find_nodes(op="placeholder"):
+        ev = n.meta.get("example_value")
+        if isinstance(ev, torch.SymInt) or (isinstance(ev, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in ev.shape)):
+            return True
+    return False
+
+
+def reads_lifted_scalars(gm: fx.GraphModule) -> bool:
+    """True if the graph reads an input as a Python scalar (``placeholder.item()``: Dynamo's lifted module floats)."""
+    return any(item_of_placeholder(n) is not None for n in gm.graph.find_nodes(op="call_method", target="item"))
+
+
+class LazyCompile:
+    """The original graph, compiled by the inner compiler on its first call.
+
+    A rewritten graph may never need its fallback; compiling it up front
+    doubled the first step's compile time. A static-shape graph compiles for
+    its example inputs; a dynamic-shape one goes through a nested
+    ``torch.compile(dynamic=True)`` (compiled directly outside Dynamo's
+    tracing context it would be specialised to its first inputs), the same
+    route the packed graph takes.
+    """
+
+    def __init__(self, gm, example_inputs, cfg: DualKVConfig, mode: Optional[str]):
+        self.args = (gm, example_inputs, cfg, mode)
+        self.compiled: Optional[Callable] = None
+
+    def __call__(self, *args):
+        if self.compiled is None:
+            gm, example_inputs, cfg, mode = self.args
+            # A graph Dynamo traced with dynamic=True but specialised on sizes 0/1 everywhere (a [1, 1]
+            # batch) has static shapes yet still reads module floats as `placeholder.item()`: compiled
+            # from its example inputs outside Dynamo's tracing context, that .item() is data-dependent
+            # (DataDependentOutputException). The nested route captures it like the outer trace did.
+            if is_dynamic(gm) or reads_lifted_scalars(gm):
+                self.compiled = nested_compile(gm, cfg, mode, dynamic=True)
+            else:
+                self.compiled = inner_compile(gm, example_inputs, cfg, mode)
+            self.args = None
+        return self.compiled(*args)
+
+
+_SYM_BUILTINS = {torch.sym_sum: sum, torch.sym_max: max, torch.sym_min: min, torch.sym_int: int, torch.sym_float: float}
+
+
+def nested_compile(gm: fx.GraphModule, cfg: DualKVConfig, mode: Optional[str], dynamic, on_compile=None):
+    """``torch.compile`` of a plain function calling ``gm``, with the inner compiler as its backend.
+
+    A plain function, not the GraphModule itself: nested inside the outer
+    compiled frame, compiling the GraphModule object only caught the helper
+    functions it calls, while a function around it is traced as one graph.
+    """
+
+    def inner_backend(g, example_inputs):
+        if on_compile is not None:
+            on_compile()
+        return inner_compile(g, example_inputs, cfg, mode)
+
+    # Dynamo's own graphs are _LazyGraphModules, whose lazy forward Dynamo
+    # will not trace; a plain GraphModule over the same graph it will.
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    module = fx.GraphModule(gm, graph)
+    # Size arithmetic in dynamic-shape graphs (torch.sym_sum([1, s0]) ...)
+    # cannot be re-traced by Dynamo; the Python builtins can, on SymInts too.
+    for node in module.graph.nodes:
+        if node.op == "call_function" and node.target in _SYM_BUILTINS:
+            node.target = _SYM_BUILTINS[node.target]
+    module.recompile()
+
+    def forward(*args):
+        return module(*args)
+
+    # Dynamo keeps one cache per code object: give each graph its own, so
+    # graphs never evict each other or add up to Dynamo's recompile limit.
+    code = forward.__code__.replace(co_name=f"dualkv_graph_{next(_nested_ids)}")
+    forward = types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
+    compiled = torch.compile(forward, backend=inner_backend, fullgraph=True, dynamic=dynamic)
+
+    def run(*args):
+        # Dynamic-shape graphs read module floats as `tensor.item()` (Dynamo
+        # lifts them as inputs); the outer trace captured those, so must this one.
+        # No duck shaping: a batch dim that happens to equal a fixed size (a rotary buffer's length)
+        # would share its symbol and be specialised with it, recompiling for every new batch.
+        with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(*args)
+
+    return run
+
+
+def mode_patches(mode: Optional[str]) -> dict:
+    if mode in (None, "default"):
+        return {}
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
