@@ -51,15 +51,14 @@ from .passes.token_axes import Kind, Refusal, TokenAxes, analyze_token_axes
 from .passes.token_inputs import complete_token_inputs, find_token_inputs, token_major_inputs
 from .report import GraphReport, new_report, reports
 from .runtime.nested_compile import LazyCompile
-from .runtime.runners import CarriedRunner, PackedRunner, floating_carried, packed_inputs
+from .runtime.runners import CarriedRunner, PackedRunner, floating_carried
 
 log = logging.getLogger("dualkv_compile")
 
 # Kinds of value the packed graph computes on the packed stream (an in-place op on one would change one form only).
 _PACKED_KINDS = (Kind.TOKEN, Kind.COLUMN, Kind.BCAST)
 
-# Private names tests still import from here (issue 17 moves them to public homes).
-_packed_inputs = packed_inputs
+# A private name a test still imports from here (issue 17 moves it to a public home).
 _token_major_inputs = token_major_inputs
 
 __all__ = ["DualKVConfig", "dualkv_backend", "GraphReport", "reports"]

@@ -4,7 +4,7 @@ Contract
     Input: the original ``GraphModule`` and its ``TokenAxes`` (no refusals),
     the attention backend to call.
     Output: a new ``GraphModule`` taking the original placeholders followed by
-    ``PACKED_INPUTS`` (the layout's index tensors, segments and their maxima)
+    ``PACKED_INPUTS`` (``PackedInputs``' fields: the layout's index tensors, segments and their maxima)
     and returning the original outputs, in the original layout, equal to the
     original program's at every non-padding position (zeros at padding).
 
@@ -35,6 +35,7 @@ import torch.fx as fx
 from ..kernels import op as _attention_op  # noqa: F401  (registers torch.ops.dualkv.attention_fwd)
 from .attention_match import AttentionMatch, default_scale
 from .inline_checkpoint import RECOMPUTE_META, TAGGED_OPS
+from .packed_inputs import PackedInputs
 from .packed_ops import gather_columns, gather_previous, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
 from .token_axes import Kind, Refusal, TokenAxes, shape_of
 
@@ -42,10 +43,7 @@ log = logging.getLogger("dualkv_compile")
 
 __all__ = ["pack_graph", "PACKED_INPUTS"]
 
-PACKED_INPUTS = (
-    "pack_index", "col_index", "unpack_index", "valid", "prev_index",
-    "seg_start", "seg_len", "prefix_start", "prefix_len", "max_seg_len", "max_prefix_len",
-)
+PACKED_INPUTS = PackedInputs._fields
 
 
 def _ev(n):

@@ -17,8 +17,9 @@ import torch.fx as fx
 
 from .. import active_layout
 from ..config import DualKVConfig
-from ..layout import SharedPromptLayout, detect, previous_token_index
+from ..layout import SharedPromptLayout, detect
 from ..passes.pack_graph import PACKED_INPUTS
+from ..passes.packed_inputs import PER_TOKEN_OR_SEGMENT, PackedInputs
 from ..passes.padding_reads import find_padding_reads, tainted
 from ..passes.token_axes import Kind, TokenAxes
 from ..report import GraphReport
@@ -28,7 +29,7 @@ from .side_graphs import factor_graph, mask_graph
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["CarriedRunner", "PackedRunner", "floating_carried", "packed_inputs"]
+__all__ = ["CarriedRunner", "PackedRunner", "floating_carried"]
 
 
 def floating_carried(axes: TokenAxes) -> list[fx.Node]:
@@ -102,12 +103,11 @@ class PackedRunner:
             return self._unpacked(args, why)
         if self.compiled is None:
             self.compiled = self._compile_packed()
-        extra = packed_inputs(layout)
+        extra = PackedInputs.of(layout)
         # T and the segment count change every step; B * S (unpack_index,
         # valid) follows the outer graph, static or symbolic as Dynamo made it.
-        for name, t in zip(PACKED_INPUTS, extra):
-            if name in _PER_TOKEN_OR_SEGMENT:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+        for name in PER_TOKEN_OR_SEGMENT:
+            torch._dynamo.maybe_mark_dynamic(getattr(extra, name), 0)
         if self.report.packed_calls == 0:
             # The first packed call traces and compiles the packed graph. If
             # that fails (an op the analysis let through but the packed shapes
@@ -339,24 +339,3 @@ def unpacked_output_positions(packed: fx.GraphModule) -> tuple[int, ...]:
             continue  # a SymInt or other non-tensor output: not counted by _tensors
         i += 1
     return tuple(positions)
-
-
-_PER_TOKEN_OR_SEGMENT = {"pack_index", "col_index", "prev_index", "seg_start", "seg_len", "prefix_start", "prefix_len"}
-
-
-def packed_inputs(layout: SharedPromptLayout) -> list:
-    """The values of ``PACKED_INPUTS`` for ``layout``, in that order."""
-    segs = layout.attention_segments
-    return [
-        layout.pack_index,
-        layout.pack_index % layout.seq_len,
-        layout.unpack_index,
-        layout.valid,
-        previous_token_index(segs, layout.num_tokens),
-        segs.seg_start,
-        segs.seg_len,
-        segs.prefix_start,
-        segs.prefix_len,
-        segs.max_seg_len,
-        segs.max_prefix_len,
-    ]

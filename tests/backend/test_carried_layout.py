@@ -139,7 +139,7 @@ class TestPerLayerGraphDiff(expecttest.TestCase):
         from dualkv_compile.passes.pack_graph import pack_graph
         from dualkv_compile.passes.token_axes import analyze_token_axes
 
-        from dualkv_compile.backend import _packed_inputs
+        from dualkv_compile.passes.packed_inputs import PackedInputs
 
         from .test_graph_diff import assert_packed_structure, capture, normalise
 
@@ -168,7 +168,7 @@ class TestPerLayerGraphDiff(expecttest.TestCase):
         self.assertEqual(layout.num_tokens, 13)
         args = [rows if i == 0 else x for i, x in enumerate(inputs)]
         assert_packed_structure(self, packed, args, layout)
-        out = packed(*args, *_packed_inputs(layout))[0]
+        out = packed(*args, *PackedInputs.of(layout))[0]
         ref = model.model.layers[0](rows, attention_mask=mask, position_embeddings=(cos, sin))
         ref = ref[0] if isinstance(ref, tuple) else ref
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from torch.testing import FileCheck
 
 import dualkv_compile
-from dualkv_compile.backend import _packed_inputs
+from dualkv_compile.passes.packed_inputs import PackedInputs
 from dualkv_compile.passes.packed_ops import unpack_tokens
 
 from dualkv_compile.passes.pack_graph import pack_graph
@@ -134,7 +134,7 @@ def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter
         self.assertEqual(layout.num_tokens, 13)
         assert_packed_structure(self, packed, inputs, layout)
         self.assertEqual(len(packed.graph.find_nodes(op="call_function", target=unpack_tokens)), 1)
-        out = packed(*inputs, *_packed_inputs(layout))[0]
+        out = packed(*inputs, *PackedInputs.of(layout))[0]
         ref = model(input_ids=ids, attention_mask=mask).logits
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -157,7 +157,7 @@ def assert_packed_structure(tc, packed, inputs, layout) -> None:
     tc.assertEqual(len(mask_ph[0].users), 0, "the attention mask is dropped, not rebuilt on the packed stream")
     B, S = layout.batch_size, layout.seq_len
     tc.assertNotEqual(layout.num_tokens, B * S)
-    ShapeProp(packed).propagate(*inputs, *_packed_inputs(layout))
+    ShapeProp(packed).propagate(*inputs, *PackedInputs.of(layout))
     token_major = [
         n.name for n in packed.graph.nodes
         if n.op == "call_function" and n.target is not unpack_tokens

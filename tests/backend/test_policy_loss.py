@@ -11,7 +11,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.testing import FileCheck
 
 import dualkv_compile
-from dualkv_compile.backend import _packed_inputs
+from dualkv_compile.passes.packed_inputs import PackedInputs
 from dualkv_compile.passes.fuse_linear_log_prob import fuse_linear_log_prob
 from dualkv_compile.passes.pack_graph import pack_graph
 from dualkv_compile.passes.packed_ops import unpack_tokens
@@ -149,7 +149,7 @@ def _packed_loss_graph(loss_fn, model, batch, chunked_log_probs=True):
     if chunked_log_probs:
         fuse_linear_log_prob(packed)
     layout = dualkv_compile.detect(batch["input_ids"], batch["attention_mask"])
-    ShapeProp(packed).propagate(*example_inputs, *_packed_inputs(layout))
+    ShapeProp(packed).propagate(*example_inputs, *PackedInputs.of(layout))
     return packed, layout
 
 
