@@ -193,17 +193,18 @@ def functionalize_mutations(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Mu
     out = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
     nodes = list(graph.nodes)
 
+    # Each node's storage, once (nodes made below have storages of their own, and no key here).
+    keys = {n: _storage(n) for n in nodes}
     members: dict[StorageWeakRef, list[fx.Node]] = {}
     for n in nodes:
-        key = _storage(n)
-        if key is not None:
-            members.setdefault(key, []).append(n)
+        if keys[n] is not None:
+            members.setdefault(keys[n], []).append(n)
     mutations = {n: mutated_input(n) for n in nodes}
     mutations = {n: t for n, t in mutations.items() if t is not None}
     order = {n: i for i, n in enumerate(nodes)}
     last_mutation: dict[StorageWeakRef, int] = {}
     for n, target in mutations.items():
-        key = _storage(target)
+        key = keys.get(target)
         if key is not None:
             last_mutation[key] = max(last_mutation.get(key, -1), order[n])
     private: dict[StorageWeakRef, bool] = {}
@@ -224,7 +225,7 @@ def functionalize_mutations(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Mu
     detached: dict[fx.Node, fx.Node] = {}  # latest value -> its detach(), for reads of a detach() alias
     for n in nodes:
         for a in n.all_input_nodes:
-            key = _storage(a)
+            key = keys.get(a)
             # Only values made before the latest mutation hold stale data; later ones were computed from it.
             if key not in latest or order.get(a, -1) > latest_at[key]:
                 continue
@@ -239,7 +240,7 @@ def functionalize_mutations(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Mu
         if n not in mutations:
             continue
         target = mutations[n]
-        key = _storage(target)
+        key = keys.get(target)
         form = _functional_form(n) if key is not None and private.get(key) and fake_mode is not None else None
         if form is None:
             group = members.get(key, [target])

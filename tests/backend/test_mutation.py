@@ -13,7 +13,7 @@ from dualkv_compile.backend import dualkv_backend
 from dualkv_compile.passes.functionalize import functionalize_mutations, mutated_input
 
 from .test_backend import _hf_model, _rel, grpo_batch
-from .test_policy_loss import clipped_objective, make_batch
+from .test_policy_loss import assert_loss_and_grads_match, clipped_objective, make_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,14 +44,6 @@ def _loss(model, batch, kind):
     return (clipped_objective(batch, logp) * m).sum() / m.sum()
 
 
-def _assert_same_loss_and_grads(model, ref_model, got, want, tol=1e-5):
-    assert abs(got.item() - want.item()) <= tol * max(1.0, abs(want.item())), (got.item(), want.item())
-    got.backward()
-    want.backward()
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        assert _rel(p.grad, q.grad) <= tol, name
-
-
 @pytest.mark.parametrize("kind", ["div_", "mul_", "sub_", "copy_", "iadd", "chain"])
 def test_in_place_statement_on_logits_is_kept_and_packed(kind):
     torch._dynamo.reset()
@@ -59,7 +51,7 @@ def test_in_place_statement_on_logits_is_kept_and_packed(kind):
     ref_model = copy.deepcopy(model)
     batch = make_batch([(7, [3, 5, 4, 2])])
     loss = dualkv_compile.policy_loss(functools.partial(_loss, kind=kind), inner="aot_eager")
-    _assert_same_loss_and_grads(model, ref_model, loss(model, batch), _loss(ref_model, batch, kind))
+    assert_loss_and_grads_match(loss(model, batch), _loss(ref_model, batch, kind), model, ref_model)
     report = dualkv_compile.reports()[-1]
     assert report.rewritten and report.packed_calls == 1, report
 
@@ -78,7 +70,7 @@ def test_in_place_through_a_view_is_refused_and_exact():
     ref_model = copy.deepcopy(model)
     batch = make_batch([(7, [3, 5, 4, 2])])
     got = dualkv_compile.policy_loss(loss, inner="aot_eager")(model, batch)
-    _assert_same_loss_and_grads(model, ref_model, got, loss(ref_model, batch))
+    assert_loss_and_grads_match(got, loss(ref_model, batch), model, ref_model)
     report = dualkv_compile.reports()[-1]
     assert not report.rewritten and "in-place mul_" in report.reason, report
 

@@ -10,7 +10,7 @@ import torch
 import dualkv_compile
 
 from .test_backend import _hf_model
-from .test_mutation import _assert_same_loss_and_grads
+from .test_policy_loss import assert_loss_and_grads_match
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,7 +32,7 @@ def _run(loss, model, *args):
     torch._dynamo.reset()
     ref_model = copy.deepcopy(model)
     got = dualkv_compile.policy_loss(loss, inner="aot_eager", min_rho=1.0)(model, *args)
-    _assert_same_loss_and_grads(model, ref_model, got, loss(ref_model, *args))
+    assert_loss_and_grads_match(got, loss(ref_model, *args), model, ref_model)
     return [r for r in dualkv_compile.reports() if r.num_attention]
 
 
