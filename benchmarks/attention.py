@@ -51,11 +51,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from dualkv_compile.kernels import op as dk_op  # noqa: E402
+from dualkv_compile.ops import attention as dk_op  # noqa: E402
 from dualkv_compile.layout import Segments  # noqa: E402
 
 try:  # written by another helper; the benchmark runs with or without it
-    from dualkv_compile.kernels import triton_attention
+    from dualkv_compile.kernels.triton import attention as triton_attention
 except Exception as e:  # noqa: BLE001
     triton_attention = None
     _TRITON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
@@ -241,12 +241,12 @@ def setup_split_sdpa(case: Case, cfg: Cfg):
 
 
 def setup_flex_packed(case: Case, cfg: Cfg):
-    from dualkv_compile.kernels import flex
+    from dualkv_compile.ops import flex
 
     q, k, v = _packed(case, cfg)
     segs = segments(case, cfg.device)
     bm = flex.block_mask(segs, case.num_tokens)
-    compiled = flex._compiled_flex()
+    compiled = flex.compiled_flex()
 
     def fn():
         return [compiled(q, k, v, block_mask=bm, scale=cfg.scale, enable_gqa=cfg.hq != cfg.hkv)]
@@ -296,7 +296,7 @@ def methods_for(cfg: Cfg) -> dict[str, Callable]:
 
 def triton_skip_reason(cfg: Cfg) -> Optional[str]:
     if triton_attention is None:
-        return f"dualkv_compile.kernels.triton_attention not importable ({_TRITON_IMPORT_ERROR})"
+        return f"dualkv_compile.kernels.triton.attention not importable ({_TRITON_IMPORT_ERROR})"
     probe = torch.empty(1, cfg.hq, 256, cfg.d, device=cfg.device, dtype=cfg.dtype)
     return triton_attention.supports(probe)
 
@@ -393,7 +393,7 @@ def measure_block_mask(cfg: Cfg, T_target: int = 65536, reps: int = 50, res: Opt
     """Build time of the two-region BlockMask at T = 64K, sync check, and compile count across layouts."""
     from torch._dynamo.utils import counters
 
-    from dualkv_compile.kernels import flex
+    from dualkv_compile.ops import flex
 
     res = {} if res is None else res  # filled as it goes: a failure keeps what was measured
     res["T"] = T_target

@@ -21,7 +21,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from dualkv_compile.kernels.linear_log_prob import linear_log_prob, linear_log_prob_reference  # noqa: E402
+from dualkv_compile.kernels.linear_log_prob import linear_log_prob_reference  # noqa: E402
+from dualkv_compile.ops.linear_log_prob import linear_log_prob  # noqa: E402
 
 
 def log(msg):

@@ -148,7 +148,7 @@ def check_model(name, shape, args, device) -> dict:
             rec["backends"][backend] = r
             t0 = time.time()
             try:
-                from dualkv_compile.kernels.op import resolve_backend
+                from dualkv_compile.ops.attention import resolve_backend
 
                 probe = torch.empty(1, cfg.num_attention_heads, 1, cfg.head_dim, dtype=torch.bfloat16, device=device)
                 r["resolved"] = resolve_backend(backend, probe)

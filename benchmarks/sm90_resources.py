@@ -120,7 +120,7 @@ def resources(name: str, kernel) -> dict:
 
 def compile_kernels(config, head_dim: int = 128, q_heads: int = 32, kv_heads: int = 8, tokens: int = 4096) -> list:
     """Compile one forward and one backward of ``config`` for sm_90; the resource record of each kernel."""
-    from dualkv_compile.kernels import triton_attention as ta
+    from dualkv_compile.kernels.triton import attention as ta, tma
     from dualkv_compile.layout import Segments
 
     compiled: list = []
@@ -130,7 +130,7 @@ def compile_kernels(config, head_dim: int = 128, q_heads: int = 32, kv_heads: in
     # the (absent) device, descriptors allowed.
     ta._dot_flags = lambda q: dict(DOT_PREC="tf32", UPCAST=False)
     ta._check = lambda *a: None
-    ta._interpreting = lambda: True
+    tma.interpreting = lambda: True
     torch.cuda.get_device_capability = lambda *a: (9, 0)
 
     P, R = tokens // 2, tokens // 4
@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--config", default=None, help="a Config(...) expression (KC = KernelConfig); default: the table")
     args = ap.parse_args()
-    from dualkv_compile.kernels.triton_attention import HOPPER_CONFIGS, Config, KernelConfig
+    from dualkv_compile.kernels.triton.attention import HOPPER_CONFIGS, Config, KernelConfig
 
     cfg = (eval(args.config, {"Config": Config, "KernelConfig": KernelConfig, "KC": KernelConfig}) if args.config
            else HOPPER_CONFIGS[max(64, 1 << (args.head_dim - 1).bit_length())])

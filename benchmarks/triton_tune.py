@@ -34,8 +34,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from dualkv_compile.layout import Segments  # noqa: E402
 from dualkv_compile.kernels import reference  # noqa: E402
-from dualkv_compile.kernels import triton_attention as ta  # noqa: E402
-from dualkv_compile.kernels.triton_attention import Config, KernelConfig as KC  # noqa: E402
+from dualkv_compile.kernels.triton import attention as ta  # noqa: E402
+from dualkv_compile.kernels.triton.attention import Config, KernelConfig as KC  # noqa: E402
 
 TARGETS = [(16, 4096, 1024), (28, 16384, 1024), (16, 32768, 1024), (8, 2048, 2048), (28, 4096, 2048), (16, 32768, 2048)]
 OUT = None

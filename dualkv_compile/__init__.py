@@ -8,7 +8,7 @@ from .backend import dualkv_backend, register as _register
 from .config import DualKVConfig
 from .report import reports
 from .explain import Explanation, explain
-from .kernels.op import shared_prompt_attention
+from .ops.attention import shared_prompt_attention
 from .layout import Segments, SharedPromptLayout, detect, pack, unpack
 from .policy_loss import policy_loss
 from . import distributed  # check_groups_on_rank: the data-parallel data-loader check

@@ -22,11 +22,11 @@ class DualKVConfig:
     min_shared        shortest shared prefix (tokens) that makes rows a group
     inner             "inductor" or "aot_eager": compiles both the fallback and the packed graph
     verify            check the graph's attention masks against the layout on the first rewritten call
-    attention_backend "auto", "reference", "cpu_flash", "flex" or "triton" (see kernels.op); one that
+    attention_backend "auto", "reference", "cpu_flash", "flex" or "triton" (see ops.attention); one that
                       cannot run a graph's attention (device, dtype, head dim) refuses the graph
     verify_max_elements  skip the mask check when a mask would hold more elements than this
     chunked_log_probs    fuse a loss's lm_head -> log_softmax -> next-token gather into
-                         ``dualkv::linear_log_prob`` (passes.fuse_linear_log_prob): logits and
+                         ``dualkv::linear_log_prob`` (rewrite.fuse_linear_log_prob): logits and
                          log-probs exist a chunk of tokens at a time and none are kept for the
                          backward, which recomputes them (one extra lm_head matmul); False keeps
                          the unfused graph
@@ -73,7 +73,7 @@ class DualKVConfig:
         for name in ("verify", "chunked_log_probs"):
             if not isinstance(getattr(cfg, name), bool):
                 raise bad(name, "a bool")
-        from .kernels.op import BACKENDS
+        from .ops.attention import BACKENDS
 
         if not isinstance(cfg.attention_backend, str) or cfg.attention_backend not in BACKENDS:
             raise bad("attention_backend", f"one of {', '.join(map(repr, BACKENDS))}")

@@ -24,7 +24,7 @@ so that is a graph break around every layer: the layer's graph takes hidden
 states, cos/sin and a 4-D mask, not token ids. dualkv packs it anyway: the
 first layer call detects the layout from its hidden states (rows whose
 prompt copies are bitwise equal) and mask, later layer calls and the final
-norm / lm_head graphs carry it (``dualkv_compile.active_layout``), each
+norm / lm_head graphs carry it (``dualkv_compile.layout.carried``), each
 checking that it holds for its inputs; the loss graph detects it again from
 the token ids. The summary lists every graph and its layout source.
 

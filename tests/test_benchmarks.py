@@ -105,7 +105,7 @@ def test_sm90_resources_compiles_the_table_without_a_gpu():
     """The sm_90 resource report runs on this CPU machine (its own process: it patches Triton's driver)."""
     code = (
         "import json, sys; sys.path.insert(0, 'benchmarks'); import sm90_resources as s; "
-        "from dualkv_compile.kernels.triton_attention import HOPPER_CONFIGS; "
+        "from dualkv_compile.kernels.triton.attention import HOPPER_CONFIGS; "
         "print(json.dumps(s.compile_kernels(HOPPER_CONFIGS[64], 64, 4, 2, 512)))"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -56,13 +56,13 @@ def _init_and_run(rank, fn, store_path, args):
 
 def _rank_batch(rank):
     """Each rank its own groups, every rollout of a prompt on one rank."""
-    from tests.backend.test_backend import grpo_batch
+    from tests.helpers import grpo_batch
 
     groups = [[(7, [3, 5, 4, 2])], [(6, [2, 4]), (5, [3, 1, 2])]][rank]
     return grpo_batch(groups, 101, seed=10 + rank)
 
 
-def _rel(a, b):
+def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
@@ -83,24 +83,24 @@ def _local_grads(model):
 def _check_parity(rank, wrap, expect_packed, expect_reason=None, tol=1e-5, per_layer=False):
     import dualkv_compile
     from dualkv_compile.backend import dualkv_backend
-    from tests.backend.test_backend import _hf_model
+    from tests.helpers import hf_model
 
     torch._dynamo.reset()
-    base = _hf_model("qwen3", "sdpa", layers=2)
+    base = hf_model("qwen3", "sdpa", layers=2)
     plain, ours = wrap(copy.deepcopy(base)), wrap(base)
     compiled = torch.compile(ours, backend=functools.partial(dualkv_backend, options={"inner": "aot_eager"}))
     ids, mask, _ = _rank_batch(rank)
     start = len(dualkv_compile.reports())
     out, loss = _step(compiled, ids, mask)
     ref_out, ref_loss = _step(plain, ids, mask)
-    assert _rel(out, ref_out) <= tol
-    assert _rel(loss, ref_loss) <= tol
+    assert rel(out, ref_out) <= tol
+    assert rel(loss, ref_loss) <= tol
     a, b = _local_grads(ours), _local_grads(plain)
     assert a.keys() == b.keys()
     for name in b:
         assert (a[name] is None) == (b[name] is None), name
         if b[name] is not None and b[name].numel():
-            assert _rel(a[name], b[name]) <= tol, (name, _rel(a[name], b[name]))
+            assert rel(a[name], b[name]) <= tol, (name, rel(a[name], b[name]))
     # The reduction really happened: the gradient is the mean over ranks, not this rank's own.
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, loss.item())
@@ -174,7 +174,7 @@ def test_ddp_and_fsdp2_parity():
 
 def _split_worker(rank):
     from dualkv_compile.distributed import check_groups_on_rank
-    from tests.backend.test_backend import grpo_batch
+    from tests.helpers import grpo_batch
 
     # Kept on one rank: rank 0 holds prompt A (4 rows), rank 1 prompt B (3 rows).
     ids, mask, _ = [grpo_batch([(7, [3, 5, 4, 2])], 101, seed=1), grpo_batch([(6, [2, 4, 3])], 101, seed=2)][rank]
@@ -210,7 +210,7 @@ def test_split_group_detection():
 
 def test_check_groups_single_process_and_bad_argument():
     from dualkv_compile.distributed import check_groups_on_rank
-    from tests.backend.test_backend import grpo_batch
+    from tests.helpers import grpo_batch
 
     ids, mask, _ = grpo_batch([(7, [3, 5])], 101)
     report = check_groups_on_rank(ids, mask)

@@ -1,0 +1,8 @@
+"""Kernels: the math only, tested against ``reference`` on random inputs.
+
+``reference`` (dense masked attention, the oracle), ``cpu_flash`` (blockwise
+on CPU), ``flex/`` (the FlexAttention block tables and mask_mod), ``triton/``
+(the hand-written kernels), ``linear_log_prob`` (the chunked lm_head ->
+log-softmax -> gather). They take ``layout.segments.Segments`` and import
+nothing of the package but ``layout``; ``ops`` registers them as ``dualkv::`` ops.
+"""

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ..layout import Segments
+from ..layout.segments import Segments
 
 __all__ = ["supports", "forward", "backward"]
 

@@ -1,9 +1,8 @@
 """``linear_log_prob``: next-token log-probs straight from the hidden states, never the full log-softmax.
 
-Two ``torch.library`` custom ops, ``dualkv::linear_log_prob`` and
-``dualkv::linear_log_prob_bwd``, with fake implementations (they trace under
-``torch.compile`` with dynamic shapes and stay opaque to Inductor) and the
-backward registered as the forward's autograd formula. For ``hidden [N, H]``,
+The math of the ops ``dualkv::linear_log_prob`` and ``dualkv::linear_log_prob_bwd``
+(registered, with fake implementations and the autograd formula, in
+``ops/linear_log_prob.py``). For ``hidden [N, H]``,
 ``weight [V, H]``, ``rows [T]`` and ``index [T, K]`` (int64) the forward is
 
     out[t, k] = log_softmax(post(linear(hidden[rows[t]], weight)))[index[t, k]]
@@ -54,7 +53,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["linear_log_prob", "linear_log_prob_reference", "DEFAULT_CHUNK_BYTES", "chunk_rows"]
+__all__ = ["forward", "backward", "check_inputs", "dtypes", "no_autocast", "chunk_log_probs", "chunk_log_prob_grad", "linear_log_prob_reference", "DEFAULT_CHUNK_BYTES", "chunk_rows"]
 
 DEFAULT_CHUNK_BYTES = 1 << 30
 
@@ -64,7 +63,7 @@ def _compute_dtype(softmax_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if softmax_dtype == torch.float64 else torch.float32
 
 
-def _dtypes(hidden_dtype: torch.dtype, upcast: bool) -> tuple[torch.dtype, torch.dtype]:
+def dtypes(hidden_dtype: torch.dtype, upcast: bool) -> tuple[torch.dtype, torch.dtype]:
     """(dtype of the log-softmax input and of ``out``, compute dtype)."""
     softmax_dtype = torch.float32 if upcast else hidden_dtype
     return softmax_dtype, _compute_dtype(softmax_dtype)
@@ -76,7 +75,7 @@ def chunk_rows(vocab: int, compute_dtype: torch.dtype, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // row)
 
 
-def _check_inputs(hidden, weight, rows, index, scale, chunk_bytes) -> None:
+def check_inputs(hidden, weight, rows, index, scale, chunk_bytes) -> None:
     """Validate the arguments of ``linear_log_prob``; ``ValueError`` names the bad one."""
     for name, t, rank, what in (
         ("hidden", hidden, 2, "[N, H]"), ("weight", weight, 2, "[V, H]"),
@@ -143,7 +142,7 @@ def _mm_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.add_(a @ b)
 
 
-def _no_autocast(t: torch.Tensor):
+def no_autocast(t: torch.Tensor):
     """Autocast off inside the op: it computes in its inputs' dtypes, which its fake implementation promises."""
     if torch.is_autocast_enabled(t.device.type):
         return torch.autocast(t.device.type, enabled=False)
@@ -173,7 +172,7 @@ def _post(y, scale, divide, scale_first, upcast, inplace):
 # the compiled path (CUDA) is written out of place, which Inductor fuses without copying inputs back.
 
 
-def _chunk_forward(y, index, scale, divide, scale_first, upcast, cd: torch.dtype, out_dtype: torch.dtype, inplace: bool):
+def chunk_log_probs(y, index, scale, divide, scale_first, upcast, cd: torch.dtype, out_dtype: torch.dtype, inplace: bool):
     """(out, lse) of one chunk from its raw lm_head output ``y`` [C, V]: the picked log-probs and the logsumexp."""
     y = _post(y, scale, divide, scale_first, upcast, inplace).to(cd)
     picked = y.gather(1, index)
@@ -187,7 +186,7 @@ def _chunk_forward(y, index, scale, divide, scale_first, upcast, cd: torch.dtype
     return ((picked - m) - log_sum).to(out_dtype), (m + log_sum).squeeze(-1)
 
 
-def _chunk_grad(y, g, lse, index, scale, divide, scale_first, upcast, cd: torch.dtype, inplace: bool):
+def chunk_log_prob_grad(y, g, lse, index, scale, divide, scale_first, upcast, cd: torch.dtype, inplace: bool):
     """The gradient of one chunk's raw lm_head output ``y`` [C, V] (its dtype) for upstream ``g`` [C, K]."""
     logits_dtype = y.dtype
     g = g.to(cd)
@@ -242,13 +241,13 @@ def _chunk_fn(fn, device: torch.device):
     return run, False
 
 
-def _forward(hidden, weight, rows, index, scale, divide, scale_first, upcast, chunk_bytes):
-    out_dtype, cd = _dtypes(hidden.dtype, upcast)
+def forward(hidden, weight, rows, index, scale, divide, scale_first, upcast, chunk_bytes):
+    out_dtype, cd = dtypes(hidden.dtype, upcast)
     T = rows.shape[0]
     out = torch.empty(index.shape, dtype=out_dtype, device=hidden.device)
     lse = torch.empty(T, dtype=cd, device=hidden.device)
     C = chunk_rows(weight.shape[0], cd, chunk_bytes)
-    chunk_forward, inplace = _chunk_fn(_chunk_forward, hidden.device)
+    chunk_forward, inplace = _chunk_fn(chunk_log_probs, hidden.device)
     for t0 in range(0, T, C):
         t1 = min(t0 + C, T)
         y = F.linear(hidden.index_select(0, rows[t0:t1]), weight)
@@ -257,15 +256,15 @@ def _forward(hidden, weight, rows, index, scale, divide, scale_first, upcast, ch
     return out, lse
 
 
-def _backward(grad, hidden, weight, rows, index, lse, scale, divide, scale_first, upcast, chunk_bytes, need_hidden, need_weight):
+def backward(grad, hidden, weight, rows, index, lse, scale, divide, scale_first, upcast, chunk_bytes, need_hidden, need_weight):
     logits_dtype = hidden.dtype
-    _, cd = _dtypes(logits_dtype, upcast)
+    _, cd = dtypes(logits_dtype, upcast)
     acc_dtype = _compute_dtype(logits_dtype)
     T = rows.shape[0]
     d_hidden = torch.zeros(hidden.shape, dtype=acc_dtype, device=hidden.device) if need_hidden else None
     d_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
     C = chunk_rows(weight.shape[0], cd, chunk_bytes)
-    chunk_grad, inplace = _chunk_fn(_chunk_grad, hidden.device)
+    chunk_grad, inplace = _chunk_fn(chunk_log_prob_grad, hidden.device)
     for t0 in range(0, T, C):
         t1 = min(t0 + C, T)
         rows_c = rows[t0:t1]
@@ -281,97 +280,6 @@ def _backward(grad, hidden, weight, rows, index, lse, scale, divide, scale_first
         d_hidden.to(hidden.dtype) if need_hidden else empty,
         d_weight.to(weight.dtype) if need_weight else empty,
     )
-
-
-@torch.library.custom_op("dualkv::linear_log_prob", mutates_args=())
-def linear_log_prob_fwd(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    rows: torch.Tensor,
-    index: torch.Tensor,
-    scale: float,
-    divide: bool,
-    scale_first: bool,
-    upcast: bool,
-    chunk_bytes: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_inputs(hidden, weight, rows, index, scale, chunk_bytes)
-    with _no_autocast(hidden):
-        return _forward(hidden, weight, rows, index, scale, divide, scale_first, upcast, chunk_bytes)
-
-
-@linear_log_prob_fwd.register_fake
-def _(hidden, weight, rows, index, scale, divide, scale_first, upcast, chunk_bytes):
-    _check_inputs(hidden, weight, rows, index, scale, chunk_bytes)
-    out_dtype, cd = _dtypes(hidden.dtype, upcast)
-    return index.new_empty(index.shape, dtype=out_dtype), index.new_empty(rows.shape, dtype=cd)
-
-
-@torch.library.custom_op("dualkv::linear_log_prob_bwd", mutates_args=())
-def linear_log_prob_bwd(
-    grad: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    rows: torch.Tensor,
-    index: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float,
-    divide: bool,
-    scale_first: bool,
-    upcast: bool,
-    chunk_bytes: int,
-    need_hidden: bool,
-    need_weight: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    with _no_autocast(hidden):
-        return _backward(grad, hidden, weight, rows, index, lse, scale, divide, scale_first, upcast, chunk_bytes, need_hidden, need_weight)
-
-
-@linear_log_prob_bwd.register_fake
-def _(grad, hidden, weight, rows, index, lse, scale, divide, scale_first, upcast, chunk_bytes, need_hidden, need_weight):
-    return (
-        torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty(0),
-        torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else weight.new_empty(0),
-    )
-
-
-def _setup_context(ctx, inputs, output):
-    hidden, weight, rows, index, scale, divide, scale_first, upcast, chunk_bytes = inputs
-    _, lse = output
-    ctx.save_for_backward(hidden, weight, rows, index, lse)
-    ctx.post = (scale, divide, scale_first, upcast, chunk_bytes)
-
-
-def _autograd_backward(ctx, grad, dlse):
-    hidden, weight, rows, index, lse = ctx.saved_tensors
-    # lse is an internal output (saved for the backward); its gradient is never needed.
-    need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    d_hidden, d_weight = linear_log_prob_bwd(grad, hidden, weight, rows, index, lse, *ctx.post, need_hidden, need_weight)
-    return (d_hidden if need_hidden else None), (d_weight if need_weight else None), None, None, None, None, None, None, None
-
-
-linear_log_prob_fwd.register_autograd(_autograd_backward, setup_context=_setup_context)
-
-
-def linear_log_prob(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    rows: torch.Tensor,
-    index: torch.Tensor,
-    *,
-    scale: float = 1.0,
-    divide: bool = False,
-    scale_first: bool = True,
-    upcast: bool = True,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> torch.Tensor:
-    """``log_softmax(post(linear(hidden, weight)))[rows[t], index[t, k]]`` as ``[T, K]``, chunked (module docstring).
-
-    Differentiable in ``hidden`` and ``weight``. ``ValueError`` names a bad argument.
-    """
-    _check_inputs(hidden, weight, rows, index, scale, chunk_bytes)
-    out, _ = linear_log_prob_fwd(hidden, weight, rows, index, float(scale), bool(divide), bool(scale_first), bool(upcast), chunk_bytes)
-    return out
 
 
 def linear_log_prob_reference(

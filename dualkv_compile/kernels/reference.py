@@ -18,7 +18,8 @@ from typing import Optional
 
 import torch
 
-from ..layout import Segments, SharedPromptLayout, dense_mask
+from ..layout.segments import Segments, dense_mask
+from ..layout.shared_prompt import SharedPromptLayout
 
 __all__ = ["shared_prompt_attention", "reference_forward", "reference_backward", "attention_with_mask", "check_qkv"]
 

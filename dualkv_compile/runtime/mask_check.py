@@ -13,16 +13,19 @@ import torch
 
 from ..layout import SharedPromptLayout
 
-__all__ = ["allowed_from_mask", "mask_mismatch", "pure_mask"]
+__all__ = ["mask_mismatch", "pure_mask"]
 
 
-def mask_mismatch(masks, names, layout: SharedPromptLayout) -> Optional[str]:
+def mask_mismatch(masks, names, layout: SharedPromptLayout, *, pin_padding: bool) -> Optional[str]:
     """None if every mask is the causal mask with ``layout``'s key padding, else why not.
 
-    Rows of valid queries must match exactly, and no padding position may
-    attend to itself: that pins the mask's padding to the layout's (a batch
-    whose last token the layout calls padding fails). One sync per mask;
-    temporaries of ``S * S`` elements per row of the batch.
+    The one mask check of the package. Rows of valid queries must match
+    exactly (rows of padding queries are left unspecified). ``pin_padding``:
+    also no padding position may attend to itself, which ties the mask's
+    padding to the layout's: needed where the layout was not detected from
+    this call's own token ids (a carried layout; a batch whose last token the
+    layout calls padding fails). One sync per mask; temporaries of ``S * S``
+    elements per row of the batch.
     """
     B, S = layout.batch_size, layout.seq_len
     valid = layout.valid.view(B, S)
@@ -35,12 +38,13 @@ def mask_mismatch(masks, names, layout: SharedPromptLayout) -> Optional[str]:
         bad = torch.zeros((), dtype=torch.bool, device=valid.device)
         for b in range(B):
             a, v = allowed[min(b, allowed.shape[0] - 1)], valid[b]
-            wrong = (a ^ (causal & v[None, :])) & v[:, None]
-            bad |= wrong.any() | (a.diagonal(dim1=-2, dim2=-1) & ~v).any()
+            bad |= ((a ^ (causal & v[None, :])) & v[:, None]).any()
+            if pin_padding:
+                bad |= (a.diagonal(dim1=-2, dim2=-1) & ~v).any()
         if bool(bad):
             return (
-                f"{name}: the attention mask is not the causal mask with this layout's key padding "
-                "(sliding window, bidirectional or custom mask, or another batch's padding)"
+                f"{name}: the attention mask is not causal with key padding (sliding window, bidirectional or "
+                "custom mask, or another batch's padding)"
             )
     return None
 

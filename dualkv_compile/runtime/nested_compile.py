@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from ..config import DualKVConfig
-from ..passes.attention_match import item_of_placeholder
+from ..analysis.attention_match import item_of_placeholder
 
 __all__ = ["LazyCompile", "inner_compile", "is_dynamic", "mode_patches", "nested_compile", "reads_lifted_scalars"]
 

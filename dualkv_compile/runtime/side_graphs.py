@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch.fx as fx
 
-from ..passes.token_axes import TokenAxes
+from ..analysis.token_axes import TokenAxes
 
 __all__ = ["factor_graph", "graph_returning", "mask_graph"]
 

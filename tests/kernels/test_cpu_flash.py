@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dualkv_compile.kernels import cpu_flash, reference
-from dualkv_compile.kernels.op import shared_prompt_attention
+from dualkv_compile.ops.attention import shared_prompt_attention
 from dualkv_compile.layout import detect
 
 

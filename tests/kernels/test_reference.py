@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dualkv_compile.kernels import op
+from dualkv_compile.ops import attention as op
 from dualkv_compile.kernels.reference import (
     attention_with_mask,
     check_qkv,

@@ -21,9 +21,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dualkv_compile.kernels import reference  # noqa: E402
-from dualkv_compile.kernels import triton_attention as ta  # noqa: E402
-from dualkv_compile.kernels.op import shared_prompt_attention  # noqa: E402
-from dualkv_compile.kernels.triton_attention import Config, KernelConfig  # noqa: E402
+from dualkv_compile.kernels.triton import attention as ta  # noqa: E402
+from dualkv_compile.kernels.triton import schedule, tma  # noqa: E402
+from dualkv_compile.ops.attention import shared_prompt_attention  # noqa: E402
+from dualkv_compile.kernels.triton.attention import Config, KernelConfig  # noqa: E402
 from dualkv_compile.layout import Segments, detect  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -173,7 +174,7 @@ def test_readers_not_right_after_their_prefix():
     host = [(0, 37, 0, 0), (37, 21, 37, 0), (58, 19, 0, 37), (77, 40, 0, 37), (117, 3, 0, 37)]
     t = torch.tensor(host, dtype=torch.int32, device=DEVICE)
     segs = Segments(*(t[:, i].contiguous() for i in range(4)), 40, 37)
-    assert ta._readers(segs)[0].tolist()[0] == 2  # the prompt's readers start two segments later
+    assert schedule.readers(segs)[0].tolist()[0] == 2  # the prompt's readers start two segments later
     for config in (INTERP, TMA):
         check_against_reference(segs, 120, 2, 1, 64, torch.float32, config if DEVICE == "cpu" else None, seed=9)
 
@@ -182,11 +183,11 @@ def test_tma_paths_are_taken():
     layout = make_layout([(40, [20, 33]), (9, [17])], seed=8)
     T = layout.num_tokens
     q, k, v, do = qkv(T, 4, 2, 64, torch.float32, seed=8)
-    assert ta._descriptors(TMA.fwd, 16, k, v)[1]
-    assert ta._descriptors(TMA.dkdv, 16, q.transpose(1, 2).contiguous().transpose(1, 2), do)[1]
-    assert not ta._descriptors(INTERP.fwd, 16, k, v)[1]  # tma off in the config
+    assert tma.descriptors(TMA.fwd, 16, k, v)[1]
+    assert tma.descriptors(TMA.dkdv, 16, q.transpose(1, 2).contiguous().transpose(1, 2), do)[1]
+    assert not tma.descriptors(INTERP.fwd, 16, k, v)[1]  # tma off in the config
     padded = torch.randn(1, 2, T, 96, device=DEVICE)  # D=96 runs in 128-wide blocks: pointers only
-    assert not ta._descriptors(TMA.fwd, 16, padded, padded)[1]
+    assert not tma.descriptors(TMA.fwd, 16, padded, padded)[1]
 
 
 @pytest.mark.parametrize("layout", ["head_major", "token_major", "one_head", "strided_heads"])
@@ -199,7 +200,7 @@ def test_tma_view_addresses_every_head(layout):
         "one_head": base[:1].unsqueeze(0),
         "strided_heads": torch.randn(H, T + 5, D, device=DEVICE)[:, :T].unsqueeze(0),  # gaps between heads
     }[layout]
-    desc, row_h, col_h = ta._tma_view(t, 8)
+    desc, row_h, col_h = tma.tma_view(t, 8)
     assert desc.block_shape == [8, D] and desc.strides[-1] == 1
     flat = torch.as_strided(t, desc.shape, desc.strides)
     for h in range(t.shape[1]):
@@ -208,12 +209,12 @@ def test_tma_view_addresses_every_head(layout):
 
 def test_tma_view_refuses_layouts_it_cannot_address():
     t = torch.randn(1, 2, 16, 64, device=DEVICE)
-    assert ta._tma_view(t[..., ::2], 8) is None  # last dim not contiguous
-    assert ta._tma_view(torch.randn(1, 2, 16, 65, device=DEVICE)[..., 1:], 8) is None  # misaligned base
+    assert tma.tma_view(t[..., ::2], 8) is None  # last dim not contiguous
+    assert tma.tma_view(torch.randn(1, 2, 16, 65, device=DEVICE)[..., 1:], 8) is None  # misaligned base
     # a head stride (80) neither a multiple of the token stride (192) nor dividing it
     odd = torch.randn(16 * 192, device=DEVICE).as_strided((1, 2, 16, 64), (0, 80, 192, 1))
-    assert ta._tma_view(odd, 8) is None
-    assert ta._tma_view(torch.randn(16 * 192, device=DEVICE).as_strided((1, 2, 16, 64), (0, 96, 192, 1)), 8)
+    assert tma.tma_view(odd, 8) is None
+    assert tma.tma_view(torch.randn(16 * 192, device=DEVICE).as_strided((1, 2, 16, 64), (0, 96, 192, 1)), 8)
 
 
 def test_config_rejects_unknown_dq_mode():
@@ -251,7 +252,7 @@ def test_tile_schedule_covers_every_tile_once():
     layout = make_layout(random_groups(11, max_p=90, max_r=70), seed=11)
     segs, T = layout.attention_segments, layout.num_tokens
     for block, kind in ((16, "q"), (32, "kv"), (128, "q")):
-        sched = ta._tile_schedule(segs, T, block, kind).cpu()
+        sched = schedule.tile_schedule(segs, T, block, kind).cpu()
         got = sorted((int(s), int(t)) for s, t in zip(sched[0], sched[1]) if s >= 0)
         want = sorted((i, t) for i, (_, n, _, _) in enumerate(layout.segments()) for t in range(-(-n // block)))
         assert got == want
@@ -260,7 +261,7 @@ def test_tile_schedule_covers_every_tile_once():
 
 def test_readers_are_the_responses_of_each_prompt():
     layout = make_layout([(10, [3, 4]), (6, [2]), (5, [1, 1, 1])], seed=2)
-    first, last, rows = ta._readers(layout.attention_segments)
+    first, last, rows = schedule.readers(layout.attention_segments)
     # segments: prompt0, r, r, the one-row group (its own segment, no prefix), prompt2, r, r, r
     assert first.tolist() == [1, 8, 8, 8, 5, 8, 8, 8]
     assert last.tolist() == [2, -1, -1, -1, 7, -1, -1, -1]
@@ -335,8 +336,8 @@ def test_gpu_through_op():
 @cuda
 def test_gpu_new_lengths_do_not_recompile():
     """Layouts reach the kernels as tensors and descriptor offsets: new P, N and R_i reuse the compiled kernels."""
-    from dualkv_compile.kernels.triton_bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
-    from dualkv_compile.kernels.triton_fwd import shared_prompt_fwd_kernel
+    from dualkv_compile.kernels.triton.bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
+    from dualkv_compile.kernels.triton.fwd import shared_prompt_fwd_kernel
 
     kernels = (shared_prompt_fwd_kernel, bwd_preprocess_kernel, bwd_dkdv_kernel, bwd_dq_kernel)
 

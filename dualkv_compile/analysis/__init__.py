@@ -1,0 +1,7 @@
+"""Analysis: what a Dynamo graph computes per token, read without changing it.
+
+``analyze`` (analyze.py) is the entry: ``token_inputs`` finds the token
+inputs with their ``Role``; ``attention_match`` finds each attention once;
+``token_axes`` (the driver) tags every value with its token axes by the
+per-op rules of ``token_rules``; ``node_info`` holds the per-node facts.
+"""

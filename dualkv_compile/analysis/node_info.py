@@ -1,0 +1,105 @@
+"""The per-node facts of the token-axes analysis: a value's kind and the token axis of each of its dimensions.
+
+Shared by the analysis driver (``token_axes``), its per-op rules and every
+pass that reads the analysis (``rewrite.pack_graph``, the runtime's checks).
+Imports nothing else of the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "Kind", "Tags", "NodeInfo", "Refusal", "RuleFailed", "Coupling",
+    "ev", "hint", "shape_of", "arg", "op_name", "kind_of", "untagged",
+]
+
+
+class Kind(enum.Enum):
+    TOKEN = "token"
+    COLUMN = "column"
+    BCAST = "bcast"
+    NONE = "none"
+    ORIG = "orig"
+
+
+Tags = tuple[Optional[str], ...]
+
+
+@dataclasses.dataclass
+class NodeInfo:
+    kind: Kind
+    tags: Tags = ()
+    cause: Optional[str] = None  # for ORIG: the first reason in its ancestry
+    # TOKEN values only. shift 1: column c holds the value of the token at
+    # column c + 1 (``x[:, 1:]``, the next-token targets). slen: the length of
+    # the sequence axis in the original layout (S, or S - 1 after ``x[:, :-1]``
+    # or ``x[:, 1:]``). The packed value is the same either way: one per token.
+    shift: int = 0
+    slen: Optional[int] = None
+
+
+class Refusal(Exception):
+    """The graph cannot be rewritten; the message says why."""
+
+
+class RuleFailed(Exception):
+    """No per-token rule applies: the value is computed in the original layout."""
+
+
+class Coupling(Exception):
+    """An op that couples tokens of a packed value: the whole graph is refused."""
+
+
+def ev(x):
+    """The example value of node ``x`` (None for non-nodes)."""
+    return x.meta.get("example_value") if isinstance(x, fx.Node) else None
+
+
+def hint(x) -> int:
+    """A size as an int: symbolic sizes (dynamic-shape graphs) by the example's value."""
+    if isinstance(x, torch.SymInt):
+        return int(x.node.hint)
+    return int(x)
+
+
+def shape_of(x) -> list[int]:
+    """The example shape of node ``x`` (hints for symbolic sizes)."""
+    return [hint(d) for d in ev(x).shape]
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(ev(x), torch.Tensor)
+
+
+def arg(node: fx.Node, index: int, name: str, default=None):
+    """Argument ``index`` of ``node``, or its keyword ``name``, or ``default``."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def op_name(node: fx.Node) -> str:
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def kind_of(tags: Tags) -> Kind:
+    """The kind of a value with token axes ``tags`` (not ORIG: that depends on the ancestry)."""
+    if any(t in ("s", "bs") for t in tags):
+        return Kind.TOKEN if any(t in ("b", "bs") for t in tags) else Kind.COLUMN
+    if "b" in tags:
+        # Only expands of constants make batch-only tags (see shape_rules.move),
+        # so the value is the same in every row.
+        return Kind.BCAST
+    return Kind.NONE
+
+
+def untagged(ev) -> Tags:
+    """No token axes, one entry per dimension of the example value (none for non-tensors)."""
+    return (None,) * ev.dim() if isinstance(ev, torch.Tensor) else ()

@@ -1,0 +1,259 @@
+"""Token-axis rules of the ops that move dimensions (see ``token_rules`` for the registry and the contract of a rule).
+
+view/reshape/flatten/unflatten group dimensions and may merge ``b`` and
+``s`` into ``bs`` (or split it back); transpose, permute, unsqueeze,
+squeeze, expand, movedim and t move tags; indexing moves them and takes
+``[:, :-1]`` / ``[:, 1:]`` along the sequence as a next-token shift; cat,
+stack, split, chunk and unbind work along feature dimensions only.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from .node_info import Kind, NodeInfo, RuleFailed, arg, ev as _ev, hint, kind_of, shape_of, untagged
+from .token_rules import token_rule
+
+__all__: list[str] = []
+
+
+@token_rule(torch.reshape, torch.flatten, methods=("view", "reshape", "flatten", "unflatten"))
+def _view(node, info, B, S) -> NodeInfo:
+    src = node.args[0]
+    in_shape = shape_of(src)
+    out_shape = shape_of(node)
+    in_tags = info[src].tags
+    S = info[src].slen or S  # x[:, :-1] and x[:, 1:] have S - 1 columns
+    groups = _group_dims(in_shape, out_shape)
+    out: list[Optional[str]] = [None] * len(out_shape)
+    for ins, outs in groups:
+        tagged = [(d, in_tags[d]) for d in ins if in_tags[d] is not None]
+        if not tagged:
+            continue
+        real_outs = [o for o in outs if out_shape[o] != 1]
+        real_ins = [d for d in ins if in_shape[d] != 1]
+        if len(real_ins) == 1 and len(real_outs) == 1 and in_shape[real_ins[0]] == out_shape[real_outs[0]]:
+            out[real_outs[0]] = tagged[0][1]
+            continue
+        kinds = [t for _, t in tagged]
+        lead = real_ins[: len(tagged)]
+        if lead != [d for d, _ in tagged]:
+            raise RuleFailed("reshape that merges feature dims ahead of a token axis")
+        if len(real_outs) == 1:  # merge
+            merged = "".join(kinds)
+            if merged not in ("s", "bs"):
+                raise RuleFailed(f"reshape merging {kinds}")
+            out[real_outs[0]] = merged
+            continue
+        if len(tagged) == 1 and len(real_ins) == 1:  # split
+            kind = kinds[0]
+            sizes = [out_shape[o] for o in real_outs]
+            if kind == "bs" and sizes[0] == B and sizes[1] % S == 0:
+                out[real_outs[0]], out[real_outs[1]] = "b", "s"
+                if sizes[1] != S:
+                    raise RuleFailed("reshape splitting the sequence axis")
+                continue
+            if kind == "s" and sizes[0] == S:
+                out[real_outs[0]] = "s"
+                continue
+        raise RuleFailed(f"reshape {in_shape} -> {out_shape} that splits a token axis")
+    t = tuple(out)
+    return NodeInfo(kind_of(t), t)
+
+
+def _group_dims(a: list[int], b: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of dims of two shapes with equal element counts (row-major view semantics)."""
+    groups = []
+    i = j = 0
+    while i < len(a) or j < len(b):
+        gi, gj = [], []
+        pa = pb = 1
+        if i < len(a):
+            gi.append(i); pa *= a[i]; i += 1
+        if j < len(b):
+            gj.append(j); pb *= b[j]; j += 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                gi.append(i); pa *= a[i]; i += 1
+            elif pb < pa and j < len(b):
+                gj.append(j); pb *= b[j]; j += 1
+            else:
+                raise RuleFailed(f"view from {a} to {b}")
+        # Trailing size-1 dims join the group they follow.
+        while i < len(a) and a[i] == 1 and (j >= len(b) or b[j] != 1):
+            gi.append(i); i += 1
+        while j < len(b) and b[j] == 1 and (i >= len(a) or a[i] != 1):
+            gj.append(j); j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+@token_rule(torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.movedim,
+            methods=("transpose", "permute", "unsqueeze", "squeeze", "expand", "movedim", "t"))
+def _move(node, info, B, S) -> NodeInfo:
+    src = node.args[0]
+    t = list(info[src].tags)
+    n = len(t)
+    target = node.target if node.op == "call_method" else node.target.__name__
+    args = node.args[1:]
+    if target == "transpose":
+        d0, d1 = (args[0] % n, args[1] % n) if args else (arg(node, 1, "dim0") % n, arg(node, 2, "dim1") % n)
+        t[d0], t[d1] = t[d1], t[d0]
+    elif target == "t":
+        t = t[::-1]
+    elif target == "permute":
+        dims = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+        t = [t[d % n] for d in dims]
+    elif target == "movedim":
+        src_d, dst_d = args[0] % n, args[1] % n
+        tag = t.pop(src_d)
+        t.insert(dst_d, tag)
+    elif target == "unsqueeze":
+        d = arg(node, 1, "dim")
+        d = d % (n + 1)
+        t.insert(d, None)
+    elif target == "squeeze":
+        out_ev = _ev(node)
+        in_shape = shape_of(src)
+        dims = args if args else tuple(range(n))
+        dims = {d % n for d in (dims[0] if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims)}
+        t = [tag for d, tag in enumerate(t) if not (d in dims and in_shape[d] == 1)]
+        assert len(t) == out_ev.dim()
+    elif target == "expand":
+        sizes = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+        sizes = [hint(_ev(x)) if isinstance(x, fx.Node) else x for x in sizes]
+        in_shape = shape_of(src)
+        extra = len(sizes) - n
+        new = [None] * extra + t
+        for d in range(n):
+            if t[d] is None and in_shape[d] == 1 and sizes[extra + d] not in (-1, 1):
+                # A column value or a constant broadcast over the batch gains a
+                # batch axis; any other broadcast dim is a feature dim (e.g.
+                # repeat_kv's). Either way the value is constant along it.
+                if sizes[extra + d] == B and "b" not in t and "bs" not in t:
+                    new[extra + d] = "b"
+        t = new
+    else:
+        raise RuleFailed(f"no rule for {target}")
+    t = tuple(t)
+    return NodeInfo(kind_of(t), t)
+
+
+@token_rule(operator.getitem)
+def _getitem(node, info, B, S) -> NodeInfo:
+    src, idx = node.args
+    src_ev = _ev(src)
+    if isinstance(src_ev, (tuple, list)):  # element of split/chunk/unbind output
+        return NodeInfo(info[src].kind if info[src].kind is not Kind.ORIG else Kind.ORIG, info[src].tags)
+    t = info[src].tags
+    n = len(t)
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    if any(isinstance(i, fx.Node) for i in idx):
+        tensors = [i for i in idx if isinstance(i, fx.Node)]
+        if len(tensors) == 1 and len(idx) == 1 and info[src].kind is Kind.NONE:
+            it = info[tensors[0]].tags
+            tt = it + (None,) * (n - 1)
+            return NodeInfo(kind_of(tt), tt)
+        raise RuleFailed("advanced indexing of a token value")
+    n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    out: list[Optional[str]] = []
+    d = 0
+    shift, slen = info[src].shift, info[src].slen
+    for i in idx:
+        if i is Ellipsis:
+            take = n - n_real
+            out.extend(t[d : d + take])
+            d += take
+        elif i is None:
+            out.append(None)
+        elif isinstance(i, slice):
+            if t[d] is not None:
+                seq = _sequence_slice(i, hint(src_ev.shape[d]), t[d], info[src])
+                if seq is not None:
+                    shift, slen = seq
+            out.append(t[d])
+            d += 1
+        elif isinstance(i, int):
+            if t[d] is not None:
+                raise RuleFailed("indexing a single position of a token axis")
+            d += 1
+        else:
+            raise RuleFailed(f"index {i!r}")
+    out.extend(t[d:])
+    tt = tuple(out)
+    return NodeInfo(kind_of(tt), tt, shift=shift, slen=slen)
+
+
+def _sequence_slice(i: slice, size: int, tag: str, src: NodeInfo) -> Optional[tuple[int, int]]:
+    """None for a full slice; ``(shift, slen)`` for ``[:-1]`` (drop the last column) or ``[1:]`` (the next tokens)."""
+    stop = hint(_ev(i.stop)) if isinstance(i.stop, fx.Node) else i.stop
+    start = hint(_ev(i.start)) if isinstance(i.start, fx.Node) else i.start
+    if i.step not in (None, 1):
+        raise RuleFailed("strided slice along a token axis")
+    start = 0 if start is None else start
+    stop = size if stop is None else (stop + size if stop < 0 else min(stop, size))
+    if (start, stop) == (0, size):
+        return None
+    if tag != "s" or src.kind is not Kind.TOKEN or src.slen != size or src.shift != 0:
+        raise RuleFailed("slice along a token axis (other than one next-token shift)")
+    if (start, stop) == (0, size - 1):
+        return 0, size - 1
+    if (start, stop) == (1, size):
+        return 1, size - 1
+    raise RuleFailed("slice along a token axis (other than one next-token shift)")
+
+
+@token_rule(torch.cat)
+def _cat(node, info, B, S) -> NodeInfo:
+    xs = node.args[0]
+    dim = arg(node, 1, "dim", 0)
+    real = [x for x in xs if not (isinstance(_ev(x), torch.Tensor) and _ev(x).dim() == 1 and _ev(x).numel() == 0)]
+    if not real:
+        return NodeInfo(Kind.NONE, untagged(_ev(node)))
+    ts = [info[x].tags for x in real]
+    n = len(ts[0])
+    if len(real) > 1 and any(t[dim % n] is not None for t in ts):
+        raise RuleFailed("concatenation along a token axis")
+    return _merge_tags(node, ts)
+
+
+@token_rule(torch.stack)
+def _stack(node, info, B, S) -> NodeInfo:
+    ts = [info[x].tags for x in node.args[0]]
+    dim = arg(node, 1, "dim", 0)
+    return _merge_tags(node, ts, insert_at=dim)
+
+
+@token_rule(torch.split, torch.chunk, torch.unbind, methods=("split", "chunk", "unbind"))
+def _split(node, info, B, S) -> NodeInfo:
+    target = node.target
+    t = info[node.args[0]].tags
+    dim = arg(node, 2 if target in ("split", "chunk", torch.split, torch.chunk) else 1, "dim", 0)
+    if t[dim % len(t)] is not None:
+        raise RuleFailed("split along a token axis")
+    if target in ("unbind", torch.unbind):
+        t = t[: dim % len(t)] + t[dim % len(t) + 1:]
+    return NodeInfo(kind_of(t), t)
+
+
+def _merge_tags(node, ts, insert_at=None) -> NodeInfo:
+    n = max(len(t) for t in ts)
+    out: list[Optional[str]] = [None] * n
+    for t in ts:
+        for d, tag in enumerate(t):
+            if tag is None:
+                continue
+            if out[d] not in (None, tag):
+                raise RuleFailed("combines values with different token axes")
+            out[d] = tag
+    if any(t != tuple(out) for t in ts):
+        raise RuleFailed("combines token and non-token values along one axis")
+    if insert_at is not None:
+        out.insert(insert_at % (n + 1), None)
+    t = tuple(out)
+    return NodeInfo(kind_of(t), t)

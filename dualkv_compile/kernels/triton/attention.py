@@ -1,0 +1,307 @@
+"""The hand-written Triton kernels of shared-prompt attention, behind the op's backend protocol.
+
+    supports(q) -> None, or why the kernels cannot run q
+    forward(q, k, v, segs, scale) -> (out, lse)
+    backward(dout, q, k, v, out, lse, segs, scale, deterministic) -> (dq, dk, dv)
+
+The launcher module of the package: the tuning tables (``Config``,
+``KernelConfig``, ``config_for``) and the launches. The kernels (``fwd.py``,
+``bwd.py``, with the tile loads they share in ``tiles.py``) take the layout
+only as int32 tensors; ``schedule.py`` turns ``Segments`` into per-launch
+tile schedules with a few small device ops (no host sync), ``tma.py`` builds
+the tensor descriptors, and this module picks block sizes from a small
+per-head-dim table. Changing P, N or R_i therefore never recompiles: the
+grids come from the host ints T, the number of segments and the head counts.
+
+Assumes (on top of ``Segments``): a segment's non-empty prefix is exactly one
+earlier segment, and the segments that read the same prefix are consecutive,
+as ``SharedPromptLayout`` builds them. Offsets inside one head must fit in
+int32 (``T * token_stride < 2**31``); ``forward`` and ``backward`` check it.
+
+Guarantees: ``forward`` and ``backward`` write every valid row of their
+outputs (see ``fwd.py`` and ``bwd.py``) and raise ``ValueError`` on an input
+``supports`` refuses; outputs come back in the inputs' dtypes (lse float32).
+
+Backward modes: ``deterministic=True`` uses the KV-major dK/dV kernel with
+all query heads of a kv head in one program plus the Q-major dQ kernel; no
+atomics anywhere, bitwise reproducible. The default mode uses whatever the
+tuning table marks fastest, which may add float32 atomics (``head_split`` > 1
+spreads the query heads of a kv head over programs; ``dq_mode="atomic"``
+adds dQ from the KV-major kernel instead of recomputing it in a Q-major one).
+The Hopper table uses neither: there both modes run the same kernels.
+
+Loads: with ``KernelConfig.tma`` (the Hopper table) the full blocks of the
+operand a kernel streams (k and v in the forward and dQ kernels, q and dO in
+the dK/dV kernel) come through tensor descriptors, Hopper's copy engine;
+ragged and diagonal blocks keep masked pointer loads, so nothing outside a
+segment enters a product. Operands whose strides have no 2-D descriptor view
+(``tma.tma_view``), GPUs before Hopper and padded head dims load through
+pointers throughout.
+
+Runs on CUDA (compute capability 8.0+; tuned for Hopper) and, for tests, on
+CPU under ``TRITON_INTERPRET=1``, which must be set before this package's
+kernel modules are first imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Optional
+
+import torch
+
+from ...layout.segments import Segments
+from .schedule import reader_ranges, tile_schedule
+from .tma import block_d, descriptors, interpreting, row_stats_descriptor
+
+log = logging.getLogger("dualkv_compile")
+
+__all__ = ["supports", "forward", "backward", "KernelConfig", "Config", "config_for", "HOPPER_CONFIGS"]
+
+LOG2E = 1.4426950408889634
+
+
+DQ_MODES = ("recompute", "atomic")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tiles and pipelining of one kernel.
+
+    ``tma``: load the full blocks of the streamed operands through tensor
+    descriptors (Hopper's copy engine) where the device and the operands'
+    strides allow it, else through pointers. ``stats_tma`` (dK/dV kernel, with
+    ``tma``): its per-row lse and Delta too, from a packed copy the backward's
+    preprocess kernel writes.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    tma: bool = False
+    stats_tma: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Launch parameters of the three kernels for one head dim.
+
+    ``fwd`` and ``dq`` tile query rows by ``block_m`` and walk keys by
+    ``block_n``; ``dkdv`` tiles keys by ``block_n`` and walks query rows by
+    ``block_m``. ``head_split`` and ``dq_mode`` apply to the default
+    (non-deterministic) backward only. ``dq_mode``: "recompute" (the Q-major
+    dQ kernel recomputes S and dP) or "atomic" (the dK/dV kernel adds dS K
+    into a float32 buffer with atomics; slower on the H200 so far, and TMA
+    bulk reductions instead of per-element atomics did not fit its tiles:
+    benchmarks/results/triton_tuning.md).
+    """
+
+    fwd: KernelConfig
+    dkdv: KernelConfig
+    dq: KernelConfig
+    head_split: int = 1
+    dq_mode: str = "recompute"
+
+    def __post_init__(self):
+        if self.dq_mode not in DQ_MODES:
+            raise ValueError(f"Config.dq_mode: expected one of {DQ_MODES}, got {self.dq_mode!r}")
+        if self.head_split < 1:
+            raise ValueError(f"Config.head_split: expected a positive int, got {self.head_split}")
+
+
+# Hopper (H100 / H200), bf16/fp16, measured with benchmarks/triton_tune.py
+# (see benchmarks/results/triton_tuning.md). Keyed by the padded head dim.
+# D=128 and D=64 are measured (run 5, H200): tensor-descriptor loads; the dK/dV kernel
+# in one warpgroup on 64 keys (two programs per SM; 32 query rows at D=128, where 64
+# rows spill registers, 64 at D=64) with all query heads of a kv head in one program
+# and the row statistics packed for the copy engine. D=256 is untuned beyond the
+# correctness checks and keeps pointer loads.
+HOPPER_CONFIGS: dict[int, Config] = {
+    64: Config(
+        fwd=KernelConfig(128, 64, 8, 3, tma=True),
+        dkdv=KernelConfig(64, 64, 4, 3, tma=True, stats_tma=True),
+        dq=KernelConfig(128, 64, 8, 3),
+    ),
+    128: Config(
+        fwd=KernelConfig(128, 128, 8, 3, tma=True),
+        dkdv=KernelConfig(32, 64, 4, 3, tma=True, stats_tma=True),
+        dq=KernelConfig(128, 64, 8, 3),
+    ),
+    256: Config(
+        fwd=KernelConfig(64, 64, 4, 2),
+        dkdv=KernelConfig(32, 64, 8, 1),
+        dq=KernelConfig(64, 32, 8, 1),
+    ),
+}
+# Other CUDA GPUs: conservative tiles that fit 100 KB of shared memory (untuned).
+_GENERIC_CONFIGS: dict[int, Config] = {
+    64: Config(KernelConfig(128, 64, 4, 2), KernelConfig(64, 64, 4, 2), KernelConfig(64, 64, 4, 2)),
+    128: Config(KernelConfig(64, 64, 4, 2), KernelConfig(64, 64, 8, 1), KernelConfig(64, 64, 8, 1)),
+    256: Config(KernelConfig(64, 32, 4, 1), KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 1)),
+}
+# float32 inputs on GPU (a correctness path, not a fast one): "tf32x3" products, whose
+# split operands need small tiles to fit shared memory.
+_FP32_CUDA_CONFIG = Config(KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 1))
+# The interpreter runs programs one by one in numpy: small tiles keep tests quick
+# and still exercise many blocks, ragged edges and diagonals.
+_INTERPRET_CONFIG = Config(KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1))
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def supports(q: torch.Tensor) -> Optional[str]:
+    """None if the kernels can run q; else the reason: the device first, then the dtype, then the head dim."""
+    needs = "it needs a CUDA tensor or the Triton interpreter (TRITON_INTERPRET=1 before importing dualkv_compile)"
+    if q.device.type == "cuda":
+        if torch.cuda.get_device_capability(q.device) < (8, 0):
+            return "the Triton kernels need a CUDA GPU of compute capability 8.0 or newer"
+    elif q.device.type == "cpu":
+        if not interpreting():
+            return f"{needs}; this input is on cpu"
+        try:
+            from . import fwd
+        except ImportError as e:
+            return f"Triton is unavailable: {e}"
+
+        if type(fwd.shared_prompt_fwd_kernel).__name__ != "InterpretedFunction":
+            return "TRITON_INTERPRET=1 was set after the kernels were compiled for GPU; set it before importing dualkv_compile"
+    else:
+        return f"{needs}; this input is on {q.device.type}"
+    if q.dtype not in _DTYPES:
+        return f"dtype {q.dtype} is not supported (bfloat16, float16, float32)"
+    D = q.shape[-1]
+    if not 16 <= D <= 256:
+        return f"head dim {D} is not supported (16 to 256)"
+    return None
+
+
+def config_for(q: torch.Tensor) -> Config:
+    """The tuning-table entry for q's device and head dim."""
+    if q.device.type != "cuda":
+        return _INTERPRET_CONFIG
+    if q.dtype == torch.float32:
+        return _FP32_CUDA_CONFIG
+    bd = max(64, block_d(q.shape[-1]))
+    table = HOPPER_CONFIGS if torch.cuda.get_device_capability(q.device)[0] == 9 else _GENERIC_CONFIGS
+    return table[bd]
+
+
+# --------------------------------------------------------------------------- launches
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, segs: Segments) -> None:
+    why = supports(q)
+    if why is not None:
+        raise ValueError(f"triton attention cannot run this input: {why}")
+    T = q.shape[2]
+    for t in (q, k):
+        if (T - 1) * max(t.stride(2), 1) + (t.shape[3] - 1) * t.stride(3) >= 2**31:
+            raise ValueError("triton attention: offsets within one head exceed int32; make the tensor contiguous per head")
+    if -(-T // 16) + segs.seg_start.numel() > 65535:
+        raise ValueError(f"triton attention: too many tiles for one launch (T={T})")
+
+
+def _dot_flags(q: torch.Tensor) -> dict:
+    # The CPU interpreter gets bf16 dots wrong; the kernels then widen bf16 tiles to fp32 at load.
+    upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    if q.dtype == torch.float32 or upcast:
+        # fp32 inputs get (near-)fp32 products, not tf32: exact ones in the interpreter,
+        # 3-pass tf32 on GPU (IEEE fp32 dots compile for minutes and run on FMA units).
+        return dict(DOT_PREC="tf32x3" if q.device.type == "cuda" else "ieee", UPCAST=upcast)
+    return dict(DOT_PREC="tf32", UPCAST=False)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(1), t.stride(2), t.stride(3)
+
+
+def forward(q, k, v, segs: Segments, scale: float, *, config: Optional[Config] = None):
+    """``(out [1, Hq, T, D] in q's dtype, lse [1, Hq, T] float32)``."""
+    from .fwd import shared_prompt_fwd_kernel
+
+    _check(q, k, segs)
+    _, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    cfg = (config or config_for(q)).fwd
+    out = torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((1, Hq, T), dtype=torch.float32, device=q.device)
+    if T == 0 or Hq == 0:
+        return out, lse
+    tiles = tile_schedule(segs, T, cfg.block_m, "q")
+    descs, tma = descriptors(cfg, cfg.block_n, k, v)
+    shared_prompt_fwd_kernel[(Hq, tiles.shape[1])](
+        q, k, v, out, lse, tiles, tiles.shape[1], *descs,
+        segs.seg_start, segs.seg_len, segs.prefix_start, segs.prefix_len,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), lse.stride(1),
+        Hq // Hkv, scale * LOG2E,
+        HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        **_dot_flags(q), TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, *,
+             config: Optional[Config] = None):
+    """``(dq, dk, dv)``; dk and dv per kv head (summed over the query heads that share it)."""
+    from .bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
+
+    _check(q, k, segs)
+    _, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    full = config or config_for(q)
+    head_split = 1 if deterministic else math.gcd(full.head_split, G)
+    dq_mode = "recompute" if deterministic else full.dq_mode
+    dev, BD = q.device, block_d(D)
+    lse = lse.contiguous()
+    flags = _dot_flags(q)
+
+    if dq_mode == "recompute":
+        dq = torch.empty((1, Hq, T, D), dtype=q.dtype, device=dev)
+    else:
+        dq = torch.zeros((1, Hq, T, D), dtype=torch.float32, device=dev)
+    acc_dtype = torch.float32 if head_split > 1 else k.dtype
+    dk = (torch.zeros if head_split > 1 else torch.empty)((1, Hkv, T, D), dtype=acc_dtype, device=dev)
+    dv = (torch.zeros if head_split > 1 else torch.empty)((1, Hkv, T, D), dtype=acc_dtype, device=dev)
+    if T == 0 or Hq == 0:
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    c = full.dkdv
+    descs, tma = descriptors(c, c.block_m, q, dout)
+    stats_tma = tma and c.stats_tma
+    stats = torch.empty((Hq * T, 4), dtype=torch.float32, device=dev) if stats_tma else None
+    delta = torch.empty((1, Hq, T), dtype=torch.float32, device=dev)
+    pre_block = 64 if BD <= 128 else 32
+    bwd_preprocess_kernel[(Hq, -(-T // pre_block))](
+        out, dout, delta, lse, stats, T, *_strides(out), *_strides(dout), delta.stride(1),
+        HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=pre_block, PACK_STATS=stats_tma,
+    )
+
+    tiles = tile_schedule(segs, T, c.block_n, "kv")
+    read_first, read_last = reader_ranges(segs)
+    bwd_dkdv_kernel[(Hkv * head_split, tiles.shape[1])](
+        q, k, v, dout, lse, delta, dk, dv, dq, tiles, tiles.shape[1], *descs,
+        *((row_stats_descriptor(stats, c.block_m), T) if stats_tma else (None, 0)),
+        segs.seg_start, segs.seg_len, read_first, read_last,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv), *_strides(dq),
+        lse.stride(1), G, scale * LOG2E, scale,
+        HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_SPLIT=head_split,
+        ATOMIC_DQ=dq_mode == "atomic", **flags, TMA=tma, STATS_TMA=stats_tma,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    if dq_mode == "recompute":
+        c = full.dq
+        tiles = tile_schedule(segs, T, c.block_m, "q")
+        descs, tma = descriptors(c, c.block_n, k, v)
+        bwd_dq_kernel[(Hq, tiles.shape[1])](
+            q, k, v, dout, lse, delta, dq, tiles, tiles.shape[1], *descs,
+            segs.seg_start, segs.seg_len, segs.prefix_start, segs.prefix_len,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+            lse.stride(1), G, scale * LOG2E, scale,
+            HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+            **flags, TMA=tma, num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,345 @@
+"""Backward Triton kernels of shared-prompt attention on the packed stream.
+
+With P the softmax (recomputed from q, k and the saved log-sum-exp),
+Delta = rowsum(dO * O):  dV = P^T dO,  dS = P * (dO V^T - Delta),
+dQ = scale * dS K,  dK = scale * dS^T Q.  Three kernels:
+
+``bwd_preprocess_kernel``
+    Delta per query row and head, float32; with ``PACK_STATS`` also a copy of
+    (lse in base 2, Delta) per row in 16-byte rows, which the dK/dV kernel
+    reads with one bulk copy per block (``STATS_TMA``).
+
+``bwd_dkdv_kernel`` (KV-major)
+    One program owns one ``BLOCK_N`` tile of keys of one segment and one kv
+    head, and loops over every query block that reads the tile:
+        * its own segment's query rows at and after the tile (causal: the
+          blocks on the diagonal are masked, later blocks are full);
+        * when the segment is a shared prefix, every row of every segment
+          reading it ("readers", a contiguous range of segments), all full
+          blocks but the ragged last one;
+    and over the ``heads_per_kv`` query heads sharing the kv head. dK and dV
+    accumulate in float32 registers and are written once, so the sum over the
+    N responses (and the GQA heads) never goes through atomics and its order
+    is fixed: deterministic by construction. With ``HEAD_SPLIT > 1`` the
+    query heads of a kv head are spread over that many programs, which then
+    add their partial sums into float32 buffers with atomics (more
+    parallelism, not bitwise reproducible). With ``ATOMIC_DQ`` the same
+    program also adds dS K into a float32 dQ buffer with atomics, saving the
+    Q-major kernel's recomputation (not bitwise reproducible).
+
+``bwd_dq_kernel`` (Q-major)
+    One program per query tile and query head walks the same two regions as
+    the forward (prefix blocks full, own blocks causal) and writes dQ once.
+
+Assumes what ``fwd.py`` assumes, plus: a non-empty prefix is exactly one
+earlier segment (the group's shared segment) and the segments reading it are
+consecutive: ``READ_FIRST[s]..READ_LAST[s]`` (empty when first > last).
+``SharedPromptLayout`` always builds such segments, and puts the readers
+right after their prefix; the dK/dV kernel then walks the prefix's own rows
+after the diagonal and all its readers' rows as one range, in one pipelined
+loop. With ``TMA``, full blocks of the loop-carried operands (q and dO in the
+dK/dV kernel, k and v in the dQ kernel) are loaded through tensor
+descriptors, as in ``fwd.py``; masked blocks keep masked pointer loads.
+
+Guarantees: every valid row of dQ and every valid key row of dK/dV is written
+(or, in the atomic modes, added into zeroed float32 buffers); contributions
+of rows or columns outside a segment are exactly zero: masked loads give
+q = dO = 0 (rows) or k = v = 0 (columns), and the probabilities of masked
+columns are set to zero wherever they reach dQ (exp of a zero score minus a
+very negative lse overflows, and inf * 0 is NaN).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .tiles import load_pair, load_tile
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+# As in fwd.py: arguments that follow T get no value specialisation, so new lengths reuse the kernels.
+@triton.jit(do_not_specialize=["T", "stride_deltah"])
+def bwd_preprocess_kernel(
+    O, DO, DELTA, LSE, ROW_STATS, T,
+    stride_oh, stride_ot, stride_od,
+    stride_dh, stride_dt, stride_dd,
+    stride_deltah,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PACK_STATS: tl.constexpr,
+):
+    head = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows < T)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(O + head.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_d[None, :] * stride_od,
+                mask=mask, other=0.0)
+    do = tl.load(DO + head.to(tl.int64) * stride_dh + rows[:, None] * stride_dt + offs_d[None, :] * stride_dd,
+                 mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + head.to(tl.int64) * stride_deltah + rows, delta, mask=rows < T)
+    if PACK_STATS:
+        # LSE is laid out like DELTA. Rows of 16 bytes (lse in base 2, Delta, two unused words)
+        # for the dK/dV kernel's copy engine.
+        lse2 = tl.load(LSE + head.to(tl.int64) * stride_deltah + rows, mask=rows < T, other=0.0) * LOG2E
+        zero = tl.zeros([BLOCK_M], tl.float32)
+        packed = tl.reshape(tl.join(tl.join(lse2, delta), tl.join(zero, zero)), [BLOCK_M, 4])
+        ptrs = ROW_STATS + (head.to(tl.int64) * T + rows)[:, None] * 4 + tl.arange(0, 4)[None, :]
+        tl.store(ptrs, packed, mask=(rows < T)[:, None])
+
+
+@triton.jit
+def _dkdv_q_block(
+    dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
+    stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
+    BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, ROW_MASK: tl.constexpr,
+    EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    STATS_TMA: tl.constexpr,
+):
+    rows = start_m + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    # descs: (q descriptor, this head's row and column in it, the same for dO,
+    #         the packed row statistics' descriptor, this head's first row in it)
+    q, do = load_pair(Qh, DOh, descs, start_m, rows, row_ok, offs_d, d_ok, stride_qt, stride_qd, stride_dot,
+                      stride_dod, ROW_MASK, EVEN_D, UPCAST, TMA)
+    if ROW_MASK:
+        lse2 = tl.load(LSEh + rows, mask=row_ok, other=0.0) * LOG2E
+        delta = tl.load(DELTAh + rows, mask=row_ok, other=0.0)
+    elif STATS_TMA:
+        # One bulk copy of the packed rows: pointer loads here cost one 4-byte copy (and a
+        # 64-bit address) per column each thread holds, which pushed the kernel into spills.
+        packed = tl.reshape(descs[6].load([descs[7] + start_m, 0]), [BLOCK_M, 2, 2])
+        lse2, delta = tl.split(tl.split(packed)[0])
+    else:
+        lse2 = tl.load(LSEh + rows) * LOG2E
+        delta = tl.load(DELTAh + rows)
+    # Work on the transposed scores [BLOCK_N, BLOCK_M] so dK and dV come out
+    # of the dots in the tile's own row order. dP is issued right after S so the
+    # tensor cores compute it while the exponentials of P run (sm_90 SASS: the
+    # exp2s interleave with dP's matrix instructions instead of waiting between them).
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
+    if CAUSAL:
+        p_t = tl.where(offs_n[:, None] <= rows[None, :], p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    if ATOMIC_DQ:
+        # Columns past the segment hold k = 0, but p can overflow there: zero them before dS reaches dQ.
+        ds_t = tl.where(col_ok[:, None], ds_t, 0.0)
+        dq = tl.dot(tl.trans(ds_t).to(k.dtype), k, input_precision=DOT_PREC) * sm_scale
+        dq_ptrs = DQh + rows[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
+        tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_rows(
+    dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, row_start, row_end, offs_n, col_ok, offs_d, d_ok,
+    stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
+    BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr, TMA: tl.constexpr, STATS_TMA: tl.constexpr,
+):
+    # Query rows [row_start, row_end) that see every column of the tile: full
+    # blocks, then the ragged tail with row masks on the loads only.
+    full_end = row_start + ((row_end - row_start) // BLOCK_M) * BLOCK_M
+    for start_m in range(row_start, full_end, BLOCK_M):
+        dk, dv = _dkdv_q_block(
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
+            stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
+            BLOCK_M, False, False, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
+    if full_end < row_end:
+        dk, dv = _dkdv_q_block(
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, full_end, row_end, offs_n, col_ok, offs_d, d_ok,
+            stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
+            BLOCK_M, False, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["num_tiles", "q_row_h", "q_col_h", "do_row_h", "do_col_h", "stats_row_h", "stride_lh"])
+def bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, TILES, num_tiles,
+    Q_DESC, DO_DESC, q_row_h, q_col_h, do_row_h, do_col_h, STATS_DESC, stats_row_h,
+    SEG_START, SEG_LEN, READ_FIRST, READ_LAST,
+    stride_qh, stride_qt, stride_qd,
+    stride_kh, stride_kt, stride_kd,
+    stride_vh, stride_vt, stride_vd,
+    stride_doh, stride_dot, stride_dod,
+    stride_dkh, stride_dkt, stride_dkd,
+    stride_dvh, stride_dvt, stride_dvd,
+    stride_dqh, stride_dqt, stride_dqd,
+    stride_lh,
+    heads_per_kv, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_SPLIT: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    STATS_TMA: tl.constexpr,
+):
+    pid_h = tl.program_id(0)
+    t = tl.program_id(1)
+    seg = tl.load(TILES + t)
+    if seg < 0:
+        return
+    tile = tl.load(TILES + num_tiles + t)
+    kv_head = pid_h // HEAD_SPLIT
+    split = pid_h % HEAD_SPLIT
+    seg_start = tl.load(SEG_START + seg)
+    seg_end = seg_start + tl.load(SEG_LEN + seg)
+    read_first = tl.load(READ_FIRST + seg)
+    read_last = tl.load(READ_LAST + seg)
+
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    n0 = seg_start + tile * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < seg_end
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    k = load_tile(K + kv_head.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                  col_ok, d_ok, True, EVEN_D, UPCAST)
+    v = load_tile(V + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
+                  col_ok, d_ok, True, EVEN_D, UPCAST)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    # Own rows on the diagonal: blocks starting at n0 until they pass the
+    # tile's last column; then the rows after the tile see all of it, and so
+    # does every row of the segments reading this one as their prefix.
+    n_diag = tl.cdiv(tl.minimum(BLOCK_N, seg_end - n0), BLOCK_M)
+    after_diag = tl.minimum(n0 + n_diag * BLOCK_M, seg_end)
+    own_end = seg_end
+    readers_start = seg_end
+    readers_end = seg_end
+    if read_last >= read_first:
+        readers_start = tl.load(SEG_START + read_first)
+        readers_end = tl.load(SEG_START + read_last) + tl.load(SEG_LEN + read_last)
+        if readers_start == seg_end:
+            # The readers follow right after this segment: one range, one pipelined loop.
+            own_end = readers_end
+            readers_start = readers_end
+    heads_per_prog = heads_per_kv // HEAD_SPLIT
+    for i in range(0, heads_per_prog):
+        head = kv_head * heads_per_kv + split * heads_per_prog + i
+        Qh = Q + head.to(tl.int64) * stride_qh
+        DOh = DO + head.to(tl.int64) * stride_doh
+        LSEh = LSE + head.to(tl.int64) * stride_lh
+        DELTAh = DELTA + head.to(tl.int64) * stride_lh
+        DQh = DQ + head.to(tl.int64) * stride_dqh
+        descs = (Q_DESC, head * q_row_h, head * q_col_h, DO_DESC, head * do_row_h, head * do_col_h,
+                 STATS_DESC, head * stats_row_h)
+        for j in range(0, n_diag):
+            dk, dv = _dkdv_q_block(
+                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, n0 + j * BLOCK_M, seg_end, offs_n, col_ok, offs_d,
+                d_ok, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
+                BLOCK_M, True, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
+        dk, dv = _dkdv_rows(
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, after_diag, own_end, offs_n, col_ok, offs_d, d_ok,
+            stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
+            BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
+        dk, dv = _dkdv_rows(
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, readers_start, readers_end, offs_n, col_ok, offs_d,
+            d_ok, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
+            BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
+
+    dk = dk * sm_scale
+    dk_ptrs = DK + kv_head.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + kv_head.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :] * stride_dvd
+    mask = col_ok[:, None] & d_ok[None, :]
+    if HEAD_SPLIT == 1:
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask)
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(dk_ptrs, dk, mask=mask, sem="relaxed")
+        tl.atomic_add(dv_ptrs, dv, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _dq_kv_block(
+    dq, q, do, lse2, delta, Kh, Vh, descs, start_n, col_end, rows, offs_n, offs_d, d_ok,
+    stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
+    MASK: tl.constexpr,  # 0: full block, 1: ragged columns (zero-loaded), 2: causal diagonal
+    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+):
+    cols = start_n + offs_n
+    col_ok = cols < col_end
+    k, v = load_pair(Kh, Vh, descs, start_n, cols, col_ok, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd,
+                     MASK != 0, EVEN_D, UPCAST, TMA)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    p = tl.math.exp2(s * qk_scale - lse2[:, None])
+    if MASK == 1:
+        # k = 0 past the prefix, but p = exp2(0 - lse) can overflow there (and inf * 0 is NaN).
+        p = tl.where(col_ok[None, :], p, 0.0)
+    if MASK == 2:
+        p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    ds = p * (dp - delta[:, None])
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit(do_not_specialize=["num_tiles", "k_row_h", "k_col_h", "v_row_h", "v_col_h", "stride_lh"])
+def bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, TILES, num_tiles,
+    K_DESC, V_DESC, k_row_h, k_col_h, v_row_h, v_col_h,
+    SEG_START, SEG_LEN, PREFIX_START, PREFIX_LEN,
+    stride_qh, stride_qt, stride_qd,
+    stride_kh, stride_kt, stride_kd,
+    stride_vh, stride_vt, stride_vd,
+    stride_doh, stride_dot, stride_dod,
+    stride_dqh, stride_dqt, stride_dqd,
+    stride_lh,
+    heads_per_kv, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    head = tl.program_id(0)
+    t = tl.program_id(1)
+    seg = tl.load(TILES + t)
+    if seg < 0:
+        return
+    tile = tl.load(TILES + num_tiles + t)
+    seg_start = tl.load(SEG_START + seg)
+    seg_end = seg_start + tl.load(SEG_LEN + seg)
+    pre_start = tl.load(PREFIX_START + seg)
+    pre_end = pre_start + tl.load(PREFIX_LEN + seg)
+
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    m0 = seg_start + tile * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < seg_end
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    kv_head = head // heads_per_kv
+    Kh = K + kv_head.to(tl.int64) * stride_kh
+    Vh = V + kv_head.to(tl.int64) * stride_vh
+    descs = (K_DESC, kv_head * k_row_h, kv_head * k_col_h, V_DESC, kv_head * v_row_h, kv_head * v_col_h)
+    q = load_tile(Q + head.to(tl.int64) * stride_qh + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                  row_ok, d_ok, True, EVEN_D, UPCAST)
+    do = load_tile(DO + head.to(tl.int64) * stride_doh + rows[:, None] * stride_dot + offs_d[None, :] * stride_dod,
+                   row_ok, d_ok, True, EVEN_D, UPCAST)
+    # Rows past the segment load q = dO = 0 and lse = Delta = 0: finite, never stored.
+    lse2 = tl.load(LSE + head.to(tl.int64) * stride_lh + rows, mask=row_ok, other=0.0) * LOG2E
+    delta = tl.load(DELTA + head.to(tl.int64) * stride_lh + rows, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    pre_full_end = pre_start + ((pre_end - pre_start) // BLOCK_N) * BLOCK_N
+    for start_n in range(pre_start, pre_full_end, BLOCK_N):
+        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, start_n, pre_end, rows, offs_n, offs_d, d_ok,
+                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
+    if pre_full_end < pre_end:
+        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, pre_full_end, pre_end, rows, offs_n, offs_d, d_ok,
+                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 1, EVEN_D, DOT_PREC, UPCAST, TMA)
+    diag_start = seg_start + ((m0 - seg_start) // BLOCK_N) * BLOCK_N
+    for start_n in range(seg_start, diag_start, BLOCK_N):
+        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, start_n, seg_end, rows, offs_n, offs_d, d_ok,
+                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
+    diag_end = tl.minimum(m0 + BLOCK_M, seg_end)
+    for start_n in range(diag_start, diag_end, BLOCK_N):
+        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, start_n, seg_end, rows, offs_n, offs_d, d_ok,
+                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 2, EVEN_D, DOT_PREC, UPCAST, TMA)
+
+    dq = dq * sm_scale
+    dq_ptrs = DQ + head.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

@@ -1,0 +1,160 @@
+"""Forward Triton kernel of shared-prompt attention on the packed stream.
+
+One program computes one tile of ``BLOCK_M`` query rows of one segment for one
+query head. It walks two key/value regions with ONE online softmax:
+
+    1. the segment's prefix (the shared prompt), every key visible: full
+       blocks carry no mask arithmetic at all; only the ragged last block
+       masks the columns past the prefix;
+    2. the segment's own tokens up to the tile: blocks strictly left of the
+       tile's diagonal are full; the diagonal blocks get the causal mask.
+
+It writes the output and the log-sum-exp (natural log of the sum of
+``exp(scale * q.k)``), which the backward reuses.
+
+Assumes
+    * q ``[1, Hq, T, D]``, k and v ``[1, Hkv, T, D]``, o like q, any strides;
+      Hq a multiple of Hkv (query head h reads kv head ``h // (Hq // Hkv)``).
+    * ``TILES`` is the tile schedule built on the host side
+      (``schedule.tile_schedule``): ``TILES[0, t]`` the segment of
+      program t (``-1`` for the padding entries at the end of the grid) and
+      ``TILES[1, t]`` the tile index inside that segment. The schedule lists
+      the heaviest tiles first so the tail of the launch is short tiles.
+    * Segment lengths only ever reach the kernel through tensors: a new
+      layout never triggers a recompilation.
+    * With ``TMA``, ``K_DESC`` / ``V_DESC`` are Hopper tensor descriptors over
+      the same memory as K / V (built by ``tma.tma_view``): the
+      ``BLOCK_N`` rows of kv head ``h`` from token ``t`` are
+      ``desc.load([h * row_h + t, h * col_h])``. Only full blocks (every row
+      inside the segment) are loaded through them; masked blocks keep masked
+      pointer loads, so no value outside a segment is ever read into a product.
+Guarantees
+    * Every valid query row of every segment is written exactly once; rows
+      of other segments are never touched.
+    * Softmax statistics and the output accumulator are float32; the scores
+      are computed in base 2 (``exp2``) with ``scale * log2(e)`` folded into
+      one multiply-add.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .tiles import load_pair, load_tile
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _fwd_kv_block(
+    acc, l_i, m_i, q, K, V, descs, start_n, col_end, rows,
+    offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
+    MASK: tl.constexpr,  # 0: full block, 1: ragged columns (>= col_end hidden), 2: causal diagonal
+    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+):
+    cols = start_n + offs_n
+    col_ok = cols < col_end
+    k, v = load_pair(K, V, descs, start_n, cols, col_ok, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd,
+                     MASK != 0, EVEN_D, UPCAST, TMA)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if MASK == 1:
+        s = tl.where(col_ok[None, :], s, float("-inf"))
+    if MASK == 2:
+        # Columns past the segment end only pass for rows past it too (never stored).
+        s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+    # Every row has seen a finite score before any all-masked block (its prefix or its own
+    # diagonal element comes first in the walk), so m_new is finite and no NaN appears.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+# Arguments that follow T (the tile count, the lse head stride, the descriptors' row and column offsets)
+# get no value specialisation (divisible by 16 or not), so a new length never compiles a second variant.
+@triton.jit(do_not_specialize=["num_tiles", "k_row_h", "k_col_h", "v_row_h", "v_col_h", "stride_lh"])
+def shared_prompt_fwd_kernel(
+    Q, K, V, O, LSE, TILES, num_tiles,
+    K_DESC, V_DESC, k_row_h, k_col_h, v_row_h, v_col_h,
+    SEG_START, SEG_LEN, PREFIX_START, PREFIX_LEN,
+    stride_qh, stride_qt, stride_qd,
+    stride_kh, stride_kt, stride_kd,
+    stride_vh, stride_vt, stride_vd,
+    stride_oh, stride_ot, stride_od,
+    stride_lh,
+    heads_per_kv, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    # Heads vary fastest so the query heads of one kv head (and of one tile) run
+    # side by side and share the k/v blocks in L2.
+    head = tl.program_id(0)
+    t = tl.program_id(1)
+    seg = tl.load(TILES + t)
+    if seg < 0:
+        return
+    tile = tl.load(TILES + num_tiles + t)
+    seg_start = tl.load(SEG_START + seg)
+    seg_end = seg_start + tl.load(SEG_LEN + seg)
+    pre_start = tl.load(PREFIX_START + seg)
+    pre_end = pre_start + tl.load(PREFIX_LEN + seg)
+
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    m0 = seg_start + tile * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < seg_end
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    kv_head = head // heads_per_kv
+    Qh = Q + head.to(tl.int64) * stride_qh
+    Kh = K + kv_head.to(tl.int64) * stride_kh
+    Vh = V + kv_head.to(tl.int64) * stride_vh
+    descs = (K_DESC, kv_head * k_row_h, kv_head * k_col_h, V_DESC, kv_head * v_row_h, kv_head * v_col_h)
+    q = load_tile(Qh + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd, row_ok, d_ok, True, EVEN_D, UPCAST)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Region 1: the prefix, fully visible.
+    pre_full_end = pre_start + ((pre_end - pre_start) // BLOCK_N) * BLOCK_N
+    for start_n in range(pre_start, pre_full_end, BLOCK_N):
+        acc, l_i, m_i = _fwd_kv_block(
+            acc, l_i, m_i, q, Kh, Vh, descs, start_n, pre_end, rows,
+            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
+    if pre_full_end < pre_end:
+        acc, l_i, m_i = _fwd_kv_block(
+            acc, l_i, m_i, q, Kh, Vh, descs, pre_full_end, pre_end, rows,
+            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 1, EVEN_D, DOT_PREC, UPCAST, TMA)
+
+    # Region 2: the segment's own tokens, causal. Blocks ending at or before the
+    # tile's first row are full; the rest straddle the diagonal.
+    diag_start = seg_start + ((m0 - seg_start) // BLOCK_N) * BLOCK_N
+    for start_n in range(seg_start, diag_start, BLOCK_N):
+        acc, l_i, m_i = _fwd_kv_block(
+            acc, l_i, m_i, q, Kh, Vh, descs, start_n, seg_end, rows,
+            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
+    diag_end = tl.minimum(m0 + BLOCK_M, seg_end)
+    for start_n in range(diag_start, diag_end, BLOCK_N):
+        acc, l_i, m_i = _fwd_kv_block(
+            acc, l_i, m_i, q, Kh, Vh, descs, start_n, seg_end, rows,
+            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 2, EVEN_D, DOT_PREC, UPCAST, TMA)
+
+    out = acc / l_i[:, None]
+    Oh = O + head.to(tl.int64) * stride_oh
+    o_ptrs = Oh + rows[:, None] * stride_ot + offs_d[None, :] * stride_od
+    if EVEN_D:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    # m_i is in base-2 units of the scaled score: lse = ln(2) * (m + log2(l)).
+    lse = (m_i + tl.math.log2(l_i)) * LN2
+    tl.store(LSE + head.to(tl.int64) * stride_lh + rows, lse, mask=row_ok)

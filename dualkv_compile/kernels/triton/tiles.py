@@ -1,0 +1,64 @@
+"""Jitted tile loads shared by the forward (``fwd.py``) and backward (``bwd.py``) kernels.
+
+``load_tile`` loads one ``[rows, BLOCK_D]`` tile through pointers;
+``load_pair`` loads the same rows of two tensors (k and v in the forward and
+dQ kernels, q and dO in the dK/dV kernel), through tensor descriptors for
+full blocks when the launcher built them, else through ``load_tile``.
+
+Assumes
+    * ``ptrs`` (and ``A`` / ``B`` with their token and dim strides) address
+      rows of one head; ``row_ok`` marks the rows inside the segment and
+      ``d_ok`` the columns below the head dim (``EVEN_D``: no padded columns).
+    * With ``TMA``, ``descs`` is ``(A's descriptor, this head's row and column
+      in it, the same three for B, ...)`` as ``tma.descriptors`` builds them,
+      and the block starting at ``start`` lies wholly inside the segment
+      (``MASKED`` false).
+Guarantees
+    * Masked rows and padded columns load as zero, so they contribute nothing
+      to a product; full blocks load unmasked (wide, unpredicated loads).
+    * With ``UPCAST`` the tiles come back as float32 (the CPU interpreter's
+      bfloat16 dots are wrong); otherwise in the tensor's own dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_tile(ptrs, row_ok, d_ok, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr):
+    # Full tiles load unmasked so the compiler can use wide, unpredicated loads.
+    if ROW_MASK:
+        if EVEN_D:
+            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+    if UPCAST:
+        # The CPU interpreter (triton 3.9) multiplies bfloat16 dot operands as raw
+        # integers, so under it bf16 tiles are widened to float32 at load.
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def load_pair(A, B, descs, start, rows, row_ok, offs_d, d_ok, stride_at, stride_ad, stride_bt, stride_bd,
+              MASKED: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
+    # The same rows of two tensors (k and v here and in the dQ kernel; q and dO in the dK/dV kernel).
+    # descs = (A's descriptor, this head's row and column in it, the same for B, ...). A full block
+    # goes through the copy engine when descriptors are given; masked blocks never do.
+    if TMA and not MASKED:
+        a = descs[0].load([descs[1] + start, descs[2]])
+        b = descs[3].load([descs[4] + start, descs[5]])
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+    else:
+        a = load_tile(A + rows[:, None] * stride_at + offs_d[None, :] * stride_ad, row_ok, d_ok, MASKED, EVEN_D, UPCAST)
+        b = load_tile(B + rows[:, None] * stride_bt + offs_d[None, :] * stride_bd, row_ok, d_ok, MASKED, EVEN_D, UPCAST)
+    return a, b

@@ -1,0 +1,251 @@
+"""The layout carried from one compiled graph to the next, when a model is split into several graphs.
+
+When a model runs as several Dynamo graphs (FSDP2 ``fully_shard`` per decoder
+layer, a separately compiled layer, any graph break), only some graphs see
+the token ids; the per-layer graphs take hidden states ``[B, S, H]``,
+position embeddings and a ``[B, 1, S, S]`` mask. This module holds, per
+thread, the layout most recently established by a graph (detected from its
+token ids, or from its hidden states and mask) so later graphs of the same
+forward can run packed on it.
+
+Assumptions
+    * A graph's token-major inputs have the batch and sequence axes leading:
+      ``[B, S, ...]``.
+    * Graphs of one forward run in one thread, in program order.
+
+Guarantees (what makes a carried layout safe; each is checked per call by
+the backend, and a failed check runs the graph unpacked with the reason)
+    * At most one layout is current per thread; every successful detection
+      replaces it, a failed one from token ids clears it. It is used only for
+      a call whose ``(B, S)`` and device match.
+    * Exactness of the data: ``share_mismatch`` checks that, for every
+      token-major input, the copies that packing drops (rows 1.. of a group,
+      over the shared prefix) are bitwise equal to the copy it keeps (the
+      group's first row). That is the condition under which the packed
+      program computes what each row would: O(B * P * H) reads.
+    * Exactness of the padding: a graph whose masks are inputs checks each
+      mask against the layout (``mask_checked``, once per mask tensor and
+      layout); a graph with no mask uses a carried layout only if one of its
+      inputs shares storage with a tensor that a graph produced while running
+      packed on this very layout (``produced``; the producing tensor must be
+      alive, so its storage cannot have been reused). Otherwise nothing ties
+      the layout's padding to this call's data.
+    * Nothing here keeps tensors alive: produced tensors and checked masks
+      are held by weak references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from .detect import detect, expand_runs
+from .shared_prompt import SharedPromptLayout
+
+__all__ = ["ActiveLayout", "current", "publish", "clear", "detect_from_values", "leaves"]
+
+
+@dataclasses.dataclass(eq=False)
+class ActiveLayout:
+    """A layout established by graph ``graph_id`` (``how``: "input_ids" or "inputs"), with its checks' caches."""
+
+    layout: SharedPromptLayout
+    graph_id: int
+    how: str
+    _share: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    _storages: dict = dataclasses.field(default_factory=dict)
+    _masks: dict = dataclasses.field(default_factory=dict)
+    # Tensors whose shared copies are known bitwise equal: unpacked outputs of
+    # a packed graph (equal by construction) and inputs that passed the check.
+    _equal: dict = dataclasses.field(default_factory=dict)
+    share_reads: int = 0  # calls of share_mismatch that had to read tensors (one host sync each)
+
+    def matches(self, batch_size: int, seq_len: int, device: torch.device) -> bool:
+        L = self.layout
+        return (L.batch_size, L.seq_len) == (batch_size, seq_len) and L.device == device
+
+    # --------------------------------------------------------------- provenance
+    def record_outputs(self, outputs, unpacked: Sequence[int] = ()) -> None:
+        """Remember the storages of the ``[B, S, ...]`` tensors a graph returned while running packed on this layout.
+
+        ``unpacked``: positions (in ``_tensors(outputs)`` order) of outputs made
+        by unpacking the packed stream, whose shared copies are equal by
+        construction (``known_equal``).
+        """
+        B, S = self.layout.batch_size, self.layout.seq_len
+        for i, t in enumerate(_tensors(outputs)):
+            if t.dim() >= 2 and tuple(t.shape[:2]) == (B, S) and t.numel():
+                s = t.untyped_storage()
+                self._storages[id(s)] = weakref.ref(s)
+                if i in unpacked:
+                    self._mark_equal(t)
+        for k in [k for k, r in self._storages.items() if r() is None]:
+            del self._storages[k]
+
+    def _mark_equal(self, t: torch.Tensor) -> None:
+        self._equal[_alias_key(t)] = (weakref.ref(t.untyped_storage()), t._version)
+
+    def known_equal(self, t: torch.Tensor) -> bool:
+        """True if ``t``'s shared copies are known bitwise equal without reading it.
+
+        ``t`` must alias exactly (storage, offset, shape, strides) a tensor
+        recorded as an unpacked output or a checked input, and not have been
+        modified in place since (its version counter, shared by all its views,
+        is unchanged).
+        """
+        entry = self._equal.get(_alias_key(t))
+        return entry is not None and entry[0]() is t.untyped_storage() and entry[1] == t._version
+
+    def produced(self, t: torch.Tensor) -> bool:
+        """True if ``t`` shares storage with a live tensor recorded by ``record_outputs``."""
+        if not isinstance(t, torch.Tensor) or not t.numel():
+            return False
+        s = t.untyped_storage()
+        ref = self._storages.get(id(s))
+        return ref is not None and ref() is s
+
+    # --------------------------------------------------------------- masks
+    def mask_checked(self, key_tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether the masks computed from exactly these tensors (same objects, unmodified) were checked."""
+        entry = self._masks.get(tuple(id(t) for t in key_tensors))
+        return entry is not None and all(r() is t and t._version == v for (r, v), t in zip(entry, key_tensors))
+
+    def mark_mask_checked(self, key_tensors: Sequence[torch.Tensor]) -> None:
+        self._masks[tuple(id(t) for t in key_tensors)] = [(weakref.ref(t), t._version) for t in key_tensors]
+
+    # --------------------------------------------------------------- sharing
+    def share_mismatch(self, tensors: Sequence[torch.Tensor]) -> Optional[int]:
+        """Index of the first ``[B, S, ...]`` tensor whose dropped copies differ (bitwise) from the kept ones, else None.
+
+        Tensors ``known_equal`` are not read; the others are, with one
+        device-to-host synchronisation for all of them together, and are
+        remembered as equal if they pass. So in a chain of per-layer graphs
+        only the first call reads its inputs (the hidden states that later
+        layers receive are unpacked outputs, the position embeddings the same
+        tensors each layer).
+        """
+        dst, src = self._share_index()
+        if dst.numel() == 0 or not tensors:
+            return None
+        todo = [(i, t) for i, t in enumerate(tensors) if not self.known_equal(t)]
+        if not todo:
+            return None
+        B, S = self.layout.batch_size, self.layout.seq_len
+        self.share_reads += 1
+        with torch.no_grad():
+            bad = []
+            for _, t in todo:
+                flat = _bits(t.detach()).reshape(B * S, -1)
+                bad.append((flat.index_select(0, dst) != flat.index_select(0, src)).any())
+            flags = torch.stack(bad).tolist()
+        for (i, t), f in zip(todo, flags):
+            if f:
+                return i
+        for _, t in todo:
+            self._mark_equal(t)
+        return None
+
+    def _share_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat ``[B*S]`` positions of the dropped copies of shared tokens, and of the copies packing keeps."""
+        if self._share is None:
+            L = self.layout
+            S = L.seq_len
+            runs = []
+            for g in L.groups:
+                if len(g.rows) < 2 or not g.shared_len:
+                    continue
+                keep = g.rows[0] * S + g.starts[0]
+                for b, start in zip(g.rows[1:], g.starts[1:]):
+                    runs.append((b * S + start, keep, g.shared_len))
+            total = sum(r[-1] for r in runs)
+            if runs:
+                self._share = expand_runs(runs, total, L.device)
+            else:
+                empty = torch.zeros(0, dtype=torch.long, device=L.device)
+                self._share = (empty, empty)
+        return self._share
+
+    def describe(self) -> str:
+        what = "its token ids" if self.how == "input_ids" else "its hidden states and mask"
+        return f"graph {self.graph_id} (detected from {what})"
+
+
+def _alias_key(t: torch.Tensor) -> tuple:
+    """What makes two tensors the same view of the same memory: storage, offset, shape, strides."""
+    return id(t.untyped_storage()), t.storage_offset(), tuple(t.shape), t.stride()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` reinterpreted as integers of its width, so equality is bitwise (NaN == NaN, -0.0 != 0.0)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+        if t.dtype.is_complex:
+            t = torch.view_as_real(t)
+            width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+        return t.contiguous().view(width)
+    return t
+
+
+def leaves(x) -> Iterable:
+    """The leaves of nested tuples, lists and dicts, in order (a graph's outputs, or their values)."""
+    if isinstance(x, (tuple, list)):
+        for y in x:
+            yield from leaves(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from leaves(y)
+    else:
+        yield x
+
+
+def _tensors(x) -> Iterable[torch.Tensor]:
+    return (t for t in leaves(x) if isinstance(t, torch.Tensor))
+
+
+class _State(threading.local):
+    current: Optional[ActiveLayout] = None
+
+
+_state = _State()
+
+
+def current() -> Optional[ActiveLayout]:
+    """The layout current in this thread, or None."""
+    return _state.current
+
+
+def publish(layout: SharedPromptLayout, graph_id: int, how: str) -> ActiveLayout:
+    """Make ``layout`` the current one (replacing any other); returns its record."""
+    active = ActiveLayout(layout, graph_id, how)
+    _state.current = active
+    return active
+
+
+def clear() -> None:
+    """No layout is current in this thread (later graphs detect their own or run unpacked)."""
+    _state.current = None
+
+
+def detect_from_values(
+    values: Sequence[torch.Tensor], valid: torch.Tensor, *, group_size: Optional[int] = None, min_shared: int = 1
+) -> SharedPromptLayout:
+    """The layout of a batch seen only through its ``[B, S, ...]`` values (hidden states, positions) and validity.
+
+    Two rows share column ``c`` when both are valid there and every value is
+    bitwise equal in the two rows at ``c`` (or both are padding), exactly the
+    condition under which packing them is exact; groups and shared prefixes
+    then follow ``layout.detect``'s rules.
+    """
+    B, S = valid.shape
+    with torch.no_grad():
+        same = torch.ones(max(B - 1, 0), S, dtype=torch.bool, device=valid.device)
+        for v in values:
+            flat = _bits(v.detach()).reshape(B, S, -1)
+            same &= (flat[1:] == flat[:-1]).all(-1)
+        # Surrogate token ids: equal in adjacent rows exactly where the values agree.
+        ids = torch.cat([same.new_zeros(1, S, dtype=torch.long), (~same).long()]).cumsum(0)
+    return detect(ids, valid.long(), group_size=group_size, min_shared=min_shared)

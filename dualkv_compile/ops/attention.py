@@ -1,0 +1,259 @@
+"""``shared_prompt_attention``: the one attention op of the packed stream.
+
+Two ``torch.library`` custom ops, ``dualkv::attention_fwd`` and
+``dualkv::attention_bwd``, with fake implementations (so they trace under
+``torch.compile`` with dynamic shapes) and the backward registered as the
+forward's autograd formula. The implementation is chosen by the ``backend``
+argument, resolved before tracing so that the compiled graph holds a concrete
+choice:
+
+    "reference"  exact PyTorch (dense mask, fp32 softmax); any device; the oracle
+    "cpu_flash"  PyTorch's CPU flash-attention kernels, one call per group; CPU
+    "flex"       FlexAttention with a two-region BlockMask; CUDA
+    "triton"     the hand-written Triton kernel; CUDA (and CPU under TRITON_INTERPRET=1)
+    "auto"       CPU -> cpu_flash (reference for float64); CUDA -> triton where it
+                 supports the input, else flex
+
+Tensor convention: q ``[1, Hq, T, D]``, k and v ``[1, Hkv, T, D]`` (the
+``scaled_dot_product_attention`` layout with batch 1), Hq a multiple of Hkv.
+The op returns the output in q's dtype; ``lse`` (float32, float64 for float64
+inputs, ``[1, Hq, T]``) is saved for the backward.
+
+Each backend is a module with the same three functions:
+    supports(q) -> None, or why it cannot run q
+    forward(q, k, v, segs, scale) -> (out, lse)
+    backward(dout, q, k, v, out, lse, segs, scale, deterministic) -> (dq, dk, dv)
+A request for a backend that cannot run the input raises ``ValueError``;
+nothing falls back silently.
+
+The flex backend is the one exception to "everything goes through the opaque
+op": FlexAttention's fused backward is reachable only through autograd, so
+behind an opaque op its backward would have to recompute the forward (what
+``flex.backward`` does, one extra forward). ``shared_prompt_attention``
+therefore calls ``flex.attention`` directly, which runs FlexAttention under
+autograd (eager: the cached compiled flex kernels; inside ``torch.compile``:
+the flex higher-order op, whose backward AOTAutograd derives). The custom ops
+still accept ``backend="flex"`` and stay correct, only slower in the backward.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+
+from ..layout import Segments, SharedPromptLayout
+from ..kernels import reference
+from ..kernels.reference import check_qkv
+
+log = logging.getLogger("dualkv_compile")
+
+__all__ = ["shared_prompt_attention", "BACKENDS", "resolve_backend"]
+
+BACKENDS = ("auto", "reference", "cpu_flash", "flex", "triton")
+
+
+def _impl(backend: str):
+    if backend == "cpu_flash":
+        from ..kernels import cpu_flash
+
+        return cpu_flash
+    if backend == "reference":
+        return reference
+    if backend == "flex":
+        from . import flex
+
+        return flex
+    if backend == "triton":
+        try:
+            from ..kernels.triton import attention as triton_attention
+        except ImportError as e:
+            raise ValueError(f"backend='triton' is unavailable: {e}") from e
+
+        return triton_attention
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """The concrete backend for ``backend`` on q's device, dtype and head dim; ``ValueError`` if it cannot run."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if q.device.type != "cuda":
+            from ..kernels import cpu_flash
+
+            return "cpu_flash" if cpu_flash.supports(q) is None else "reference"
+        for name in ("triton", "flex"):
+            try:
+                why = _impl(name).supports(q)
+            except ValueError as e:  # the module is missing
+                why = str(e)
+            if why is None:
+                return name
+            log.debug("backend='auto' skips %s: %s", name, why)
+        return "reference"
+    if backend == "reference":
+        return backend
+    why = unsupported_reason(backend, q)
+    if why is not None:
+        raise ValueError(f"backend={backend!r} cannot run this input: {why}")
+    return backend
+
+
+def unsupported_reason(backend: str, q: torch.Tensor) -> Optional[str]:
+    """None if the concrete ``backend`` can run q; else why not (its device first, then its dtype, then its head dim)."""
+    if backend == "auto":
+        return None
+    try:
+        return _impl(backend).supports(q)
+    except ValueError as e:  # an unknown name, or the module is missing
+        return str(e)
+
+
+def _segments(seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len) -> Segments:
+    return Segments(seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len)
+
+
+@torch.library.custom_op("dualkv::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+    prefix_start: torch.Tensor,
+    prefix_len: torch.Tensor,
+    max_seg_len: int,
+    max_prefix_len: int,
+    scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    segs = _segments(seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len)
+    out, lse = _impl(backend).forward(q, k, v, segs, scale)
+    return out.contiguous(), lse.to(lse_dtype(q)).contiguous()
+
+
+def lse_dtype(q: torch.Tensor) -> torch.dtype:
+    """The log-sum-exp's dtype: float32, float64 for float64 inputs (a float32 lse made their backward float32-accurate)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@attention_fwd.register_fake
+def _(q, k, v, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len, scale, backend):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=lse_dtype(q))
+
+
+@torch.library.custom_op("dualkv::attention_bwd", mutates_args=())
+def attention_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+    prefix_start: torch.Tensor,
+    prefix_len: torch.Tensor,
+    max_seg_len: int,
+    max_prefix_len: int,
+    scale: float,
+    backend: str,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    segs = _segments(seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len)
+    dq, dk, dv = _impl(backend).backward(dout, q, k, v, out, lse, segs, scale, deterministic=deterministic)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len, scale, backend, deterministic):
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+        torch.empty_like(v, memory_format=torch.contiguous_format),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len, scale, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, seg_start, seg_len, prefix_start, prefix_len)
+    ctx.max_lens = (max_seg_len, max_prefix_len)
+    ctx.scale, ctx.backend = scale, backend
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, seg_start, seg_len, prefix_start, prefix_len = ctx.saved_tensors
+    # lse is an internal output (saved for the backward); its gradient is never needed.
+    dq, dk, dv = attention_bwd(
+        dout, q, k, v, out, lse, seg_start, seg_len, prefix_start, prefix_len,
+        *ctx.max_lens, ctx.scale, ctx.backend, torch.are_deterministic_algorithms_enabled(),
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def shared_prompt_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: SharedPromptLayout | Segments,
+    scale: Optional[float] = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention over the packed stream: prompt causal, each response over prompt + itself causal, one softmax.
+
+    ``layout`` is a ``SharedPromptLayout`` or its ``attention_segments``.
+    Returns ``[1, Hq, T, D]`` in q's dtype. Differentiable in q, k and v.
+    Under ``torch.use_deterministic_algorithms(True)`` the backward avoids atomics.
+    """
+    segs = _check_inputs(q, k, v, layout)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
+    scale = float(scale)
+    concrete = resolve_backend(backend, q)
+    if concrete == "flex":
+        from . import flex
+
+        return flex.attention(q, k, v, segs, scale)
+    out, _ = attention_fwd(q, k, v, *segs, scale, concrete)
+    return out
+
+
+def _check_inputs(q, k, v, layout) -> Segments:
+    """Validate the arguments of ``shared_prompt_attention``; ``ValueError`` names the bad one."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor [1, H, T, D], got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape [1, H, T, D], got {list(t.shape)}")
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"q must be a floating-point tensor, got dtype {q.dtype}")
+    if isinstance(layout, SharedPromptLayout):
+        segs = layout.attention_segments
+        T = layout.num_tokens
+    elif isinstance(layout, Segments):
+        segs = layout
+        T = q.shape[2]
+    else:
+        raise ValueError(f"layout must be a SharedPromptLayout or Segments, got {type(layout).__name__}")
+    check_qkv(q, k, v, T)
+    for name in ("seg_start", "seg_len", "prefix_start", "prefix_len"):
+        t = getattr(segs, name)
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
+            raise ValueError(f"layout.{name} must be a 1-D int32 tensor")
+        if t.shape != segs.seg_start.shape:
+            raise ValueError(f"layout.{name} must have one entry per segment ({segs.seg_start.shape[0]}), got {t.shape[0]}")
+        if t.device != q.device:
+            raise ValueError(f"layout.{name} must be on q's device {q.device}, got {t.device}")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    return segs

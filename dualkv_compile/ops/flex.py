@@ -1,0 +1,203 @@
+"""FlexAttention backend: the packed stream's two-region mask as a BlockMask.
+
+The mask's math lives in ``kernels/flex`` (the segment table, the torch and
+Triton block-table builders, the two-region ``mask_mod``); this module is the
+op and backend level on top of it: the opaque custom op
+``dualkv::flex_block_tables`` with its fake implementation, ``block_mask``
+(the ``BlockMask`` of a packed stream, built straight from the ``Segments``
+tensors with no device sync), the cached compiled flex callable, and the
+backend protocol (``supports``, ``forward``, ``backward``) plus
+``attention``. ``BLOCK``, ``segment_table`` and ``block_tables`` are
+re-exported from ``kernels/flex``.
+
+Autograd. ``attention`` (what ``shared_prompt_attention(backend="flex")``
+calls) runs FlexAttention under autograd, so the backward is FlexAttention's
+own fused backward kernel, and under an outer ``torch.compile`` the flex call is
+traced like any other (AOTAutograd derives and Inductor fuses the backward).
+The module protocol's ``backward`` (used when the opaque custom op
+``dualkv::attention_bwd`` is called with ``backend="flex"``) has no saved
+autograd graph to reuse: it re-enters autograd below the custom-op dispatch and
+recomputes the forward, so it costs one extra forward.
+
+Compilation. FlexAttention only runs fused kernels when compiled; the compiled
+flex callable (dynamic shapes) is made once per process and cached at module
+level. The block tables come from one opaque custom op,
+``dualkv::flex_block_tables``: three small Triton kernels on CUDA (about 0.1 ms
+at T = 64K, lengths not specialised), eager torch ops on CPU. Layout changes
+(T, number of segments, lengths) recompile nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Optional
+
+import torch
+
+from ..kernels.flex.block_tables import BLOCK, block_tables, segment_table
+from ..kernels.flex.mask_mod import two_region_mask_mod
+from ..kernels.flex.triton_block_tables import triton_block_tables, triton_kernels
+from ..layout.segments import Segments
+
+log = logging.getLogger("dualkv_compile")
+
+__all__ = ["supports", "forward", "backward", "attention", "block_mask", "block_tables", "block_tables_op", "segment_table", "BLOCK",
+           "FORCE_TRITON_BUILDER", "compiled_flex"]
+
+try:  # FlexAttention is a prototype API: guard the import.
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # pragma: no cover - older torch
+        AuxRequest = None
+    _IMPORT_ERROR: Optional[str] = None
+except ImportError as e:  # pragma: no cover - depends on the torch build
+    BlockMask = flex_attention = AuxRequest = None
+    _IMPORT_ERROR = f"torch.nn.attention.flex_attention is unavailable ({e})"
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def supports(q: torch.Tensor) -> Optional[str]:
+    """None if the flex backend can run ``q`` (forward and backward), else why not."""
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    if q.device.type != "cuda":
+        return f"FlexAttention needs a CUDA device (its backward has no CPU kernel); q is on {q.device.type}"
+    if q.dtype not in _SUPPORTED_DTYPES:
+        return f"dtype {q.dtype} is not supported (float16, bfloat16 or float32)"
+    D = q.shape[-1]
+    if D < 16 or D > 256 or D % 8:
+        return f"head dim {D} is not supported (a multiple of 8 in [16, 256])"
+    return None
+
+
+_compiled: dict[str, object] = {}
+
+
+def compiled_flex():
+    """``torch.compile(flex_attention, dynamic=True)``, made once per process."""
+    fn = _compiled.get("flex")
+    if fn is None:
+        fn = _compiled["flex"] = torch.compile(flex_attention, dynamic=True)
+    return fn
+
+
+FORCE_TRITON_BUILDER = False  # tests: run the Triton builder on CPU tensors (under TRITON_INTERPRET=1)
+
+
+# The builder runs as one opaque custom op: eager torch ops on CPU (``block_tables``),
+# three small Triton kernels on CUDA (``triton_block_tables``). Opaque, it traces
+# under torch.compile with dynamic shapes without Inductor having to lower the
+# builder, and it never recompiles: the kernels do not specialise on lengths.
+@torch.library.custom_op("dualkv::flex_block_tables", mutates_args=())
+def block_tables_op(table: torch.Tensor, num_tokens: int, max_seg_len: int) -> list[torch.Tensor]:
+    if (table.device.type == "cuda" or FORCE_TRITON_BUILDER) and triton_kernels() is not None:
+        return list(triton_block_tables(table, num_tokens, max_seg_len))
+    return list(block_tables(table, num_tokens))
+
+
+@block_tables_op.register_fake
+def _(table, num_tokens, max_seg_len):
+    nb = (num_tokens + BLOCK - 1) // BLOCK
+    i32 = dict(dtype=torch.int32)
+    nums = [table.new_empty((1, 1, nb), **i32) for _ in range(4)]
+    idxs = [table.new_empty((1, 1, nb, nb), **i32) for _ in range(4)]
+    toks = [table.new_empty((num_tokens,), **i32) for _ in range(3)]
+    return [nums[0], idxs[0], nums[1], idxs[1], nums[2], idxs[2], nums[3], idxs[3], *toks]
+
+
+def block_mask(segs: Segments, num_tokens: int, *, builder: str = "op") -> "BlockMask":
+    """The two-region ``BlockMask`` of a packed stream of ``num_tokens`` tokens (no device sync).
+
+    ``builder="op"`` (default) runs ``dualkv::flex_block_tables`` (Triton on
+    CUDA); ``builder="torch"`` runs ``block_tables`` with eager torch ops.
+    """
+    if _IMPORT_ERROR is not None:
+        raise RuntimeError(_IMPORT_ERROR)
+    if builder not in ("op", "torch"):
+        raise ValueError(f"builder must be 'op' or 'torch', got {builder!r}")
+    table = segment_table(segs, num_tokens)
+    if builder == "op":
+        tables = block_tables_op(table, num_tokens, segs.max_seg_len)
+    else:
+        tables = block_tables(table, num_tokens)
+    kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx, own_start, pre_start, pre_end = tables
+    return BlockMask(
+        seq_lengths=(num_tokens, num_tokens),
+        kv_num_blocks=kv_num,
+        kv_indices=kv_idx,
+        full_kv_num_blocks=fkv_num,
+        full_kv_indices=fkv_idx,
+        q_num_blocks=q_num,
+        q_indices=q_idx,
+        full_q_num_blocks=fq_num,
+        full_q_indices=fq_idx,
+        BLOCK_SIZE=(BLOCK, BLOCK),
+        mask_mod=two_region_mask_mod(own_start, pre_start, pre_end),
+    )
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _flex(q, k, v, bm, scale: float, return_lse: bool):
+    fn = flex_attention if torch.compiler.is_compiling() else compiled_flex()
+    gqa = q.shape[1] != k.shape[1]
+    if not return_lse:
+        return fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=gqa), None
+    if AuxRequest is not None:
+        out, aux = fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    return fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=gqa, return_lse=True)  # pragma: no cover
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs: Segments, scale: Optional[float] = None) -> torch.Tensor:
+    """Differentiable two-region attention through FlexAttention; returns ``[1, Hq, T, D]``.
+
+    The backward is FlexAttention's fused backward (no recomputed forward).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    bm = block_mask(segs, q.shape[2])
+    out, _ = _flex(q, k, v, bm, scale, return_lse=False)
+    return out
+
+
+def forward(q, k, v, segs: Segments, scale: float):
+    """Module protocol: ``(out, lse)``, lse float32 ``[1, Hq, T]`` in natural log."""
+    bm = block_mask(segs, q.shape[2])
+    with torch.no_grad():
+        out, lse = _flex(q, k, v, bm, scale, return_lse=True)
+    return out, lse.float()
+
+
+@contextlib.contextmanager
+def _autograd_reentered():
+    """Record autograd inside a custom op's kernel, where the dispatcher has excluded it."""
+    DK = torch._C.DispatchKey
+    with (
+        torch._C._SetExcludeDispatchKeyGuard(DK.AutogradFunctionality, False),
+        torch._C._SetExcludeDispatchKeyGuard(DK.ADInplaceOrView, False),
+        torch.enable_grad(),
+    ):
+        yield
+
+
+def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False):
+    """Module protocol: ``(dq, dk, dv)`` by recomputing the forward under autograd.
+
+    FlexAttention's backward is reachable only through autograd, and the opaque
+    op keeps no autograd graph between its forward and backward, so this path
+    costs one extra forward; ``attention`` (the default path of
+    ``shared_prompt_attention``) avoids it. ``out`` and ``lse`` are unused.
+    FlexAttention's Triton backward uses no atomics, so it is deterministic.
+    """
+    bm = block_mask(segs, q.shape[2])
+    with _autograd_reentered():
+        qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+        o, _ = _flex(qg, kg, vg, bm, scale, return_lse=False)
+        dq, dk, dv = torch.autograd.grad(o, (qg, kg, vg), dout)
+    return dq, dk, dv

@@ -1,0 +1,326 @@
+"""Rewrite: the packed graph of a static-shape Dynamo graph.
+
+Contract
+    Input: the original ``GraphModule`` and its ``TokenAxes`` (no refusals),
+    the attention backend to call.
+    Output: a new ``GraphModule`` taking the original placeholders followed by
+    ``PACKED_INPUTS`` (``PackedInputs``' fields: the layout's index tensors, segments and their maxima)
+    and returning the original outputs, in the original layout, equal to the
+    original program's at every non-padding position (zeros at padding).
+
+How
+    Every node gets up to two translations. The *packed* one (TOKEN nodes)
+    runs on the packed stream: token axes ``[b, s]`` become ``[1, T]``, shape
+    arguments are re-derived from the tags (``b -> 1``, ``s -> T * f``,
+    ``bs -> T * f``), each attention becomes ``dualkv::attention_fwd`` on the
+    layout's segments, and COLUMN values (``arange(S)``, ``[1, S]`` position
+    ids) are gathered at each token's column. The *original* one is the node
+    copied unchanged; a TOKEN node's original value is ``unpack`` of its packed
+    one, emitted just before the first node that needs it (graph outputs, and
+    ops that leave the token-local region such as a shift along the sequence).
+    Dead-code elimination then drops what nothing reads, the attention masks
+    among it, so ``[B, S, ...]`` values are built only where an original-layout
+    consumer reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from ..ops import attention as _attention_op  # noqa: F401  (registers torch.ops.dualkv.attention_fwd)
+from ..analysis.attention_match import AttentionMatch, default_scale
+from .inline_checkpoint import RECOMPUTE_META, TAGGED_OPS
+from .packed_inputs import PackedInputs
+from .packed_ops import gather_columns, gather_previous, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
+from ..analysis.node_info import Kind, Refusal, shape_of
+from ..analysis.token_axes import TokenAxes
+from ..analysis.token_inputs import Role
+
+log = logging.getLogger("dualkv_compile")
+
+__all__ = ["pack_graph", "PACKED_INPUTS"]
+
+PACKED_INPUTS = PackedInputs._fields
+
+
+def _ev(n):
+    return n.meta.get("example_value") if isinstance(n, fx.Node) else None
+
+
+class _Packer:
+    def __init__(self, gm: fx.GraphModule, axes: TokenAxes, backend: str):
+        self.gm, self.axes, self.backend = gm, axes, backend
+        self.B, self.S = axes.B, axes.S
+        self.g = fx.Graph()
+        self.packed: dict[fx.Node, fx.Node] = {}
+        self.orig: dict[fx.Node, fx.Node] = {}
+        self.prev: dict[fx.Node, fx.Node] = {}
+        self.attn = {m.output: m for m in axes.attention}
+
+    # ------------------------------------------------------------ lookups
+    def packed_of(self, n: fx.Node) -> fx.Node:
+        if n in self.packed:
+            return self.packed[n]
+        info = self.axes.info[n]
+        if info.kind is Kind.COLUMN:
+            s_dim = info.tags.index("s")
+            p = self.g.call_function(gather_columns, (self.orig_of(n), self.inp["col_index"], s_dim))
+        elif info.kind is Kind.NONE:
+            p = self.orig_of(n)
+        else:
+            raise Refusal(f"{n.name}: needed on the packed stream but computed in the original layout ({info.cause})")
+        self.packed[n] = p
+        return p
+
+    def packed_at_targets(self, n: fx.Node) -> fx.Node:
+        """For an op on next-token values: a shift-0 token operand read at each token's predecessor."""
+        info = self.axes.info[n]
+        if info.kind is not Kind.TOKEN or info.shift:
+            return self.packed_of(n)
+        if n not in self.prev:
+            self.prev[n] = self.g.call_function(previous_tokens, (self.packed_of(n), self.inp["prev_index"], info.tags.index("s")))
+        return self.prev[n]
+
+    def orig_of(self, n: fx.Node) -> fx.Node:
+        if n in self.orig:
+            return self.orig[n]
+        info = self.axes.info[n]
+        if info.kind is not Kind.TOKEN:
+            raise AssertionError(f"{n.name} has no original translation yet")
+        tags, shape = info.tags, shape_of(n)
+        p = self.packed[n]
+        slen = info.slen
+        if "bs" in tags:
+            d = tags.index("bs")
+            if shape[d] != self.B * self.S or info.shift or slen != self.S:
+                raise Refusal(f"{n.name}: leaves the packed region with a merged token axis of size {shape[d]}")
+            o = self.g.call_function(unpack_merged, (p, self.inp["unpack_index"], self.inp["valid"], d))
+        else:
+            b, s = tags.index("b"), tags.index("s")
+            if shape[b] != self.B or shape[s] != slen:
+                raise Refusal(f"{n.name}: leaves the packed region with token axes of sizes {shape[b]}, {shape[s]}")
+            ids = self.orig[self.size_ref()]
+            truncate = info.shift == 0 and slen == self.S - 1
+            o = self.g.call_function(
+                unpack_tokens, (p, self.inp["unpack_index"], self.inp["valid"], ids, b, s, info.shift, truncate)
+            )
+        o.meta["unpacked_rank"] = len(shape)  # for runtime.padding_reads
+        self.orig[n] = o
+        return o
+
+    def size_ref(self) -> fx.Node:
+        """A ``[B, S, ...]`` input that ``unpack`` reads B and S from: ``input_ids``, else a carried token-major input."""
+        inputs = self.axes.token_inputs
+        if Role.INPUT_IDS in inputs:
+            return inputs.get(Role.INPUT_IDS)
+        for node in inputs.of(Role.CARRIED):
+            if self.axes.info[node].tags[:2] == ("b", "s"):
+                return node
+        raise Refusal("no [B, S] input to size the unpacked outputs by")
+
+    # ------------------------------------------------------------ translation
+    def run(self) -> fx.GraphModule:
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        for n in placeholders:
+            new = self.g.placeholder(n.name, type_expr=n.type)
+            new.meta = dict(n.meta)
+            self.orig[n] = new
+        self.inp = {name: self.g.placeholder(name) for name in PACKED_INPUTS}
+        self.T = self.g.call_method("size", (self.inp["pack_index"], 0))
+        for n in self.gm.graph.nodes:
+            if n.op == "placeholder":
+                info = self.axes.info[n]
+                if info.kind is Kind.TOKEN:
+                    b, s = info.tags.index("b"), info.tags.index("s")
+                    self.packed[n] = self.g.call_function(pack_tokens, (self.orig[n], self.inp["pack_index"], b, s))
+                continue
+            if n.op == "output":
+                out = fx.map_arg(n.args[0], self.orig_of)
+                self.g.output(out)
+                continue
+            info = self.axes.info[n]
+            last = next(iter(reversed(self.g.nodes)))  # nodes emitted for n follow it
+            if info.kind is Kind.TOKEN:
+                self.packed[n] = self.emit_packed(n)
+            else:
+                self.orig[n] = self.copy(n, self.orig_of)
+                if info.kind is Kind.BCAST:  # both forms; DCE keeps what is read
+                    self.packed[n] = self.emit_packed(n)
+            _inherit_recompute_tags(n, last)
+        self.g.eliminate_dead_code()
+        self.g.lint()
+        return fx.GraphModule(self.gm, self.g, class_name="PackedGraph")
+
+    def copy(self, n: fx.Node, lookup) -> fx.Node:
+        args = fx.map_arg(n.args, lookup)
+        kwargs = fx.map_arg(n.kwargs, lookup)
+        new = self.g.create_node(n.op, n.target, args, kwargs, name=n.name)
+        new.meta = dict(n.meta)
+        return new
+
+    def emit_packed(self, n: fx.Node) -> fx.Node:
+        if n in self.attn:
+            return self.emit_attention(self.attn[n])
+        lookup = self.packed_of
+        # Where next-token values meet shift-0 values (the analysis allows
+        # that for pointwise ops and gathers only), read the latter at each
+        # token's predecessor. The slice x[:, 1:] that makes a shift-1 value is
+        # the identity on the packed stream.
+        if self.axes.info[n].shift and not (n.op == "call_function" and n.target is operator.getitem):
+            fused = self.emit_gather_previous(n)
+            if fused is not None:
+                return fused
+            lookup = self.packed_at_targets
+        args = fx.map_arg(n.args, lookup)
+        kwargs = fx.map_arg(n.kwargs, lookup)
+        args, kwargs = self.rewrite_shapes(n, args, kwargs)
+        new = self.g.create_node(n.op, n.target, args, kwargs, name=n.name + "_packed")
+        new.meta["dualkv_original"] = n.name  # for runtime.padding_reads (a name: meta may be deep-copied)
+        return new
+
+    def emit_gather_previous(self, n: fx.Node) -> Optional[fx.Node]:
+        """``src.gather(-1, next_ids)`` with ``src`` a ``[B, S, V]`` value of each token (the log-probs), the
+        index a next-token value: read each entry at the token's predecessor without copying ``src``
+        (``gather_previous``). None where the pattern differs; the caller then shifts ``src`` whole."""
+        is_gather = (n.op == "call_method" and n.target == "gather") or (n.op == "call_function" and n.target is torch.gather)
+        if not is_gather or len(n.args) < 2:
+            return None
+        src, dim = n.args[0], n.args[1]
+        index = n.args[2] if len(n.args) > 2 else n.kwargs.get("index")
+        if not isinstance(src, fx.Node) or not isinstance(index, fx.Node) or not isinstance(dim, int):
+            return None
+        if set(n.kwargs) - {"index"}:
+            return None
+        s_info, i_info = self.axes.info[src], self.axes.info[index]
+        if s_info.kind is not Kind.TOKEN or s_info.shift or not i_info.shift or i_info.kind is not Kind.TOKEN:
+            return None
+        if s_info.tags != ("b", "s", None) or i_info.tags != ("b", "s", None) or dim not in (-1, 2):
+            return None
+        return self.g.call_function(
+            gather_previous, (self.packed_of(src), self.inp["prev_index"], self.packed_of(index)), name=n.name + "_packed"
+        )
+
+    def emit_attention(self, m: AttentionMatch) -> fx.Node:
+        q, k, v = (self.packed_of(_unrepeated_kv(x, self.axes)) for x in (m.q, m.k, m.v))
+        scale = m.scale if m.scale is not None else default_scale(m.q)
+        i = self.inp
+        res = self.g.call_function(
+            torch.ops.dualkv.attention_fwd.default,
+            (q, k, v, i["seg_start"], i["seg_len"], i["prefix_start"], i["prefix_len"],
+             i["max_seg_len"], i["max_prefix_len"], float(scale), self.backend),
+        )
+        out = self.g.call_function(operator.getitem, (res, 0), name=m.output.name + "_packed")
+        want = _ev(m.output).dtype
+        if want != _ev(m.q).dtype:
+            out = self.g.call_method("to", (out, want))
+        return out
+
+    # ------------------------------------------------------------ shapes
+    def token_size(self, tag: str, size: int, slen: int):
+        """The packed size of a dim tagged ``tag`` whose original size is ``size`` (``slen`` columns)."""
+        if tag == "b":
+            return 1
+        unit = slen if tag == "s" else self.B * slen
+        factor = size // unit
+        return self.T if factor == 1 else self.g.call_function(operator.mul, (self.T, factor))
+
+    def rewrite_shapes(self, n: fx.Node, args, kwargs):
+        tags = self.axes.info[n].tags
+        out_shape = shape_of(n) if isinstance(_ev(n), torch.Tensor) else []
+        target = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        if target in ("view", "reshape", "expand"):
+            sizes_in_tuple = len(args) == 2 and isinstance(args[1], (tuple, list))
+            sizes = list(args[1] if sizes_in_tuple else args[1:])
+            for d, tag in enumerate(tags):
+                if tag is None:
+                    continue
+                if target == "expand":
+                    sizes[d] = 1 if tag == "b" else -1
+                elif sizes[d] != -1:
+                    sizes[d] = self.token_size(tag, out_shape[d], self.axes.info[n].slen)
+            args = (args[0], tuple(sizes)) if sizes_in_tuple else (args[0], *sizes)
+        elif target == "unflatten":
+            dim, sizes = args[1], list(args[2])
+            dim %= len(_ev(n.args[0]).shape)
+            for j in range(len(sizes)):
+                tag = tags[dim + j]
+                if tag is not None and sizes[j] != -1:
+                    sizes[j] = self.token_size(tag, out_shape[dim + j], self.axes.info[n].slen)
+            args = (args[0], dim, tuple(sizes))
+        elif n.op == "call_function" and n.target is operator.getitem and isinstance(_ev(n.args[0]), torch.Tensor):
+            args = (args[0], self._full_slices(n))
+        return args, kwargs
+
+    def _full_slices(self, n: fx.Node):
+        """Slices along token axes are full (the analysis checked); drop their bounds so they stay full at T."""
+        src_tags = self.axes.info[n.args[0]].tags
+        idx = n.args[1]
+        single = not isinstance(idx, tuple)
+        idx = (idx,) if single else idx
+        n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+        out, d = [], 0
+        for i in idx:
+            if i is Ellipsis:
+                d += len(src_tags) - n_real
+                out.append(i)
+            elif i is None:
+                out.append(i)
+            else:
+                out.append(slice(None) if isinstance(i, slice) and src_tags[d] is not None else i)
+                d += 1
+        return out[0] if single else tuple(out)
+
+
+def _inherit_recompute_tags(n: fx.Node, last: fx.Node) -> None:
+    """Give every node emitted after ``last`` (while translating ``n``) ``n``'s checkpoint tags.
+
+    Inside an activation-checkpoint region (``rewrite.inline_checkpoint``) the
+    packed copy of a node, the shared-prompt attention op replacing an SDPA,
+    and the pack/unpack/gather helpers made for the node's operands belong to
+    the region: they are recomputed in the backward like the nodes they
+    replace, so packing keeps checkpointing's memory behaviour.
+    """
+    tags = {k: n.meta[k] for k in RECOMPUTE_META if k in n.meta}
+    if not tags:
+        return
+    node = last.next
+    while node.op != "root":
+        if node.op in TAGGED_OPS:
+            node.meta.update(tags)
+        node = node.next
+
+
+def _unrepeated_kv(x: fx.Node, axes: TokenAxes) -> fx.Node:
+    """The K/V before Hugging Face's ``repeat_kv`` (``[:, :, None]`` -> expand -> reshape), if ``x`` is its result.
+
+    The attention op does GQA itself, so it reads each KV head once instead
+    of a copy per query head (and its backward sums dK/dV per KV head).
+    """
+    if not (x.op == "call_method" and x.target == "reshape"):
+        return x
+    e = x.args[0]
+    if not (isinstance(e, fx.Node) and e.op == "call_method" and e.target == "expand"):
+        return x
+    g = e.args[0]
+    if not (isinstance(g, fx.Node) and g.op == "call_function" and g.target is operator.getitem):
+        return x
+    src, idx = g.args
+    full = slice(None, None, None)
+    if idx != (full, full, None, full, full) or axes.info[src].tags != ("b", None, "s", None):
+        return x
+    src_shape, out_shape = shape_of(src), shape_of(x)
+    if len(out_shape) != 4 or out_shape[1] % src_shape[1] or [out_shape[i] for i in (0, 2, 3)] != [src_shape[i] for i in (0, 2, 3)]:
+        return x
+    return src
+
+
+def pack_graph(gm: fx.GraphModule, axes: TokenAxes, backend: str) -> fx.GraphModule:
+    """The packed ``GraphModule`` of ``gm`` (see the module docstring for its contract)."""
+    if axes.refusals:
+        raise Refusal("; ".join(axes.refusals))
+    return _Packer(gm, axes, backend).run()

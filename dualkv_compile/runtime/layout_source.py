@@ -1,0 +1,197 @@
+"""Where a rewritten graph's layout comes from on each call: the strategies the runner delegates to.
+
+``FromTokenIds`` serves a graph with token ids: it detects the layout from
+``input_ids`` (with the attention mask and position ids; one host sync),
+makes it the thread's current layout, and checks the graph's attention masks
+against it once, on the first call (``verify``).
+
+``FromCarried`` serves a part of a model after a graph break (no token ids):
+the layout current in the thread (``layout.carried``) if it is for this
+``(B, S)`` and holds here (masks among the inputs match it, else an input was
+produced under it), else, for a graph with attention, one detected from the
+call's own inputs (rows agree where their hidden states and positions agree
+bitwise; padding from the mask's diagonal), which becomes the current one.
+Masks are checked per call against the layout used: one graph may serve every
+decoder layer, each with its own mask.
+
+Both return the layout, or a string saying why this call runs unpacked, and
+set ``active`` (the ``ActiveLayout`` used) and ``source`` (for the report).
+Both check that the dropped copies of every carried input equal the kept ones
+bitwise (``share_check``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from ..analysis.analyze import Analysis, floating_carried
+from ..analysis.token_inputs import Role
+from ..config import DualKVConfig
+from ..layout import carried as active_layout
+from ..layout import SharedPromptLayout, detect
+from ..report import GraphReport
+from .mask_check import mask_mismatch, pure_mask
+from .side_graphs import mask_graph
+
+log = logging.getLogger("dualkv_compile")
+
+__all__ = ["FromCarried", "FromTokenIds", "LayoutSource"]
+
+
+class LayoutSource:
+    """The part common to both strategies: the inputs by role, the graph's masks, the share check."""
+
+    def __init__(self, gm: fx.GraphModule, analysis: Analysis, cfg: DualKVConfig, report: GraphReport, masks: bool):
+        self.cfg, self.report = cfg, report
+        self.attention = analysis.attention
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        self.index = {t.role: placeholders.index(t.node) for t in analysis.token_inputs if t.role is not Role.CARRIED and t.role is not Role.COLUMN}
+        # Token-major inputs carried from an earlier graph (hidden states, logits): checked for sharing per call.
+        self.carried = [(n.name, placeholders.index(n)) for n in analysis.token_inputs.of(Role.CARRIED)]
+        self.mask_gm = mask_graph(gm, analysis.axes) if masks else None
+        self.mask_names = [m.output.name for m in self.attention if m.mask is not None]
+        self.active: Optional[active_layout.ActiveLayout] = None
+        self.source: Optional[str] = None
+
+    def masks(self, args):
+        with torch.no_grad():
+            return self.mask_gm(*args)
+
+    def share_check(self, args, active: active_layout.ActiveLayout) -> Optional[str]:
+        """None if every carried input's dropped copies equal the kept ones bitwise, else why not."""
+        if not self.carried:
+            return None
+        bad = active.share_mismatch([args[i] for _, i in self.carried])
+        if bad is None:
+            return None
+        return (
+            f"input {self.carried[bad][0]}: the copies of a shared token differ across the rows of a group (bitwise), "
+            "so packing would not be exact"
+        )
+
+    def first_call_check(self, args, layout: SharedPromptLayout) -> Optional[str]:
+        """Checked once, on the first call that would pack: None, or why the rewrite is disabled."""
+        return None
+
+
+class FromTokenIds(LayoutSource):
+    def __init__(self, gm, analysis: Analysis, cfg: DualKVConfig, report: GraphReport):
+        super().__init__(gm, analysis, cfg, report, masks=cfg.verify)
+
+    def __call__(self, args) -> "SharedPromptLayout | str":
+        ids = args[self.index[Role.INPUT_IDS]]
+        mask = args[self.index[Role.ATTENTION_MASK]] if Role.ATTENTION_MASK in self.index else None
+        pos = args[self.index[Role.POSITION_IDS]] if Role.POSITION_IDS in self.index else None
+        try:
+            layout = detect(ids, mask, pos, group_size=self.cfg.group_size, min_shared=self.cfg.min_shared)
+        except ValueError as e:
+            active_layout.clear()
+            return f"layout: {e}"
+        self.active = active_layout.publish(layout, self.report.graph_id, "input_ids")
+        self.source = "detected from input_ids"
+        return self.share_check(args, self.active) or layout
+
+    def first_call_check(self, args, layout: SharedPromptLayout) -> Optional[str]:
+        """None if every attention mask of the graph is the causal, padding-aware mask of the layout."""
+        if not self.cfg.verify:
+            return None
+        B, S = layout.batch_size, layout.seq_len
+        if any(m.mask is None and m.is_causal for m in self.attention) and _left_padded(layout):
+            name = next(m.output.name for m in self.attention if m.mask is None and m.is_causal)
+            return f"{name}: causal attention without a mask attends to left padding, which packing removes"
+        if self.mask_gm is None:
+            return None
+        if B * S * S > self.cfg.verify_max_elements:
+            log.info("dualkv: mask check skipped for graph %d (B*S*S = %d elements)", self.report.graph_id, B * S * S)
+            return None
+        # The mask was made for this batch: rows of valid queries must match, padding rows are unspecified.
+        return mask_mismatch(self.masks(args), self.mask_names, layout, pin_padding=False)
+
+
+class FromCarried(LayoutSource):
+    def __init__(self, gm, analysis: Analysis, cfg: DualKVConfig, report: GraphReport):
+        super().__init__(gm, analysis, cfg, report, masks=True)
+        self.mask_key: list[int] = []
+        if self.mask_gm is not None:
+            self.mask_key = [i for i, p in enumerate(self.mask_gm.graph.find_nodes(op="placeholder")) if p.users]
+        self.size_index = self.carried[0][1]
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        self.floating_index = [placeholders.index(n) for n in floating_carried(analysis.axes)]
+        self.causal_unmasked = any(m.mask is None and m.is_causal for m in self.attention)
+
+    def __call__(self, args) -> "SharedPromptLayout | str":
+        ref = args[self.size_index]
+        B, S = int(ref.shape[0]), int(ref.shape[1])
+        cur = active_layout.current()
+        if cur is None:
+            why = "no layout is current (no earlier graph of this forward established one)"
+        elif not cur.matches(B, S, ref.device):
+            L = cur.layout
+            why = f"the current layout, from {cur.describe()}, is for [{L.batch_size}, {L.seq_len}] on {L.device}, this call is [{B}, {S}] on {ref.device}"
+        else:
+            why = self._check_carried(cur, args)
+            if why is None:
+                self.active, self.source = cur, f"carried from {cur.describe()}"
+                return cur.layout
+            why = f"the layout of {cur.describe()} does not hold here: {why}"
+            self.report.not_carried.append(why)
+            log.info("dualkv: graph %d: %s", self.report.graph_id, why)
+        if not self.attention:
+            return why
+        detected = self._detect(args, B, S, ref.device)
+        if isinstance(detected, str):
+            return f"{why}; no layout detected from this graph's inputs either: {detected}"
+        return detected
+
+    def _check_carried(self, cur: active_layout.ActiveLayout, args) -> Optional[str]:
+        if self.mask_gm is not None:
+            keys = [args[i] for i in self.mask_key]
+            if not cur.mask_checked(keys):
+                # The layout came from elsewhere: the mask must also pin its padding (pin_padding).
+                why = mask_mismatch(self.masks(args), self.mask_names, cur.layout, pin_padding=True)
+                if why is not None:
+                    return why
+                cur.mark_mask_checked(keys)
+        else:
+            if not any(cur.produced(args[i]) for i in self.floating_index):
+                return (
+                    "no input of this call was produced by a graph that ran packed on it, and no mask among the "
+                    "inputs ties its padding to this call"
+                )
+            if self.causal_unmasked and _left_padded(cur.layout):
+                return "causal attention without a mask attends to left padding, which packing removes"
+        return self.share_check(args, cur)
+
+    def _detect(self, args, B: int, S: int, device) -> "SharedPromptLayout | str":
+        masks = None
+        if self.mask_gm is not None:
+            masks = self.masks(args)
+            allowed = pure_mask(self.mask_names[0], masks[0], B, S)
+            if isinstance(allowed, str):
+                return allowed
+            # Padding positions are those that do not attend to themselves.
+            valid = allowed[:, 0].diagonal(dim1=-2, dim2=-1).expand(B, S)
+        else:
+            valid = torch.ones(B, S, dtype=torch.bool, device=device)
+        values = [args[i] for _, i in self.carried]
+        try:
+            layout = active_layout.detect_from_values(values, valid, group_size=self.cfg.group_size, min_shared=self.cfg.min_shared)
+        except ValueError as e:
+            return f"layout: {e}"
+        if masks is not None:
+            why = mask_mismatch(masks, self.mask_names, layout, pin_padding=True)
+            if why is not None:
+                return why
+        self.active = active_layout.publish(layout, self.report.graph_id, "inputs")
+        if masks is not None:
+            self.active.mark_mask_checked([args[i] for i in self.mask_key])
+        self.source = "detected from its hidden states" + (" and mask" if masks is not None else "")
+        return layout
+
+
+def _left_padded(layout: SharedPromptLayout) -> bool:
+    return any(s > 0 for g in layout.groups for s in g.starts)

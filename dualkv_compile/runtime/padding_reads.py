@@ -1,0 +1,231 @@
+"""Analysis of a packed graph: where the program reads, into a result, a position that packing zeroes.
+
+Packing never computes padding positions: ``unpack`` fills them with zeros
+(DESIGN.md, semantics 8), where the original program had some value. A
+next-token value (``x[:, 1:]``-aligned, shift 1) is also zero where the
+token *before* its target is padding: the log-prob of a row's first valid
+token reads the logits of the padding column before it, which the packed
+stream does not have (a left-padded row, an empty prompt).
+
+A graph output may hold those zeros (documented). A computation that reads
+them must not, unless it multiplies them by zero: ``(pg * response_mask).sum()``
+reads every position of ``pg``, but the mask is zero at padding and at the
+prompt's first token. This pass follows each unpacked value through the ops
+of the original layout that keep positions apart (pointwise ops, ops over
+trailing dims such as ``log_softmax``/``gather``/``sum(-1)``, slices along
+the sequence), noting every multiplication by a value computed from the
+graph's inputs alone (a loss mask, an advantage), until it is
+
+    * a graph output: fine;
+    * read by anything else (a reduction over tokens, a shift, an index): a
+      ``Read``. Per call the runner evaluates the noted factors and packs only
+      if, at every position packing zeroed, one of them is zero.
+
+Contract
+    Input: the packed ``GraphModule`` (``pack_graph``'s output, after any
+    fusion), whose last ``num_packed_inputs`` placeholders are the layout's,
+    and the original graph it was packed from: a factor applied on the packed
+    stream (a mask that is itself a token input) is evaluated there, on the
+    original inputs, when it needs no gradient (no model computation).
+    Output: the ``Read``s, each with its ``unpack_tokens`` source (shift,
+    truncation), the slices along the sequence on the way, and the factors
+    with the slices in force where each applies; ``tainted(read, valid,
+    factors)`` evaluates one for a call. The graph is not modified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from ..rewrite.packed_ops import unpack_merged, unpack_tokens
+from ..analysis.token_rules import POINTWISE_FUNCS, POINTWISE_METHODS, REDUCE_FUNCS, REDUCE_METHODS, SOFTMAX_LIKE, SOFTMAX_METHODS
+
+__all__ = ["Read", "find_padding_reads", "tainted"]
+
+_MUL = {operator.mul, torch.mul, "mul"}
+# Ops along dims past the token axes ([B, L, ...]: their positions stay apart).
+_TRAILING_FUNCS = SOFTMAX_LIKE | REDUCE_FUNCS | {torch.gather, torch.squeeze, torch.unsqueeze}
+_TRAILING_METHODS = SOFTMAX_METHODS | REDUCE_METHODS | {"gather", "squeeze", "unsqueeze"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """The value ``unpack`` made at ``source``, read by ``reader`` after ``slices`` along the sequence.
+
+    ``factors``: ``(node, slices, rank)``, each an input-only value the read
+    value was multiplied by on the way, with the slices in force and the
+    value's rank there.
+    """
+
+    source: fx.Node
+    reader: fx.Node
+    shift: int
+    truncate: bool
+    slices: tuple[tuple, ...] = ()  # (start, stop) of each slice
+    factors: tuple[tuple[fx.Node, tuple[tuple, ...], Optional[int]], ...] = ()
+
+
+def _arg(n: fx.Node, i: int, name: str, default=None):
+    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
+
+
+def _is(n: fx.Node, funcs, methods) -> bool:
+    return (n.op == "call_function" and n.target in funcs) or (n.op == "call_method" and n.target in methods)
+
+
+def _trailing_dims_only(n: fx.Node, src: fx.Node) -> bool:
+    """An op along dims >= 2 of ``src`` (or none): positions (dims 0 and 1) stay apart."""
+    dim = _arg(n, 1, "dim")
+    if n.target in ("squeeze", "unsqueeze", torch.squeeze, torch.unsqueeze, "sum", "mean", torch.sum, torch.mean) and dim is None:
+        return False
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    rank = _rank(src)
+    if rank is None or not all(isinstance(d, int) for d in dims):
+        return False
+    return all((d % (rank + (1 if n.target in ("unsqueeze", torch.unsqueeze) else 0))) >= 2 for d in dims)
+
+
+def _rank(n) -> Optional[int]:
+    ev = n.meta.get("example_value") if isinstance(n, fx.Node) else None
+    if isinstance(ev, torch.Tensor):
+        return ev.dim()
+    return n.meta.get("unpacked_rank") if isinstance(n, fx.Node) else None  # set by pack_graph on unpack nodes
+
+
+def _column_slice(n: fx.Node) -> Optional[tuple]:
+    """``x[:, a:b, ...]`` (full in dim 0, a unit-step int slice in dim 1, nothing else): ``(a, b)``; else None.
+
+    A tuple, not a slice: slices are unhashable before Python 3.12, and reads are kept in sets."""
+    if not (n.op == "call_function" and n.target is operator.getitem):
+        return None
+    idx = n.args[1]
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if len(idx) < 2 or idx[0] != slice(None) or not isinstance(idx[1], slice) or idx[1].step not in (None, 1):
+        return None
+    if not all(isinstance(x, (int, type(None))) for x in (idx[1].start, idx[1].stop)):
+        return None
+    if any(not (i == slice(None) or i is Ellipsis) for i in idx[2:]):
+        return None
+    return idx[1].start, idx[1].stop
+
+
+# Ops that map zero to zero, through which a factor applied before ``unpack`` (on the packed stream) still
+# zeroes the unpacked value: eager's value there is ``g(garbage * 0) = 0``, packing's the unpacked zero.
+_ZERO_PRESERVING = {operator.neg, torch.neg, "neg", "to", "float", "double", "half", "bfloat16", "type_as", "squeeze", "unsqueeze"}
+
+
+def _needs_no_gradient(original: fx.GraphModule) -> dict[str, bool]:
+    """Per node name of the original graph: whether it and all it reads need no gradient (masks, ids: cheap, exact)."""
+    cheap: dict[str, bool] = {}
+    for n in original.graph.nodes:
+        ev = n.meta.get("example_value")
+        own = not (isinstance(ev, torch.Tensor) and (ev.requires_grad or isinstance(ev, torch.nn.Parameter)))
+        own = own and "_parameters_" not in n.name
+        cheap[n.name] = own and all(cheap[a.name] for a in n.all_input_nodes)
+    return cheap
+
+
+def _packed_factors(x: fx.Node, cheap: dict[str, bool], originals: dict[str, fx.Node]) -> tuple:
+    """Factors applied on the packed stream before ``unpack`` of ``x``: ``((original node, (), rank),)`` or ``()``."""
+    while True:
+        name = x.meta.get("dualkv_original")
+        if name is not None and cheap.get(name) and name in originals:
+            # The value itself needs no gradient (a mask): eager's value at a zeroed position, read off the original.
+            return ((originals[name], (), _rank(originals[name])),)
+        if _is(x, _MUL, _MUL):
+            for a in x.args[:2]:
+                name = a.meta.get("dualkv_original") if isinstance(a, fx.Node) else None
+                if name is not None and cheap.get(name) and name in originals:
+                    o = originals[name]
+                    return ((o, (), _rank(originals.get(x.meta.get("dualkv_original"), o))),)
+            return ()
+        if _is(x, _ZERO_PRESERVING, _ZERO_PRESERVING) and isinstance(x.args[0], fx.Node):
+            x = x.args[0]
+            continue
+        return ()
+
+
+def find_padding_reads(gm: fx.GraphModule, num_packed_inputs: int, original: Optional[fx.GraphModule] = None) -> list[Read]:
+    """See the module docstring. ``original``: the graph ``gm`` was packed from (factors on the packed stream)."""
+    cheap = _needs_no_gradient(original) if original is not None else {}
+    originals = {n.name: n for n in original.graph.nodes} if original is not None else {}
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    layout_inputs = set(placeholders[len(placeholders) - num_packed_inputs:])
+    # Values of the original layout computed from the graph's own inputs alone (no packed value).
+    input_only: dict[fx.Node, bool] = {}
+    for n in gm.graph.nodes:
+        input_only[n] = n not in layout_inputs and all(input_only[a] for a in n.all_input_nodes)
+
+    reads: list[Read] = []
+    for u in gm.graph.nodes:
+        if u.op == "call_function" and u.target is unpack_merged:
+            reads.extend(Read(u, user, 0, False) for user in u.users if user.op != "output")
+            continue
+        if not (u.op == "call_function" and u.target is unpack_tokens):
+            continue
+        _, _, _, _, b_dim, s_dim, shift, truncate = u.args[:8]
+        seen = set()
+        frontier = [(u, Read(u, u, shift, truncate, factors=_packed_factors(u.args[0], cheap, originals)))]
+        while frontier:
+            value, path = frontier.pop()
+            for user in value.users:
+                if user.op == "output" or (user, path) in seen:
+                    continue
+                seen.add((user, path))
+                step = dataclasses.replace(path, reader=user)
+                others = [a for a in user.all_input_nodes if a is not value]
+                if (b_dim, s_dim) != (0, 1):
+                    reads.append(step)
+                elif _column_slice(user) is not None:
+                    frontier.append((user, dataclasses.replace(step, slices=path.slices + (_column_slice(user),))))
+                elif _is(user, POINTWISE_FUNCS, POINTWISE_METHODS) and _rank(user) == _rank(value) and not _is(
+                    user, {torch.gather}, {"gather"}
+                ):
+                    # Other operands derived from packed values are followed from their own unpack.
+                    if _is(user, _MUL, _MUL) and len(others) == 1 and input_only[others[0]]:
+                        step = dataclasses.replace(step, factors=path.factors + ((others[0], path.slices, _rank(value)),))
+                    frontier.append((user, step))
+                elif _is(user, _TRAILING_FUNCS, _TRAILING_METHODS) and user.args[0] is value and _trailing_dims_only(user, value):
+                    frontier.append((user, step))
+                else:
+                    reads.append(step)
+    return reads
+
+
+def _window(columns: int, slices: tuple[tuple, ...], device) -> torch.Tensor:
+    index = torch.arange(columns, device=device)
+    for sl in slices:
+        index = index[slice(*sl)]
+    return index
+
+
+def tainted(read: Read, valid: torch.Tensor, factors: dict[fx.Node, torch.Tensor]) -> torch.Tensor:
+    """Whether ``read`` reads a position packing zeroed (``valid``: the call's ``[B, S]`` non-padding mask)
+    where none of its factors (``factors``: their values this call) is zero: a 0-d bool tensor on ``valid``'s
+    device (the caller syncs once for all reads)."""
+    if read.source.target is unpack_merged:
+        return (~valid).any()
+    if read.shift:
+        taint = ~(valid[:, 1:] & valid[:, :-1])
+    elif read.truncate:
+        taint = ~valid[:, :-1]
+    else:
+        taint = ~valid
+    B, C = taint.shape
+    taint = taint.clone()
+    for node, slices, rank in read.factors:
+        f = factors[node]
+        if not isinstance(f, torch.Tensor) or rank is None or f.dim() > rank:
+            continue  # a Python number, or shapes that do not line up with the read: no credit
+        f = f.reshape((1,) * (rank - f.dim()) + tuple(f.shape))
+        nonzero = (f != 0).flatten(2).any(-1) if rank > 2 else (f != 0)
+        cols = _window(C, slices, taint.device)
+        if nonzero.shape[1] not in (1, cols.numel()) or nonzero.shape[0] not in (1, B):
+            continue
+        taint[:, cols] &= nonzero.to(taint.device).expand(B, cols.numel())
+    return taint[:, _window(C, read.slices, taint.device)].any()

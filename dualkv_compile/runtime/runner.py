@@ -1,0 +1,175 @@
+"""The runtime wrapper of a rewritten graph: per call, find the layout, decide, pack, run, unpack.
+
+``Runner`` takes its layout from a strategy (``layout_source``): detected from
+the call's token ids, or carried from an earlier graph of the forward. It runs
+the original compiled graph when no layout holds, nothing is shared, rho is
+below ``min_rho``, a module scalar changed, or the program would read a
+position packing does not compute; otherwise the packed graph, compiled on its
+first use, and returns outputs in the caller's layout. A first packed call
+that fails its layout source's check (the graph's masks) or fails to compile
+disables the rewrite for that graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from ..analysis.analyze import Analysis
+from ..analysis.token_inputs import Role
+from ..config import DualKVConfig
+from ..layout import SharedPromptLayout
+from ..layout import carried as active_layout
+from ..report import GraphReport
+from ..rewrite.pack_graph import PACKED_INPUTS
+from ..rewrite.packed_inputs import PER_TOKEN_OR_SEGMENT, PackedInputs
+from ..rewrite.packed_ops import unpack_merged, unpack_tokens
+from .layout_source import FromCarried, FromTokenIds
+from .nested_compile import is_dynamic, nested_compile
+from .padding_reads import find_padding_reads, tainted
+from .side_graphs import factor_graph
+
+log = logging.getLogger("dualkv_compile")
+
+__all__ = ["Runner", "unpacked_output_positions"]
+
+
+class Runner:
+    """Runtime wrapper: layout, decide, pack, run, unpack (see the module docstring)."""
+
+    def __init__(self, gm, analysis: Analysis, packed: fx.GraphModule, fallback, cfg: DualKVConfig, mode, report: GraphReport, scalar_checks=()):
+        self.analysis, self.packed_gm, self.fallback, self.cfg, self.mode, self.report = analysis, packed, fallback, cfg, mode, report
+        self.scalar_checks = list(scalar_checks)
+        source = FromTokenIds if Role.INPUT_IDS in analysis.token_inputs else FromCarried
+        self.layout_source = source(gm, analysis, cfg, report)
+        self.outer_dynamic = is_dynamic(gm)
+        self.compiled: Optional[Callable] = None
+        self.checked = False
+        self.disabled: Optional[str] = None
+        self.unpacked_outputs = unpacked_output_positions(packed)
+        # Where the program reads a position packing zeroes, and the input-only factors that may mask it.
+        self.padding_reads = find_padding_reads(packed, len(PACKED_INPUTS), gm)
+        factors = list(dict.fromkeys(node for r in self.padding_reads for node, _, _ in r.factors))
+        self.factor_gms = [
+            f for f in (
+                factor_graph(packed, [n for n in factors if n.graph is packed.graph], len(PACKED_INPUTS)),
+                factor_graph(gm, [n for n in factors if n.graph is gm.graph], 0),
+            ) if f is not None
+        ]
+
+    def _compile_packed(self):
+        def count():
+            self.report.packed_compiles += 1
+
+        # A dynamic outer graph (Dynamo's recompile after a shape changed) passes symbolic sizes, ints
+        # included, that a dynamic=None compile would specialise to their first values: all dynamic
+        # then (parameters stay static: force_parameter_static_shapes). A static one: only the
+        # packed layout's per-token and per-segment sizes, marked per call.
+        dynamic = True if self.outer_dynamic else None
+        return nested_compile(self.packed_gm, self.cfg, self.mode, dynamic=dynamic, on_compile=count)
+
+    def __call__(self, *args):
+        self.report.calls += 1
+        if self.disabled:
+            return self.fallback(*args)
+        for index, value, what in self.scalar_checks:
+            if float(args[index]) != value:
+                return self._unpacked(args, f"{what} is {float(args[index])}, the packed graph was built for {value}")
+        layout = self.layout_source(args)
+        if isinstance(layout, str):
+            return self._unpacked(args, layout)
+        stats = layout.stats()
+        self.report.last_layout, self.report.last_stats = repr(layout), stats
+        if stats.rho < self.cfg.min_rho:
+            return self._unpacked(args, f"rho {stats.rho:.2f} below min_rho {self.cfg.min_rho}")
+        if not self.checked:
+            why = self.layout_source.first_call_check(args, layout)
+            if why is not None:
+                return self._disable(args, f"disabled on its first call: {why}")
+            self.checked = True
+        why = self._padding_read(args, layout)
+        if why is not None:
+            return self._unpacked(args, why)
+        if self.compiled is None:
+            self.compiled = self._compile_packed()
+        extra = PackedInputs.of(layout)
+        # T and the segment count change every step; B * S (unpack_index,
+        # valid) follows the outer graph, static or symbolic as Dynamo made it.
+        for name in PER_TOKEN_OR_SEGMENT:
+            torch._dynamo.maybe_mark_dynamic(getattr(extra, name), 0)
+        if self.report.packed_calls == 0:
+            # The first packed call traces and compiles the packed graph. If
+            # that fails (an op the analysis let through but the packed shapes
+            # break), run this graph unchanged from now on rather than fail
+            # the step.
+            try:
+                out = self.compiled(*args, *extra)
+            except Exception as e:  # noqa: BLE001 - reported, then the original program runs
+                first_line = (str(e).splitlines() or [""])[0][:300]
+                return self._disable(args, f"the packed graph failed on its first call: {type(e).__name__}: {first_line}")
+        else:
+            out = self.compiled(*args, *extra)
+        self.report.packed_calls += 1
+        self.report.layout_source = self.layout_source.source
+        # Later graphs of this forward may carry the layout to the tensors made here (layout.carried: ActiveLayout.produced).
+        self.layout_source.active.record_outputs(out, self.unpacked_outputs)
+        return out
+
+    def _padding_read(self, args, layout: SharedPromptLayout) -> Optional[str]:
+        """None, or why this call reads a position packing does not compute (DESIGN.md semantics 8).
+
+        Packing zeroes padding positions, and next-token values whose previous
+        column is padding (a row's first token: left padding, an empty
+        prompt). Reading them is exact only where a factor zeroes them.
+        """
+        if not self.padding_reads:
+            return None
+        valid = layout.valid.view(layout.batch_size, layout.seq_len)
+        factors = {}
+        with torch.no_grad():
+            for f in self.factor_gms:
+                factors.update(zip(f.factor_nodes, f(*args)))
+        flags = torch.stack([tainted(read, valid, factors) for read in self.padding_reads])
+        if not bool(flags.any()):  # one host sync for all reads
+            return None
+        read = self.padding_reads[int(flags.nonzero()[0, 0])]
+        return (
+            f"{read.reader.name} reads a position packing does not compute (padding, or the column before a "
+            "row's first token, e.g. an empty prompt) where no mask zeroes it; the original program runs"
+        )
+
+    def _disable(self, args, why: str):
+        """Run this graph unchanged from now on (and this call too); the report says why."""
+        self.disabled = why
+        self.report.rewritten = False
+        self.report.reason = why
+        log.warning("dualkv: graph %d runs unchanged from now on: %s", self.report.graph_id, why)
+        return self.fallback(*args)
+
+    def _unpacked(self, args, why: str):
+        self.report.fallback_reasons.append(why)
+        log.info("dualkv: graph %d runs unpacked: %s", self.report.graph_id, why)
+        return self.fallback(*args)
+
+def unpacked_output_positions(packed: fx.GraphModule) -> tuple[int, ...]:
+    """Positions, among the packed graph's tensor outputs in ``layout.carried.leaves`` order, made by ``unpack``.
+
+    Their shared copies are equal by construction. Empty when an output's
+    kind (tensor or not) cannot be told, so nothing is taken for granted.
+    """
+    out = next(iter(packed.graph.find_nodes(op="output")))
+    positions, i = [], 0
+    for leaf in active_layout.leaves(out.args[0]):
+        if not isinstance(leaf, fx.Node):
+            continue
+        if leaf.op == "call_function" and leaf.target in (unpack_tokens, unpack_merged):
+            positions.append(i)
+        elif not isinstance(leaf.meta.get("example_value"), torch.Tensor):
+            if "example_value" not in leaf.meta:
+                return ()
+            continue  # a SymInt or other non-tensor output: not counted by _tensors
+        i += 1
+    return tuple(positions)
