@@ -220,8 +220,10 @@ def _reduce(node, info, B, S) -> NodeInfo:
     src = node.args[0]
     t = list(info[src].tags)
     n = len(t)
-    dim = arg(node, 1, "dim")
-    keepdim = arg(node, 2, "keepdim", False)
+    # norm takes p before dim: x.norm(p, dim, keepdim), torch.norm(x, p, dim, keepdim).
+    first = 2 if node.target in ("norm", torch.norm) else 1
+    dim = arg(node, first, "dim")
+    keepdim = arg(node, first + 1, "keepdim", False)
     if dim is None:
         raise RuleFailed("reduction over all axes, token axes included")
     dims = {d % n for d in (dim if isinstance(dim, (tuple, list)) else (dim,))}

@@ -80,7 +80,7 @@ def _is(n: fx.Node, funcs, methods) -> bool:
 
 def _trailing_dims_only(n: fx.Node, src: fx.Node) -> bool:
     """An op along dims >= 2 of ``src`` (or none): positions (dims 0 and 1) stay apart."""
-    dim = _arg(n, 1, "dim")
+    dim = _arg(n, 2 if n.target in ("norm", torch.norm) else 1, "dim")  # norm takes p before dim
     if n.target in ("squeeze", "unsqueeze", torch.squeeze, torch.unsqueeze, "sum", "mean", torch.sum, torch.mean) and dim is None:
         return False
     dims = dim if isinstance(dim, (tuple, list)) else (dim,)

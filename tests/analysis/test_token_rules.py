@@ -259,6 +259,11 @@ REDUCTIONS = [
     ("along-s", meth("mean", X0, 1), [x], fails("reduction along a token axis")),
     ("along-b-keepdim", fn(torch.sum, X0, 0, keepdim=True), [x], fails("reduction along a token axis")),
     ("all-axes", meth("sum", X0), [x], fails("reduction over all axes, token axes included")),
+    # norm takes p first: x.norm(2, 1) reduces the sequence axis (dim 1), not dim 2.
+    ("norm-p-then-dim-along-s", meth("norm", X0, 2, 1), [x], fails("reduction along a token axis")),
+    ("torch.norm-p-then-dim-along-s", fn(torch.norm, X0, 2, 1), [x], fails("reduction along a token axis")),
+    ("norm-p-then-dim", meth("norm", X0, 2, -1), [x], out("b s", TOKEN)),
+    ("norm-p-dim-keepdim", meth("norm", X0, 2, -1, True), [x], out("b s -", TOKEN)),
 ]
 
 SOFTMAX = [
