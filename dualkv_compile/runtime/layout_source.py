@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.analyze import Analysis, floating_carried
-from ..analysis.token_inputs import Role
+from ..analysis.token_inputs import NAMED_ROLES, Role
 from ..config import DualKVConfig
 from ..layout import carried as active_layout
 from ..layout import SharedPromptLayout, detect
@@ -48,10 +48,12 @@ class LayoutSource:
     def __init__(self, gm: fx.GraphModule, analysis: Analysis, cfg: DualKVConfig, report: GraphReport, masks: bool):
         self.cfg, self.report = cfg, report
         self.attention = analysis.attention
-        placeholders = list(gm.graph.find_nodes(op="placeholder"))
-        self.index = {t.role: placeholders.index(t.node) for t in analysis.token_inputs if t.role is not Role.CARRIED and t.role is not Role.COLUMN}
+        self.position = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+        self.index = {t.role: self.position[t.node] for t in analysis.token_inputs if t.role in NAMED_ROLES}
         # Token-major inputs carried from an earlier graph (hidden states, logits): checked for sharing per call.
-        self.carried = [(n.name, placeholders.index(n)) for n in analysis.token_inputs.of(Role.CARRIED)]
+        self.carried = [(n.name, self.position[n]) for n in analysis.token_inputs.of(Role.CARRIED)]
+        # The first causal attention without a mask (it would attend to left padding, which packing removes).
+        self.causal_unmasked = next((m.output.name for m in self.attention if m.mask is None and m.is_causal), None)
         self.mask_gm = mask_graph(gm, analysis.axes) if masks else None
         self.mask_names = [m.output.name for m in self.attention if m.mask is not None]
         self.active: Optional[active_layout.ActiveLayout] = None
@@ -100,9 +102,8 @@ class FromTokenIds(LayoutSource):
         if not self.cfg.verify:
             return None
         B, S = layout.batch_size, layout.seq_len
-        if any(m.mask is None and m.is_causal for m in self.attention) and _left_padded(layout):
-            name = next(m.output.name for m in self.attention if m.mask is None and m.is_causal)
-            return f"{name}: causal attention without a mask attends to left padding, which packing removes"
+        if self.causal_unmasked is not None and _left_padded(layout):
+            return f"{self.causal_unmasked}: causal attention without a mask attends to left padding, which packing removes"
         if self.mask_gm is None:
             return None
         if B * S * S > self.cfg.verify_max_elements:
@@ -119,9 +120,7 @@ class FromCarried(LayoutSource):
         if self.mask_gm is not None:
             self.mask_key = [i for i, p in enumerate(self.mask_gm.graph.find_nodes(op="placeholder")) if p.users]
         self.size_index = self.carried[0][1]
-        placeholders = list(gm.graph.find_nodes(op="placeholder"))
-        self.floating_index = [placeholders.index(n) for n in floating_carried(analysis.axes)]
-        self.causal_unmasked = any(m.mask is None and m.is_causal for m in self.attention)
+        self.floating_index = [self.position[n] for n in floating_carried(analysis.axes)]
 
     def __call__(self, args) -> "SharedPromptLayout | str":
         ref = args[self.size_index]
@@ -162,7 +161,7 @@ class FromCarried(LayoutSource):
                     "no input of this call was produced by a graph that ran packed on it, and no mask among the "
                     "inputs ties its padding to this call"
                 )
-            if self.causal_unmasked and _left_padded(cur.layout):
+            if self.causal_unmasked is not None and _left_padded(cur.layout):
                 return "causal attention without a mask attends to left padding, which packing removes"
         return self.share_check(args, cur)
 

@@ -41,7 +41,7 @@ class Runner:
     """Runtime wrapper: layout, decide, pack, run, unpack (see the module docstring)."""
 
     def __init__(self, gm, analysis: Analysis, packed: fx.GraphModule, fallback, cfg: DualKVConfig, mode, report: GraphReport, scalar_checks=()):
-        self.analysis, self.packed_gm, self.fallback, self.cfg, self.mode, self.report = analysis, packed, fallback, cfg, mode, report
+        self.packed_gm, self.fallback, self.cfg, self.mode, self.report = packed, fallback, cfg, mode, report
         self.scalar_checks = list(scalar_checks)
         source = FromTokenIds if Role.INPUT_IDS in analysis.token_inputs else FromCarried
         self.layout_source = source(gm, analysis, cfg, report)
