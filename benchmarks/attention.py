@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from dualkv_compile.ops import attention as dk_op  # noqa: E402
-from dualkv_compile.layout import Segments  # noqa: E402
+from dualkv_compile.layout.segments import Segments, tree_segments  # noqa: E402
 
 try:  # written by another helper; the benchmark runs with or without it
     from dualkv_compile.kernels.triton import attention as triton_attention
@@ -126,16 +126,15 @@ def groups_case(num_groups=4, N=8, P=4096, lo=128, hi=2048, seed=0) -> Case:
 
 
 def segments(case: Case, device) -> Segments:
-    rows, off = [], 0
+    # Each group: its prompt a root, its responses the prompt's children (pre-order).
+    lens, parents = [], []
     for P, Rs in case.groups:
-        prompt = off
-        rows.append((off, P, off, 0))
-        off += P
-        for R in Rs:
-            rows.append((off, R, prompt, P))
-            off += R
-    t = torch.tensor(rows, dtype=torch.int32).to(device)
-    return Segments(*(t[:, i].contiguous() for i in range(4)), max(r[1] for r in rows), max(r[3] for r in rows))
+        prompt = len(lens)
+        lens.append(P)
+        parents.append(-1)
+        lens.extend(Rs)
+        parents.extend([prompt] * len(Rs))
+    return tree_segments(lens, parents, device)
 
 
 # --------------------------------------------------------------------------- methods

@@ -5,8 +5,8 @@ looks at other ranks (no collective runs inside the compiled step, where
 ranks may take different paths: packed on one, unpacked on another). A
 prompt whose rollouts land on several ranks is therefore computed once *per
 rank* instead of once: the result stays exact, only the sharing is lost.
-The data loader must keep all rollouts of a prompt on one rank, as
-consecutive rows of one micro-batch. ``check_groups_on_rank`` is the explicit,
+The data loader must keep all rollouts of a prompt on one rank (in one
+micro-batch, in any row order). ``check_groups_on_rank`` is the explicit,
 per-batch check for that rule.
 
 Assumptions
@@ -23,8 +23,8 @@ Guarantees
     * A prompt is identified by its tokens (a blake2b hash of them, the same in
       every process, unlike Python's ``hash``): with ``response_mask`` the
       prompt of a row is exactly its valid tokens before its response; without
-      it, the shared prefix of each group of two or more rows that
-      ``detect`` finds on some rank. Without ``response_mask`` a prompt with
+      it, each sequence's prefix up to the deepest node of the prefix forest
+      it shares with another sequence on some rank. Without ``response_mask`` a prompt with
       exactly one row on every rank that holds it is not found (no rank sees
       a shared prefix to name it by); pass ``response_mask`` to catch that too.
     * Split prompts are logged once, as a warning on the "dualkv_compile"
@@ -107,24 +107,32 @@ def check_groups_on_rank(
     # detect validates input_ids / attention_mask and names a bad argument.
     layout = detect(input_ids, attention_mask, min_shared=min_shared)
     ids = input_ids.detach().cpu().tolist()
-    rows = [ids[b][s:e] for g in layout.groups for b, s, e in zip(g.rows, g.starts, g.ends)]
+    rows = [ids[q.row][q.start : q.end] for q in layout.sequences]
     if response_mask is not None:
         if not isinstance(response_mask, torch.Tensor) or tuple(response_mask.shape) != tuple(input_ids.shape):
             got = list(response_mask.shape) if isinstance(response_mask, torch.Tensor) else type(response_mask).__name__
             raise ValueError(f"response_mask must have the shape of input_ids {list(input_ids.shape)}, got {got}")
         resp = response_mask.detach().cpu().bool().tolist()
-        # A row's prompt: its valid tokens before the first response token.
+        # A sequence's prompt: its valid tokens before the first response token.
         keys = set()
-        for g in layout.groups:
-            for b, s, e in zip(g.rows, g.starts, g.ends):
-                first = next((c for c in range(s, e) if resp[b][c]), e)
-                if first > s:
-                    keys.add((first - s, _digest(ids[b][s:first])))
+        for q in layout.sequences:
+            first = next((c for c in range(q.start, q.end) if resp[q.row][c]), q.end)
+            if first > q.start:
+                keys.add((first - q.start, _digest(ids[q.row][q.start : first])))
     else:
-        keys = {(g.shared_len, _digest(ids[g.rows[0]][g.starts[0] : g.starts[0] + g.shared_len])) for g in layout.groups if len(g.rows) > 1}
+        # A sequence's prompt: everything up to the deepest node it shares with another sequence
+        # (a system prompt above it is shared by every group, so not a group's prompt).
+        keys = set()
+        for i, q in enumerate(layout.sequences):
+            shared = [n for n in layout.path(i) if layout.nodes[n].count > 1]
+            if shared:
+                node = layout.nodes[shared[-1]]
+                end = node.offset + node.length
+                keys.add((end, _digest(rows[i][:end])))
+    local_groups = layout.stats().num_groups
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
-        return SplitGroupReport(0, 1, layout.batch_size, len(layout.groups), ())
+        return SplitGroupReport(0, 1, layout.batch_size, local_groups, ())
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
 
     # 1. Every rank's prompt keys; 2. per key, how many of this rank's rows start with that prompt.
@@ -140,12 +148,12 @@ def check_groups_on_rank(
         per_rank = {r: c[i] for r, c in enumerate(gathered_counts) if c[i] > 0}
         if len(per_rank) > 1:
             split.append(SplitGroup(L, h, per_rank))
-    report = SplitGroupReport(rank, world, layout.batch_size, len(layout.groups), tuple(split))
+    report = SplitGroupReport(rank, world, layout.batch_size, local_groups, tuple(split))
     for s in split:
         if min(s.rows_per_rank) == rank:
             log.warning(
                 "dualkv: %s; each of those ranks computes the prompt once, so its sharing is lost. "
-                "Keep all rollouts of a prompt on one rank (consecutive rows of one micro-batch).",
+                "Keep all rollouts of a prompt on one rank (in one micro-batch).",
                 s,
             )
     return report

@@ -173,8 +173,8 @@ def main(argv=None) -> int:
     pos = batch["position_ids"][row].tolist()
     print(f"  position_ids      clamp(cumsum(attention_mask) - 1, min=0); row {row}: left pad | prompt "
           f"{pos[max(0, start - 2) : start + 3]}, prompt | response {pos[P - 2 : P + 3]}")
-    print(f"  layout            {layout!r}: {stats.num_groups} groups; shared prefix per group "
-          f"{[grp.shared_len for grp in layout.groups]}")
+    print(f"  layout            {layout!r}: {stats.num_groups} trees of depth {stats.depth}; shared nodes "
+          f"{[n.length for n in layout.nodes if n.count > 1]} tokens")
     print(f"  tokens            {stats.padded_tokens} with padding, {stats.tokens_before} valid -> {stats.tokens_after} "
           f"packed (rho {stats.rho:.2f}x)")
     print(f"  attention pairs   {stats.attention_pairs_before} -> {stats.attention_pairs_after} "

@@ -36,8 +36,16 @@ def _view(node, info, B, S) -> NodeInfo:
             continue
         real_outs = [o for o in outs if out_shape[o] != 1]
         real_ins = [d for d in ins if in_shape[d] != 1]
+        if not real_ins and len(tagged) == 1 and outs:
+            # A token axis of size 1 (a batch of one row) kept as a size-1 dim.
+            out[outs[0]] = tagged[0][1]
+            continue
         if len(real_ins) == 1 and len(real_outs) == 1 and in_shape[real_ins[0]] == out_shape[real_outs[0]]:
-            out[real_outs[0]] = tagged[0][1]
+            # One dim of the same size: its tags, with those of size-1 token axes merged into it ([1, S] -> [S]).
+            merged = "".join(t for _, t in tagged)
+            if merged not in ("b", "s", "bs"):
+                raise RuleFailed(f"reshape merging {[t for _, t in tagged]}")
+            out[real_outs[0]] = merged
             continue
         kinds = [t for _, t in tagged]
         lead = real_ins[: len(tagged)]

@@ -1,19 +1,21 @@
-"""Shared-prompt attention on CPU through PyTorch's flash-attention kernels for CPU.
+"""Prefix-forest attention on CPU through PyTorch's flash-attention kernels for CPU.
 
-Exact (the same single softmax over prompt and own tokens as the reference),
-but memory O(T) per group instead of the reference's dense ``[T, T]`` mask,
-and one batched kernel call per group:
+Exact (the same single softmax over ancestor and own tokens as the
+reference), but memory O(T) per batch instead of the reference's dense
+``[T, T]`` mask, and one kernel call per root and per sibling set:
 
-    prompt     causal self-attention over its P tokens
-    responses  the group's N responses padded to R_max, each query row
-               attending to [prompt K/V | its own K/V] under an additive mask
-               (prompt fully visible, own tokens causal)
+    roots      causal self-attention over the root's tokens
+    children   the children of one parent (siblings: the same ancestor chain)
+               padded to R_max, each query row attending to
+               [ancestor chain K/V | its own K/V] under an additive mask
+               (the chain fully visible, own tokens causal)
 
-Assumes the layout's structure (``SharedPromptLayout`` builds it): a segment
-with a prefix reads exactly one earlier prefix-free segment, its group's
-prompt. The backward sums each prompt token's dK/dV over the prompt's own
-queries and all N responses in float32 (DESIGN.md, semantics 4); for GQA,
-over the query heads sharing a KV head.
+Assumes ``Segments`` in pre-order (``layout.segments``). The chain's keys
+are gathered in root-to-parent order; any order gives the same softmax.
+The backward sums each ancestor token's dK/dV over every sibling batch that
+reads it (its own segment's queries, its children's, its grandchildren's,
+...) in float32 (DESIGN.md, semantics 4); for GQA, over the query heads
+sharing a KV head.
 """
 
 from __future__ import annotations
@@ -39,57 +41,72 @@ def supports(q: torch.Tensor) -> Optional[str]:
     return None
 
 
-def _groups(segs: Segments) -> list[tuple[int, int, list[tuple[int, int]]]]:
-    """``(prompt_start, prompt_len, [(response_start, response_len), ...])`` per group."""
-    rows = zip(segs.seg_start.tolist(), segs.seg_len.tolist(), segs.prefix_start.tolist(), segs.prefix_len.tolist())
-    groups: dict[int, tuple[int, int, list]] = {}
-    for start, length, pstart, plen in rows:
-        if plen == 0:
-            groups[start] = (start, length, [])
+def _batches(segs: Segments) -> tuple[list[tuple[int, int]], list[tuple[torch.Tensor, list[tuple[int, int]]]]]:
+    """The roots ``[(start, len)]`` and the sibling batches ``[(chain token indices, [(start, len), ...])]``.
+
+    Empty segments have no queries and are left out of both (their children
+    still get a batch; their empty run adds nothing to the chain). Chains are
+    kept as runs (one per ancestor) until a batch needs its index tensor.
+    """
+    start, length, parent = segs.seg_start.tolist(), segs.seg_len.tolist(), segs.parent.tolist()
+    runs: list[list[tuple[int, int]]] = []  # per segment: the (start, len) runs of its ancestors and itself
+    children: dict[int, list[tuple[int, int]]] = {}
+    roots = []
+    for i, (s, n, p) in enumerate(zip(start, length, parent)):
+        if p >= i or p < -1:
+            raise ValueError(f"cpu_flash: segments must be in pre-order with parent < index, got parent[{i}] = {p}")
+        runs.append((runs[p] if p >= 0 else []) + [(s, n)])
+        if n == 0:
+            continue
+        if p < 0:
+            roots.append((s, n))
         else:
-            if pstart not in groups or groups[pstart][1] != plen:
-                raise ValueError("cpu_flash: a segment's prefix must be an earlier prefix-free segment")
-            groups[pstart][2].append((start, length))
-    return list(groups.values())
+            children.setdefault(p, []).append((s, n))
+
+    def chain(p: int) -> torch.Tensor:
+        return torch.cat([torch.arange(s, s + n) for s, n in runs[p]])
+
+    return roots, [(chain(p), kids) for p, kids in children.items()]
 
 
 def _repeat_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
     return x if rep == 1 else x.repeat_interleave(rep, dim=1)
 
 
-class _Responses:
-    """The N responses of one group as a padded batch: gather/scatter between it and the packed stream."""
+class _Siblings:
+    """The children of one parent as a padded batch: gather/scatter between it and the packed stream."""
 
-    def __init__(self, prompt_start: int, prompt_len: int, responses, dtype):
-        self.ps, self.L, self.resp = prompt_start, prompt_len, responses
-        self.N = len(responses)
-        self.R = max(r for _, r in responses)
-        lens = torch.tensor([r for _, r in responses])
+    def __init__(self, chain: torch.Tensor, kids: list[tuple[int, int]], dtype):
+        self.chain, self.kids = chain, kids
+        self.L = chain.numel()
+        self.N = len(kids)
+        self.R = max(r for _, r in kids)
+        lens = torch.tensor([r for _, r in kids])
         i = torch.arange(self.R)
         own = (i[None, None, :] <= i[None, :, None]) & (i[None, None, :] < lens[:, None, None])  # [N, Rq, Rk]
         allowed = torch.cat([torch.ones(self.N, self.R, self.L, dtype=torch.bool), own], dim=2)
         self.mask = torch.zeros(self.N, 1, self.R, self.L + self.R, dtype=dtype).masked_fill(~allowed[:, None], float("-inf"))
 
     def rows(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-        """``[1, H, T, ...]`` -> ``[N, H, R_max, ...]``: each response's rows, padded with ``fill``."""
+        """``[1, H, T, ...]`` -> ``[N, H, R_max, ...]``: each child's rows, padded with ``fill``."""
         out = x.new_full((self.N, x.shape[1], self.R, *x.shape[3:]), fill)
-        for n, (start, r) in enumerate(self.resp):
+        for n, (start, r) in enumerate(self.kids):
             out[n, :, :r] = x[0, :, start : start + r]
         return out
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
-        """``[N, H, L + R_max, D]``: the prompt's keys (or values) then each response's own."""
-        prompt = k[:, :, self.ps : self.ps + self.L].expand(self.N, -1, -1, -1)
-        return torch.cat([prompt, self.rows(k)], dim=2)
+        """``[N, H, L + R_max, D]``: the ancestor chain's keys (or values) then each child's own."""
+        chain = k[:, :, self.chain].expand(self.N, -1, -1, -1)
+        return torch.cat([chain, self.rows(k)], dim=2)
 
     def scatter_rows(self, dst: torch.Tensor, rows: torch.Tensor) -> None:
-        for n, (start, r) in enumerate(self.resp):
+        for n, (start, r) in enumerate(self.kids):
             dst[0, :, start : start + r] = rows[n, :, :r]
 
     def add_keys(self, dst: torch.Tensor, grads: torch.Tensor) -> None:
-        """Accumulate ``[N, H, L + R_max, D]`` key gradients into ``dst`` (prompt part summed over N)."""
-        dst[0, :, self.ps : self.ps + self.L] += grads[:, :, : self.L].sum(0)
-        for n, (start, r) in enumerate(self.resp):
+        """Accumulate ``[N, H, L + R_max, D]`` key gradients into ``dst`` (the chain's part summed over N)."""
+        dst[0].index_add_(1, self.chain, grads[:, :, : self.L].sum(0))
+        for n, (start, r) in enumerate(self.kids):
             dst[0, :, start : start + r] += grads[n, :, self.L : self.L + r]
 
 
@@ -98,15 +115,16 @@ def forward(q, k, v, segs: Segments, scale: float):
     kr, vr = _repeat_heads(k, rep), _repeat_heads(v, rep)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32)
-    for ps, L, responses in _groups(segs):
-        sl = slice(ps, ps + L)
+    roots, batches = _batches(segs)
+    for s, n in roots:
+        sl = slice(s, s + n)
         o, l = _fwd(q[:, :, sl], kr[:, :, sl], vr[:, :, sl], 0.0, True, scale=scale)
         out[:, :, sl], lse[:, :, sl] = o, l
-        if responses:
-            g = _Responses(ps, L, responses, q.dtype)
-            o, l = _fwd(g.rows(q), g.keys(kr), g.keys(vr), 0.0, False, attn_mask=g.mask, scale=scale)
-            g.scatter_rows(out, o)
-            g.scatter_rows(lse, l)
+    for chain, kids in batches:
+        g = _Siblings(chain, kids, q.dtype)
+        o, l = _fwd(g.rows(q), g.keys(kr), g.keys(vr), 0.0, False, attn_mask=g.mask, scale=scale)
+        g.scatter_rows(out, o)
+        g.scatter_rows(lse, l)
     return out, lse
 
 
@@ -117,24 +135,25 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     dk = torch.zeros_like(kr, dtype=torch.float32)
     dv = torch.zeros_like(vr, dtype=torch.float32)
     lse = lse.float()
-    for ps, L, responses in _groups(segs):
-        sl = slice(ps, ps + L)
+    roots, batches = _batches(segs)
+    for s, n in roots:
+        sl = slice(s, s + n)
         gq, gk, gv = _bwd(
             dout[:, :, sl], q[:, :, sl], kr[:, :, sl], vr[:, :, sl], out[:, :, sl], lse[:, :, sl], 0.0, True, scale=scale
         )
         dq[:, :, sl] += gq.float()
         dk[:, :, sl] += gk.float()
         dv[:, :, sl] += gv.float()
-        if responses:
-            g = _Responses(ps, L, responses, q.dtype)
-            # Padded query rows carry dO = 0 and lse = +inf (probabilities 0): they add nothing.
-            gq, gk, gv = _bwd(
-                g.rows(dout), g.rows(q), g.keys(kr), g.keys(vr), g.rows(out), g.rows(lse, float("inf")),
-                0.0, False, attn_mask=g.mask, scale=scale,
-            )
-            g.scatter_rows(dq, gq.float())
-            g.add_keys(dk, gk.float())
-            g.add_keys(dv, gv.float())
+    for chain, kids in batches:
+        g = _Siblings(chain, kids, q.dtype)
+        # Padded query rows carry dO = 0 and lse = +inf (probabilities 0): they add nothing.
+        gq, gk, gv = _bwd(
+            g.rows(dout), g.rows(q), g.keys(kr), g.keys(vr), g.rows(out), g.rows(lse, float("inf")),
+            0.0, False, attn_mask=g.mask, scale=scale,
+        )
+        g.scatter_rows(dq, gq.float())
+        g.add_keys(dk, gk.float())
+        g.add_keys(dv, gv.float())
 
     def per_kv_head(t):
         return t.unflatten(1, (k.shape[1], rep)).sum(2)

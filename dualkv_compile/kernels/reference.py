@@ -1,8 +1,10 @@
-"""Exact reference for shared-prompt attention on the packed stream.
+"""Exact reference for prefix-forest attention on the packed stream.
 
 The oracle every fast kernel is tested against, written for clarity rather
-than speed: it builds the dense ``[T, T]`` mask of the layout and runs one
-softmax over both regions (prompt and own tokens) in float32 or better.
+than speed: it builds the dense ``[T, T]`` mask of the segments
+(``layout.segments.dense_mask``: a token sees its own segment causally and
+every ancestor segment fully) and runs one softmax over all of it in float32
+or better.
 
 Tensor convention (the same as ``F.scaled_dot_product_attention`` with batch 1):
     q  [1, Hq, T, D],  k, v  [1, Hkv, T, D],  Hq a multiple of Hkv (GQA).
@@ -46,7 +48,7 @@ def shared_prompt_attention(
     layout: SharedPromptLayout,
     scale: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the packed stream with the layout's two-region mask; returns ``(out, lse)``."""
+    """Attention over the packed stream with the layout's prefix-forest mask; returns ``(out, lse)``."""
     check_qkv(q, k, v, layout.num_tokens)
     return reference_forward(q, k, v, layout.attention_segments, scale)
 
@@ -103,7 +105,7 @@ def attention_with_mask(q, k, v, mask: torch.Tensor, scale: Optional[float] = No
     k = k.to(acc).repeat_interleave(groups, dim=1)
     v = v.to(acc).repeat_interleave(groups, dim=1)
     scores = (q.to(acc) @ k.transpose(-1, -2)) * scale
-    # One softmax over both regions (prompt and own tokens).
+    # One softmax over everything the row sees (ancestor segments and its own tokens).
     lse = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)
     out = _probs(scores, mask) @ v
     return out.to(q.dtype), lse

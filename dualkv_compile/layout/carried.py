@@ -153,17 +153,9 @@ class ActiveLayout:
         """Flat ``[B*S]`` positions of the dropped copies of shared tokens, and of the copies packing keeps."""
         if self._share is None:
             L = self.layout
-            S = L.seq_len
-            runs = []
-            for g in L.groups:
-                if len(g.rows) < 2 or not g.shared_len:
-                    continue
-                keep = g.rows[0] * S + g.starts[0]
-                for b, start in zip(g.rows[1:], g.starts[1:]):
-                    runs.append((b * S + start, keep, g.shared_len))
-            total = sum(r[-1] for r in runs)
+            runs = L.copy_runs()
             if runs:
-                self._share = expand_runs(runs, total, L.device)
+                self._share = expand_runs(runs, sum(r[-1] for r in runs), L.device)
             else:
                 empty = torch.zeros(0, dtype=torch.long, device=L.device)
                 self._share = (empty, empty)
@@ -235,17 +227,25 @@ def detect_from_values(
 ) -> SharedPromptLayout:
     """The layout of a batch seen only through its ``[B, S, ...]`` values (hidden states, positions) and validity.
 
-    Two rows share column ``c`` when both are valid there and every value is
-    bitwise equal in the two rows at ``c`` (or both are padding), exactly the
-    condition under which packing them is exact; groups and shared prefixes
-    then follow ``layout.detect``'s rules.
+    Two positions may share a packed copy when both are valid, in the same
+    column, and every value is bitwise equal there: exactly the condition
+    under which packing them is exact. The values are hashed to surrogate
+    token ids (two 63-bit hashes per position), so a collision could claim a
+    share that does not hold: the caller must verify the layout against the
+    values (``ActiveLayout.share_mismatch``) before using it.
     """
     B, S = valid.shape
     with torch.no_grad():
-        same = torch.ones(max(B - 1, 0), S, dtype=torch.bool, device=valid.device)
+        h = torch.zeros(2, B * S, dtype=torch.long, device=valid.device)
         for v in values:
-            flat = _bits(v.detach()).reshape(B, S, -1)
-            same &= (flat[1:] == flat[:-1]).all(-1)
-        # Surrogate token ids: equal in adjacent rows exactly where the values agree.
-        ids = torch.cat([same.new_zeros(1, S, dtype=torch.long), (~same).long()]).cumsum(0)
-    return detect(ids, valid.long(), group_size=group_size, min_shared=min_shared)
+            flat = _bits(v.detach()).reshape(B * S, -1)
+            gen = torch.Generator().manual_seed(flat.shape[1])
+            w = torch.randint(1, 2**62, (2, flat.shape[1]), generator=gen).to(valid.device)
+            h = h * 1000003
+            for c in range(0, flat.shape[1], 256):  # in chunks: int64 temporaries of [B*S, 256]
+                part = flat[:, c : c + 256].long()
+                for j in range(2):
+                    # Integer products and sums wrap: a deterministic mix of every bit of the row.
+                    h[j] += (part * w[j, c : c + 256]).sum(-1)
+        ids = (h[0] ^ (h[1] << 1)).reshape(B, S)
+    return detect(ids, valid.long(), group_size=group_size, min_shared=min_shared, same_columns=True)

@@ -1,8 +1,8 @@
 """``pack`` and ``unpack``: move ``[B, S, ...]`` values to and from the packed ``[T, ...]`` stream of a layout.
 
-Both are differentiable index maps: ``pack`` reads a shared prefix from its
-group's first row; ``unpack`` writes zeros at padding and its backward sums
-the gradient of a shared token over every row that reads it.
+Both are differentiable index maps: ``pack`` reads each node of the prefix
+forest from its first sequence; ``unpack`` writes zeros at padding and its
+backward sums the gradient of a shared token over every sequence that reads it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ __all__ = ["pack", "unpack", "gather_valid"]
 
 
 def pack(x: torch.Tensor, layout: SharedPromptLayout) -> torch.Tensor:
-    """``[B, S, *rest]`` -> ``[T, *rest]``: each group's shared prefix once, then each row's other tokens."""
+    """``[B, S, *rest]`` -> ``[T, *rest]``: each node of the prefix forest once, in pre-order."""
     B, S = layout.batch_size, layout.seq_len
     if x.dim() < 2 or x.shape[0] != B or x.shape[1] != S:
         raise ValueError(f"x must have shape [B, S, ...] with B={B}, S={S}, got {list(x.shape)}")
@@ -23,7 +23,7 @@ def pack(x: torch.Tensor, layout: SharedPromptLayout) -> torch.Tensor:
 
 
 def unpack(x: torch.Tensor, layout: SharedPromptLayout) -> torch.Tensor:
-    """``[T, *rest]`` -> ``[B, S, *rest]``; zeros at padding; gradients of shared tokens summed over rows."""
+    """``[T, *rest]`` -> ``[B, S, *rest]``; zeros at padding; gradients of shared tokens summed over sequences."""
     T = layout.num_tokens
     if x.dim() < 1 or x.shape[0] != T:
         raise ValueError(f"x must have shape [T, ...] with T={T}, got {list(x.shape)}")

@@ -1,38 +1,109 @@
 """Segments: the attention structure of a packed stream, the one thing every attention kernel takes.
 
-A segment is a run of packed query tokens that attend causally to themselves
-and fully to one *prefix* run of packed tokens (empty for a shared prefix
-itself). This module holds the type and the dense index maps derived from it
-(segment ids, the dense mask the references use, each token's predecessor);
-it imports nothing else of the package, so kernels depend on it alone.
+The packed stream holds a *prefix forest* (DESIGN.md, semantics 11): each
+tree node is a run of packed tokens, a *segment*. A token attends causally to
+the tokens of its own segment and fully to every token of every ancestor
+segment, one softmax over all of them.
+
+Assumes (``tree_segments`` checks it; the layout builds it so): segments are
+in stream order, cover the stream ``[0, T)`` and are listed in *pre-order*:
+each segment's descendants directly follow it. Then a segment's subtree is
+one run ``[seg_start, subtree_end)``, and the whole mask is
+
+    q sees kv  <=>  kv <= q < reach[kv],   reach[kv] = subtree_end of kv's segment
+
+(an ancestor precedes q and its subtree contains q; any other earlier segment's
+subtree ends before q). The readers of a segment's keys are its own tokens
+(causally) and the run ``[seg_end, subtree_end)`` (fully): the backward's sum
+over every descendant that reads a node (semantics 4) is one range.
+
+This module holds the type, its host-side builder and the dense index maps
+derived from it (segment ids, reach, the dense mask the references use, each
+token's predecessor); it imports nothing else of the package, so kernels
+depend on it alone.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-__all__ = ["Segments", "segment_ids", "dense_mask", "previous_token_index"]
+__all__ = [
+    "Segments", "tree_segments", "segment_ids", "token_reach", "dense_mask", "previous_token_index", "host_rows",
+]
 
 
 class Segments(NamedTuple):
     """The attention structure of a packed stream, as kernels take it.
 
-    Segment ``i`` is the packed query tokens ``[seg_start[i], seg_start[i] + seg_len[i])``;
-    each of them sees the packed tokens ``[prefix_start[i], prefix_start[i] + prefix_len[i])``
-    and its own segment's tokens up to and including itself. Every packed
-    token belongs to exactly one segment, and segments are in stream order.
+    Segment ``i`` is the packed tokens ``[seg_start[i], seg_start[i] + seg_len[i])``.
+    ``parent[i]`` is its parent segment (``-1`` for a root; always ``< i``);
+    its tokens see every token of the chain ``parent[i], parent[parent[i]], ...``
+    and their own segment's tokens up to themselves. ``prefix_len[i]`` is the
+    total length of that chain; ``subtree_end[i]`` the end (exclusive) of the
+    run holding ``i`` and all its descendants (pre-order).
     Tensors are int32 on the stream's device; the maxima are host ints, so
     kernels can size their grids without a sync.
     """
 
     seg_start: torch.Tensor
     seg_len: torch.Tensor
-    prefix_start: torch.Tensor
+    parent: torch.Tensor
     prefix_len: torch.Tensor
+    subtree_end: torch.Tensor
     max_seg_len: int
     max_prefix_len: int
+
+
+def host_rows(seg_len: Sequence[int], parent: Sequence[int]) -> list[tuple[int, int, int, int, int]]:
+    """``(seg_start, seg_len, parent, prefix_len, subtree_end)`` per segment, on the host.
+
+    ``ValueError`` unless the segments are a forest in pre-order: ``parent[i]``
+    is ``-1`` or ``i - 1`` or one of ``i - 1``'s ancestors, lengths are >= 0.
+    """
+    if len(seg_len) != len(parent):
+        raise ValueError(f"seg_len and parent must have one entry per segment, got {len(seg_len)} and {len(parent)}")
+    starts, prefix, depth_chain = [], [], []  # depth_chain: the open ancestors of the last segment
+    off = 0
+    for i, (n, p) in enumerate(zip(seg_len, parent)):
+        if n < 0:
+            raise ValueError(f"seg_len[{i}] must be >= 0, got {n}")
+        while depth_chain and depth_chain[-1] != p:
+            depth_chain.pop()
+        if p != -1 and not depth_chain:
+            raise ValueError(
+                f"parent[{i}] = {p} breaks pre-order: a segment's parent must be the segment before it or one of its ancestors"
+            )
+        starts.append(off)
+        prefix.append(0 if p == -1 else prefix[p] + seg_len[p])
+        depth_chain.append(i)
+        off += n
+    ends = [s + n for s, n in zip(starts, seg_len)]
+    subtree = list(ends)
+    for i in range(len(parent) - 1, -1, -1):  # children follow their parent: fold the ends upwards
+        if parent[i] >= 0:
+            subtree[parent[i]] = max(subtree[parent[i]], subtree[i])
+    return [(s, n, p, pl, e) for s, n, p, pl, e in zip(starts, seg_len, parent, prefix, subtree)]
+
+
+def tree_segments(seg_len: Sequence[int], parent: Sequence[int], device: Optional[torch.device] = None) -> Segments:
+    """``Segments`` of a forest given in pre-order by each segment's length and parent (host lists).
+
+    The tensors are separate contiguous int32 tensors (kernels refuse overlapping
+    storage). The copy to a CUDA device does not synchronise (pinned memory).
+    """
+    rows = host_rows(seg_len, parent)
+    table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 5).t().contiguous()
+    if device is not None and torch.device(device).type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    elif device is not None:
+        table = table.to(device)
+    return Segments(
+        *(table[i].clone() for i in range(5)),
+        max((r[1] for r in rows), default=0),
+        max((r[3] for r in rows), default=0),
+    )
 
 
 def segment_ids(segs: Segments, num_tokens: int) -> torch.Tensor:
@@ -44,29 +115,30 @@ def segment_ids(segs: Segments, num_tokens: int) -> torch.Tensor:
     )
 
 
+def token_reach(segs: Segments, num_tokens: int) -> torch.Tensor:
+    """int64 [T]: for each packed key, the end (exclusive) of the queries that see it (its segment's subtree end)."""
+    return segs.subtree_end.long()[segment_ids(segs, num_tokens)]
+
+
 def dense_mask(segs: Segments, num_tokens: int) -> torch.Tensor:
     """``[T, T]`` bool: ``mask[q, kv]`` is True where packed query q attends to packed key kv."""
-    seg = segment_ids(segs, num_tokens)
-    q = torch.arange(num_tokens, device=seg.device)
-    start = segs.seg_start.long()[seg]
-    pstart, plen = segs.prefix_start.long()[seg], segs.prefix_len.long()[seg]
-    kv = q[None, :]
-    own = (kv >= start[:, None]) & (kv <= q[:, None])
-    prefix = (kv >= pstart[:, None]) & (kv < (pstart + plen)[:, None])
-    return own | prefix
+    reach = token_reach(segs, num_tokens)
+    t = torch.arange(num_tokens, device=reach.device)
+    return (t[None, :] <= t[:, None]) & (t[:, None] < reach[None, :])
 
 
 def previous_token_index(segs: Segments, num_tokens: int) -> torch.Tensor:
-    """int64 [T]: for each packed token, the packed token before it in its rows.
+    """int64 [T]: for each packed token, the packed token before it in its sequences.
 
-    Inside a segment that is ``t - 1``; for the first token of a response it
-    is the last token of its group's shared prefix (read by every row of the
-    group: DESIGN.md, semantics 5); the first token of a shared prefix has no
+    Inside a segment that is ``t - 1``; for the first token of a segment with a
+    parent it is the parent's last token (read by every sequence through the
+    node: DESIGN.md, semantics 5); the first token of a root has no
     predecessor and maps to itself.
     """
     seg = segment_ids(segs, num_tokens)
     t = torch.arange(num_tokens, device=seg.device)
     first = segs.seg_start.long()[seg] == t
-    plen = segs.prefix_len.long()[seg]
-    before_prefix_end = segs.prefix_start.long()[seg] + plen - 1
-    return torch.where(first, torch.where(plen > 0, before_prefix_end, t), t - 1)
+    parent = segs.parent.long()[seg]
+    pc = parent.clamp(min=0)
+    parent_last = segs.seg_start.long()[pc] + segs.seg_len.long()[pc] - 1
+    return torch.where(first, torch.where(parent >= 0, parent_last, t), t - 1)

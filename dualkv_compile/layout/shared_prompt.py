@@ -1,64 +1,62 @@
-"""SharedPromptLayout: how one padded micro-batch maps onto the packed stream.
+"""SharedPromptLayout: how one ``[B, S]`` micro-batch maps onto the packed stream of its prefix forest.
 
-A GRPO-style micro-batch is a padded ``[B, S]`` batch whose rows come in
-groups: consecutive rows that start with the same tokens (the prompt, and
-possibly the first tokens of the responses). The packed stream holds, group
-after group, the shared prefix once and then each row's remaining tokens::
+The batch holds *sequences* (a padded row's valid run, or one of several
+sequences packed into a row: ``sequences``). Sequences that start with the
+same tokens share a prefix, and sharing nests: a system prompt shared by
+several groups, each group's prompt, then its responses (DESIGN.md,
+semantics 10-11). The packed stream holds each node of that prefix forest
+once, in pre-order::
 
-    [ shared_0 | rest_0,0 | rest_0,1 | ... | shared_1 | rest_1,0 | ... ]
-
-Assumptions
-    * Each row's valid tokens (``attention_mask == 1``) are one contiguous run
-      of columns: left padding, right padding or both, never holes.
-    * Two rows share column ``c`` when their masks agree there and, where the
-      column is valid, their token ids and position ids agree too. A group's
-      shared prefix is the longest run of valid columns, starting at the rows'
-      common first valid column, on which every row of the group agrees.
+    [ system | prompt_0 | resp_0,0 | resp_0,1 | prompt_1 | resp_1,0 | ... ]
 
 Guarantees
-    * ``detect`` does at most one device-to-host synchronisation.
-    * ``pack`` and ``unpack`` are differentiable index maps: ``pack`` reads the
-      shared prefix from the group's first row; ``unpack``'s backward sums the
-      gradient of a shared token over every row that reads it. ``unpack``
-      writes zeros at padding positions.
-    * The attention structure is described by *segments*: a segment is a run
-      of packed query tokens that attend causally to themselves and fully to
-      one *prefix* run of packed tokens (empty for the shared part itself).
-      That is all the attention kernels need to know.
+    * ``pack`` and ``unpack`` (``layout.pack``) are differentiable index maps:
+      ``pack`` reads each node from its first sequence in the batch;
+      ``unpack``'s backward sums the gradient of a shared token over every
+      sequence that reads it. ``unpack`` writes zeros at padding positions.
+    * The attention structure is ``attention_segments`` (``segments.Segments``):
+      one segment per node, its parent the node's parent.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
-
 import torch
 
 from .segments import Segments, dense_mask
 
-__all__ = ["SharedPromptLayout", "Group", "LayoutStats", "host_segments"]
+__all__ = ["SharedPromptLayout", "Node", "SequenceSpan", "LayoutStats"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Group:
-    """One group of rows that share a prefix.
+class SequenceSpan:
+    """One sequence: columns ``[start, end)`` of ``row``; ``leaf`` the node it ends in (``-1``: empty)."""
 
-    ``rows`` are consecutive batch rows; every row has its valid tokens in
-    columns ``[starts[i], ends[i])``; the first ``shared_len`` of them are the
-    shared prefix, stored once at ``packed_offset``; row ``rows[i]``'s other
-    tokens follow at ``rest_offsets[i]``.
-    """
-
-    rows: range
-    starts: tuple[int, ...]
-    ends: tuple[int, ...]
-    shared_len: int
-    packed_offset: int
-    rest_offsets: tuple[int, ...]
+    row: int
+    start: int
+    end: int
+    leaf: int
 
     @property
-    def rest_lens(self) -> tuple[int, ...]:
-        return tuple(e - s - self.shared_len for s, e in zip(self.starts, self.ends))
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """A node of the prefix forest: tokens ``[offset, offset + length)`` of each of its ``count`` sequences.
+
+    Stored once at packed tokens ``[packed_start, packed_start + length)``, read
+    from ``source`` (the flat ``row * S + column`` of its first token in its
+    first sequence). ``parent`` is ``-1`` for a root.
+    """
+
+    parent: int
+    offset: int
+    length: int
+    packed_start: int
+    source: int
+    count: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,16 +64,18 @@ class LayoutStats:
     """Token and attention-pair counts of a batch before and after packing."""
 
     num_rows: int
-    num_groups: int
+    num_groups: int  # trees of the forest (roots)
     padded_tokens: int
     tokens_before: int
     tokens_after: int
     attention_pairs_before: int
     attention_pairs_after: int
+    num_sequences: int = 0
+    depth: int = 0  # nodes on the longest root-to-leaf path
 
     @property
     def rho(self) -> float:
-        """Token reduction: valid tokens of the padded batch per packed token."""
+        """Token reduction: valid tokens of the batch per packed token."""
         return self.tokens_before / max(self.tokens_after, 1)
 
     @property
@@ -84,7 +84,7 @@ class LayoutStats:
 
     def __str__(self) -> str:
         return (
-            f"{self.num_rows} rows in {self.num_groups} groups: "
+            f"{self.num_rows} rows, {self.num_sequences} sequences in {self.num_groups} trees of depth {self.depth}: "
             f"tokens {self.tokens_before} -> {self.tokens_after} (rho {self.rho:.2f}x), "
             f"attention pairs {self.attention_pairs_before} -> {self.attention_pairs_after} "
             f"({self.attention_ratio:.2f}x)"
@@ -97,27 +97,22 @@ class SharedPromptLayout:
 
     Index tensors (all on the batch's device):
         pack_index    int64 [T]    flat ``b * S + c`` read by each packed token
-        unpack_index  int64 [B*S]  packed token read by each padded position
+        unpack_index  int64 [B*S]  packed token read by each position
                                    (0 at padding, masked by ``valid``)
-        valid         bool  [B*S]  padded positions that hold a token
-    Segments (int32 [num_segments], on the batch's device):
-        seg_start, seg_len         the segment's own packed tokens (causal)
-        prefix_start, prefix_len   the packed tokens it sees in full
+        valid         bool  [B*S]  positions that hold a token
+    ``attention_segments``: one segment per node (``segments.Segments``).
     """
 
     batch_size: int
     seq_len: int
-    groups: tuple[Group, ...]
+    sequences: tuple[SequenceSpan, ...]
+    nodes: tuple[Node, ...]
     num_tokens: int
     pack_index: torch.Tensor
     unpack_index: torch.Tensor
     valid: torch.Tensor
-    seg_start: torch.Tensor
-    seg_len: torch.Tensor
-    prefix_start: torch.Tensor
-    prefix_len: torch.Tensor
-    max_seg_len: int
-    max_prefix_len: int
+    attention_segments: Segments
+    _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:
@@ -125,52 +120,97 @@ class SharedPromptLayout:
 
     @property
     def num_segments(self) -> int:
-        return int(self.seg_start.numel())
-
-    def segments(self) -> list[tuple[int, int, int, int]]:
-        """``(seg_start, seg_len, prefix_start, prefix_len)`` per segment, on the host."""
-        return host_segments(self.groups)
-
-    def stats(self) -> LayoutStats:
-        before = after = pairs_before = pairs_after = 0
-        for g in self.groups:
-            lens = [e - s for s, e in zip(g.starts, g.ends)]
-            before += sum(lens)
-            pairs_before += sum(n * (n + 1) // 2 for n in lens)
-            L = g.shared_len
-            after += L + sum(g.rest_lens)
-            pairs_after += L * (L + 1) // 2
-            pairs_after += sum(L * r + r * (r + 1) // 2 for r in g.rest_lens)
-        return LayoutStats(
-            num_rows=self.batch_size,
-            num_groups=len(self.groups),
-            padded_tokens=self.batch_size * self.seq_len,
-            tokens_before=before,
-            tokens_after=after,
-            attention_pairs_before=pairs_before,
-            attention_pairs_after=pairs_after,
-        )
+        return len(self.nodes)
 
     @property
-    def attention_segments(self) -> Segments:
-        return Segments(
-            self.seg_start, self.seg_len, self.prefix_start, self.prefix_len, self.max_seg_len, self.max_prefix_len
+    def max_seg_len(self) -> int:
+        return self.attention_segments.max_seg_len
+
+    @property
+    def max_prefix_len(self) -> int:
+        return self.attention_segments.max_prefix_len
+
+    def path(self, seq: int) -> list[int]:
+        """The nodes of sequence ``seq``, root first."""
+        out, n = [], self.sequences[seq].leaf
+        while n >= 0:
+            out.append(n)
+            n = self.nodes[n].parent
+        return out[::-1]
+
+    def depth(self) -> int:
+        depth = [0] * len(self.nodes)
+        for i, n in enumerate(self.nodes):  # pre-order: parents first
+            depth[i] = 1 + (depth[n.parent] if n.parent >= 0 else 0)
+        return max(depth, default=0)
+
+    def one_sequence_per_row(self) -> bool:
+        """True if every row holds at most one sequence, starting at column 0 (no left padding)."""
+        rows = [s.row for s in self.sequences]
+        return len(rows) == len(set(rows)) and all(s.start == 0 for s in self.sequences)
+
+    def stats(self) -> LayoutStats:
+        lens = [s.length for s in self.sequences]
+        prefix = [0] * len(self.nodes)
+        after = pairs_after = 0
+        for i, n in enumerate(self.nodes):
+            prefix[i] = (prefix[n.parent] + self.nodes[n.parent].length) if n.parent >= 0 else 0
+            after += n.length
+            pairs_after += n.length * prefix[i] + n.length * (n.length + 1) // 2
+        return LayoutStats(
+            num_rows=self.batch_size,
+            num_groups=sum(1 for n in self.nodes if n.parent < 0),
+            padded_tokens=self.batch_size * self.seq_len,
+            tokens_before=sum(lens),
+            tokens_after=after,
+            attention_pairs_before=sum(n * (n + 1) // 2 for n in lens),
+            attention_pairs_after=pairs_after,
+            num_sequences=len(self.sequences),
+            depth=self.depth(),
         )
+
+    def segments(self) -> list[tuple[int, int, int, int, int]]:
+        """``(seg_start, seg_len, parent, prefix_len, subtree_end)`` per segment, on the host."""
+        segs = self.attention_segments
+        cols = [segs.seg_start, segs.seg_len, segs.parent, segs.prefix_len, segs.subtree_end]
+        return [tuple(r) for r in torch.stack(cols, 1).tolist()]
+
+    def copy_runs(self) -> list[tuple[int, int, int]]:
+        """``(flat position, flat position of the copy packing keeps, length)`` for every dropped copy of a node."""
+        runs = []
+        S = self.seq_len
+        for i, s in enumerate(self.sequences):
+            for n in self.path(i):
+                node = self.nodes[n]
+                dst = s.row * S + s.start + node.offset
+                if dst != node.source:
+                    runs.append((dst, node.source, node.length))
+        return runs
+
+    def sequence_ids(self) -> torch.Tensor:
+        """int64 ``[B * S]``: the sequence holding each position, ``-1`` at padding (on the layout's device)."""
+        if "sequence_ids" not in self._cache:
+            ids = torch.full((self.batch_size * self.seq_len,), -1, dtype=torch.long)
+            for i, s in enumerate(self.sequences):
+                ids[s.row * self.seq_len + s.start : s.row * self.seq_len + s.end] = i
+            self._cache["sequence_ids"] = ids.to(self.device)
+        return self._cache["sequence_ids"]
+
+    def token_multiplicity(self) -> torch.Tensor:
+        """int64 ``[T]``: how many sequences each packed token stands for (DESIGN.md, semantics 12)."""
+        if "multiplicity" not in self._cache:
+            counts = torch.tensor([n.count for n in self.nodes], dtype=torch.long)
+            lens = torch.tensor([n.length for n in self.nodes], dtype=torch.long)
+            self._cache["multiplicity"] = counts.repeat_interleave(lens).to(self.device)
+        return self._cache["multiplicity"]
 
     def dense_mask(self) -> torch.Tensor:
         """The ``[T, T]`` boolean attention mask of the packed stream (for references and tests)."""
         return dense_mask(self.attention_segments, self.num_tokens)
 
     def __repr__(self) -> str:
-        return f"SharedPromptLayout(B={self.batch_size}, S={self.seq_len}, T={self.num_tokens}, groups={len(self.groups)})"
+        return (
+            f"SharedPromptLayout(B={self.batch_size}, S={self.seq_len}, T={self.num_tokens}, "
+            f"sequences={len(self.sequences)}, nodes={len(self.nodes)}, depth={self.depth()})"
+        )
 
-
-def host_segments(groups: Sequence[Group]) -> list[tuple[int, int, int, int]]:
-    segs = []
-    for g in groups:
-        if g.shared_len:
-            segs.append((g.packed_offset, g.shared_len, g.packed_offset, 0))
-        for off, rest in zip(g.rest_offsets, g.rest_lens):
-            if rest:
-                segs.append((off, rest, g.packed_offset, g.shared_len))
-    return segs

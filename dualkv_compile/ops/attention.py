@@ -112,8 +112,8 @@ def unsupported_reason(backend: str, q: torch.Tensor) -> Optional[str]:
         return str(e)
 
 
-def _segments(seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len) -> Segments:
-    return Segments(seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len)
+def _segments(seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len) -> Segments:
+    return Segments(seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len)
 
 
 @torch.library.custom_op("dualkv::attention_fwd", mutates_args=())
@@ -123,14 +123,15 @@ def attention_fwd(
     v: torch.Tensor,
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
-    prefix_start: torch.Tensor,
+    parent: torch.Tensor,
     prefix_len: torch.Tensor,
+    subtree_end: torch.Tensor,
     max_seg_len: int,
     max_prefix_len: int,
     scale: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    segs = _segments(seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len)
+    segs = _segments(seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len)
     out, lse = _impl(backend).forward(q, k, v, segs, scale)
     return out.contiguous(), lse.to(lse_dtype(q)).contiguous()
 
@@ -141,7 +142,7 @@ def lse_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 @attention_fwd.register_fake
-def _(q, k, v, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len, scale, backend):
+def _(q, k, v, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, scale, backend):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=lse_dtype(q))
 
 
@@ -155,21 +156,22 @@ def attention_bwd(
     lse: torch.Tensor,
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
-    prefix_start: torch.Tensor,
+    parent: torch.Tensor,
     prefix_len: torch.Tensor,
+    subtree_end: torch.Tensor,
     max_seg_len: int,
     max_prefix_len: int,
     scale: float,
     backend: str,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    segs = _segments(seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len)
+    segs = _segments(seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len)
     dq, dk, dv = _impl(backend).backward(dout, q, k, v, out, lse, segs, scale, deterministic=deterministic)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len, scale, backend, deterministic):
+def _(dout, q, k, v, out, lse, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, scale, backend, deterministic):
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         torch.empty_like(k, memory_format=torch.contiguous_format),
@@ -178,21 +180,21 @@ def _(dout, q, k, v, out, lse, seg_start, seg_len, prefix_start, prefix_len, max
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len, scale, backend = inputs
+    q, k, v, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, scale, backend = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, seg_start, seg_len, prefix_start, prefix_len)
+    ctx.save_for_backward(q, k, v, out, lse, seg_start, seg_len, parent, prefix_len, subtree_end)
     ctx.max_lens = (max_seg_len, max_prefix_len)
     ctx.scale, ctx.backend = scale, backend
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, seg_start, seg_len, prefix_start, prefix_len = ctx.saved_tensors
+    q, k, v, out, lse, seg_start, seg_len, parent, prefix_len, subtree_end = ctx.saved_tensors
     # lse is an internal output (saved for the backward); its gradient is never needed.
     dq, dk, dv = attention_bwd(
-        dout, q, k, v, out, lse, seg_start, seg_len, prefix_start, prefix_len,
+        dout, q, k, v, out, lse, seg_start, seg_len, parent, prefix_len, subtree_end,
         *ctx.max_lens, ctx.scale, ctx.backend, torch.are_deterministic_algorithms_enabled(),
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -206,7 +208,7 @@ def shared_prompt_attention(
     scale: Optional[float] = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Attention over the packed stream: prompt causal, each response over prompt + itself causal, one softmax.
+    """Attention over the packed stream: each token over its ancestor nodes fully and its own node causally, one softmax.
 
     ``layout`` is a ``SharedPromptLayout`` or its ``attention_segments``.
     Returns ``[1, Hq, T, D]`` in q's dtype. Differentiable in q, k and v.
@@ -245,7 +247,7 @@ def _check_inputs(q, k, v, layout) -> Segments:
     else:
         raise ValueError(f"layout must be a SharedPromptLayout or Segments, got {type(layout).__name__}")
     check_qkv(q, k, v, T)
-    for name in ("seg_start", "seg_len", "prefix_start", "prefix_len"):
+    for name in ("seg_start", "seg_len", "parent", "prefix_len", "subtree_end"):
         t = getattr(segs, name)
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
             raise ValueError(f"layout.{name} must be a 1-D int32 tensor")

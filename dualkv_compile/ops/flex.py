@@ -1,7 +1,7 @@
-"""FlexAttention backend: the packed stream's two-region mask as a BlockMask.
+"""FlexAttention backend: the packed stream's prefix-forest mask as a BlockMask.
 
 The mask's math lives in ``kernels/flex`` (the segment table, the torch and
-Triton block-table builders, the two-region ``mask_mod``); this module is the
+Triton block-table builders, the tree ``mask_mod``); this module is the
 op and backend level on top of it: the opaque custom op
 ``dualkv::flex_block_tables`` with its fake implementation, ``block_mask``
 (the ``BlockMask`` of a packed stream, built straight from the ``Segments``
@@ -22,8 +22,9 @@ recomputes the forward, so it costs one extra forward.
 Compilation. FlexAttention only runs fused kernels when compiled; the compiled
 flex callable (dynamic shapes) is made once per process and cached at module
 level. The block tables come from one opaque custom op,
-``dualkv::flex_block_tables``: three small Triton kernels on CUDA (about 0.1 ms
-at T = 64K, lengths not specialised), eager torch ops on CPU. Layout changes
+``dualkv::flex_block_tables``: four small Triton kernels on CUDA (a whole
+``block_mask`` in about 0.2 ms at T = 51K on an H200, lengths not
+specialised), eager torch ops on CPU. Layout changes
 (T, number of segments, lengths) recompile nothing.
 """
 
@@ -37,7 +38,7 @@ from typing import Optional
 import torch
 
 from ..kernels.flex.block_tables import BLOCK, block_tables, segment_table
-from ..kernels.flex.mask_mod import two_region_mask_mod
+from ..kernels.flex.mask_mod import tree_mask_mod
 from ..kernels.flex.triton_block_tables import triton_block_tables, triton_kernels
 from ..layout.segments import Segments
 
@@ -90,7 +91,7 @@ FORCE_TRITON_BUILDER = False  # tests: run the Triton builder on CPU tensors (un
 
 
 # The builder runs as one opaque custom op: eager torch ops on CPU (``block_tables``),
-# three small Triton kernels on CUDA (``triton_block_tables``). Opaque, it traces
+# four small Triton kernels on CUDA (``triton_block_tables``). Opaque, it traces
 # under torch.compile with dynamic shapes without Inductor having to lower the
 # builder, and it never recompiles: the kernels do not specialise on lengths.
 @torch.library.custom_op("dualkv::flex_block_tables", mutates_args=())
@@ -106,12 +107,12 @@ def _(table, num_tokens, max_seg_len):
     i32 = dict(dtype=torch.int32)
     nums = [table.new_empty((1, 1, nb), **i32) for _ in range(4)]
     idxs = [table.new_empty((1, 1, nb, nb), **i32) for _ in range(4)]
-    toks = [table.new_empty((num_tokens,), **i32) for _ in range(3)]
-    return [nums[0], idxs[0], nums[1], idxs[1], nums[2], idxs[2], nums[3], idxs[3], *toks]
+    reach = table.new_empty((num_tokens,), **i32)
+    return [nums[0], idxs[0], nums[1], idxs[1], nums[2], idxs[2], nums[3], idxs[3], reach]
 
 
 def block_mask(segs: Segments, num_tokens: int, *, builder: str = "op") -> "BlockMask":
-    """The two-region ``BlockMask`` of a packed stream of ``num_tokens`` tokens (no device sync).
+    """The prefix-forest ``BlockMask`` of a packed stream of ``num_tokens`` tokens (no device sync).
 
     ``builder="op"`` (default) runs ``dualkv::flex_block_tables`` (Triton on
     CUDA); ``builder="torch"`` runs ``block_tables`` with eager torch ops.
@@ -125,7 +126,7 @@ def block_mask(segs: Segments, num_tokens: int, *, builder: str = "op") -> "Bloc
         tables = block_tables_op(table, num_tokens, segs.max_seg_len)
     else:
         tables = block_tables(table, num_tokens)
-    kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx, own_start, pre_start, pre_end = tables
+    kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx, reach = tables
     return BlockMask(
         seq_lengths=(num_tokens, num_tokens),
         kv_num_blocks=kv_num,
@@ -137,7 +138,7 @@ def block_mask(segs: Segments, num_tokens: int, *, builder: str = "op") -> "Bloc
         full_q_num_blocks=fq_num,
         full_q_indices=fq_idx,
         BLOCK_SIZE=(BLOCK, BLOCK),
-        mask_mod=two_region_mask_mod(own_start, pre_start, pre_end),
+        mask_mod=tree_mask_mod(reach),
     )
 
 
@@ -156,7 +157,7 @@ def _flex(q, k, v, bm, scale: float, return_lse: bool):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs: Segments, scale: Optional[float] = None) -> torch.Tensor:
-    """Differentiable two-region attention through FlexAttention; returns ``[1, Hq, T, D]``.
+    """Differentiable prefix-forest attention through FlexAttention; returns ``[1, Hq, T, D]``.
 
     The backward is FlexAttention's fused backward (no recomputed forward).
     """

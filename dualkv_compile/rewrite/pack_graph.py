@@ -211,7 +211,7 @@ class _Packer:
         i = self.inp
         res = self.g.call_function(
             torch.ops.dualkv.attention_fwd.default,
-            (q, k, v, i["seg_start"], i["seg_len"], i["prefix_start"], i["prefix_len"],
+            (q, k, v, i["seg_start"], i["seg_len"], i["parent"], i["prefix_len"], i["subtree_end"],
              i["max_seg_len"], i["max_prefix_len"], float(scale), self.backend),
         )
         out = self.g.call_function(operator.getitem, (res, 0), name=m.output.name + "_packed")

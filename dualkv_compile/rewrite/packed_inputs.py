@@ -23,8 +23,9 @@ class PackedInputs(NamedTuple):
     prev_index: torch.Tensor  # [T]: each packed token's predecessor (next-token values)
     seg_start: torch.Tensor  # the attention segments (layout.Segments)
     seg_len: torch.Tensor
-    prefix_start: torch.Tensor
+    parent: torch.Tensor
     prefix_len: torch.Tensor
+    subtree_end: torch.Tensor
     max_seg_len: int
     max_prefix_len: int
 
@@ -39,8 +40,9 @@ class PackedInputs(NamedTuple):
             previous_token_index(segs, layout.num_tokens),
             segs.seg_start,
             segs.seg_len,
-            segs.prefix_start,
+            segs.parent,
             segs.prefix_len,
+            segs.subtree_end,
             segs.max_seg_len,
             segs.max_prefix_len,
         )
@@ -48,4 +50,4 @@ class PackedInputs(NamedTuple):
 
 # Fields whose length follows the packed token count or the segment count, which change every step (marked
 # dynamic per call so they do not recompile); unpack_index and valid follow B * S, as the outer graph does.
-PER_TOKEN_OR_SEGMENT = ("pack_index", "col_index", "prev_index", "seg_start", "seg_len", "prefix_start", "prefix_len")
+PER_TOKEN_OR_SEGMENT = ("pack_index", "col_index", "prev_index", "seg_start", "seg_len", "parent", "prefix_len", "subtree_end")

@@ -58,6 +58,7 @@ class LayoutSource:
         self.mask_names = [m.output.name for m in self.attention if m.mask is not None]
         self.active: Optional[active_layout.ActiveLayout] = None
         self.source: Optional[str] = None
+        self.same_columns = True  # the runner clears it when the packed program reads no value of the column
 
     def masks(self, args):
         with torch.no_grad():
@@ -89,7 +90,11 @@ class FromTokenIds(LayoutSource):
         mask = args[self.index[Role.ATTENTION_MASK]] if Role.ATTENTION_MASK in self.index else None
         pos = args[self.index[Role.POSITION_IDS]] if Role.POSITION_IDS in self.index else None
         try:
-            layout = detect(ids, mask, pos, group_size=self.cfg.group_size, min_shared=self.cfg.min_shared)
+            layout = detect(
+                ids, mask, pos, group_size=self.cfg.group_size, min_shared=self.cfg.min_shared, same_columns=self.same_columns,
+                # Causal attention without a mask spans the whole row: then a row is one sequence.
+                split_at_restarts=self.causal_unmasked is None,
+            )
         except ValueError as e:
             active_layout.clear()
             return f"layout: {e}"
@@ -103,7 +108,10 @@ class FromTokenIds(LayoutSource):
             return None
         B, S = layout.batch_size, layout.seq_len
         if self.causal_unmasked is not None and _left_padded(layout):
-            return f"{self.causal_unmasked}: causal attention without a mask attends to left padding, which packing removes"
+            return (
+                f"{self.causal_unmasked}: causal attention without a mask attends to left padding or to the other "
+                "sequences packed into its row, which packing removes"
+            )
         if self.mask_gm is None:
             return None
         if B * S * S > self.cfg.verify_max_elements:
@@ -162,7 +170,7 @@ class FromCarried(LayoutSource):
                     "inputs ties its padding to this call"
                 )
             if self.causal_unmasked is not None and _left_padded(cur.layout):
-                return "causal attention without a mask attends to left padding, which packing removes"
+                return "causal attention without a mask attends to left padding or to the other sequences of its row, which packing removes"
         return self.share_check(args, cur)
 
     def _detect(self, args, B: int, S: int, device) -> "SharedPromptLayout | str":
@@ -186,6 +194,11 @@ class FromCarried(LayoutSource):
             if why is not None:
                 return why
         self.active = active_layout.publish(layout, self.report.graph_id, "inputs")
+        # The values were hashed to find the sharing: check it bitwise before anything uses it.
+        why = self.share_check(args, self.active)
+        if why is not None:
+            active_layout.clear()
+            return why
         if masks is not None:
             self.active.mark_mask_checked([args[i] for i in self.mask_key])
         self.source = "detected from its hidden states" + (" and mask" if masks is not None else "")
@@ -193,4 +206,5 @@ class FromCarried(LayoutSource):
 
 
 def _left_padded(layout: SharedPromptLayout) -> bool:
-    return any(s > 0 for g in layout.groups for s in g.starts)
+    """True unless every row is one sequence from column 0: causal attention without a mask spans the whole row."""
+    return not layout.one_sequence_per_row()

@@ -17,7 +17,7 @@ __all__ = ["mask_mismatch", "pure_mask"]
 
 
 def mask_mismatch(masks, names, layout: SharedPromptLayout, *, pin_padding: bool) -> Optional[str]:
-    """None if every mask is the causal mask with ``layout``'s key padding, else why not.
+    """None if every mask is causal within each of ``layout``'s sequences (no padding keys), else why not.
 
     The one mask check of the package. Rows of valid queries must match
     exactly (rows of padding queries are left unspecified). ``pin_padding``:
@@ -29,6 +29,7 @@ def mask_mismatch(masks, names, layout: SharedPromptLayout, *, pin_padding: bool
     """
     B, S = layout.batch_size, layout.seq_len
     valid = layout.valid.view(B, S)
+    seq = layout.sequence_ids().view(B, S)
     q = torch.arange(S, device=valid.device)
     causal = q[None, :] <= q[:, None]  # [Sq, Skv]
     for name, m in zip(names, masks):
@@ -38,13 +39,15 @@ def mask_mismatch(masks, names, layout: SharedPromptLayout, *, pin_padding: bool
         bad = torch.zeros((), dtype=torch.bool, device=valid.device)
         for b in range(B):
             a, v = allowed[min(b, allowed.shape[0] - 1)], valid[b]
-            bad |= ((a ^ (causal & v[None, :])) & v[:, None]).any()
+            # Causal within each sequence of the row (several when sequences are packed into it).
+            expected = causal & (seq[b][None, :] == seq[b][:, None]) & v[None, :]
+            bad |= ((a ^ expected) & v[:, None]).any()
             if pin_padding:
                 bad |= (a.diagonal(dim1=-2, dim2=-1) & ~v).any()
         if bool(bad):
             return (
-                f"{name}: the attention mask is not causal with key padding (sliding window, bidirectional or "
-                "custom mask, or another batch's padding)"
+                f"{name}: the attention mask is not causal within each sequence (sliding window, bidirectional or "
+                "custom mask, another batch's padding, or sequences packed into a row that it does not separate)"
             )
     return None
 

@@ -204,14 +204,19 @@ def _window(columns: int, slices: tuple[tuple, ...], device) -> torch.Tensor:
     return index
 
 
-def tainted(read: Read, valid: torch.Tensor, factors: dict[fx.Node, torch.Tensor]) -> torch.Tensor:
+def tainted(
+    read: Read, valid: torch.Tensor, factors: dict[fx.Node, torch.Tensor], linked: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Whether ``read`` reads a position packing zeroed (``valid``: the call's ``[B, S]`` non-padding mask)
     where none of its factors (``factors``: their values this call) is zero: a 0-d bool tensor on ``valid``'s
-    device (the caller syncs once for all reads)."""
+    device (the caller syncs once for all reads). ``linked`` (``[B, S - 1]``): where columns ``c`` and
+    ``c + 1`` hold consecutive tokens of one sequence (default: both valid). A next-token value elsewhere
+    reads across a sequence boundary (another sequence packed into the row, or padding), which the packed
+    stream does not compute."""
     if read.source.target is unpack_merged:
         return (~valid).any()
     if read.shift:
-        taint = ~(valid[:, 1:] & valid[:, :-1])
+        taint = ~(valid[:, 1:] & valid[:, :-1] if linked is None else linked)
     elif read.truncate:
         taint = ~valid[:, :-1]
     else:

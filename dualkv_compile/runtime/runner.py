@@ -26,7 +26,7 @@ from ..layout import carried as active_layout
 from ..report import GraphReport
 from ..rewrite.pack_graph import PACKED_INPUTS
 from ..rewrite.packed_inputs import PER_TOKEN_OR_SEGMENT, PackedInputs
-from ..rewrite.packed_ops import unpack_merged, unpack_tokens
+from ..rewrite.packed_ops import gather_columns, unpack_merged, unpack_tokens
 from .layout_source import FromCarried, FromTokenIds
 from .nested_compile import is_dynamic, nested_compile
 from .padding_reads import find_padding_reads, tainted
@@ -45,6 +45,9 @@ class Runner:
         self.scalar_checks = list(scalar_checks)
         source = FromTokenIds if Role.INPUT_IDS in analysis.token_inputs else FromCarried
         self.layout_source = source(gm, analysis, cfg, report)
+        # Copies of a token in different columns may share a packed copy unless the packed program reads
+        # values of the column (rotary tables from arange(S), cache positions).
+        self.layout_source.same_columns = any(n.target is gather_columns for n in packed.graph.nodes)
         self.outer_dynamic = is_dynamic(gm)
         self.compiled: Optional[Callable] = None
         self.checked = False
@@ -122,17 +125,20 @@ class Runner:
         """None, or why this call reads a position packing does not compute (DESIGN.md semantics 8).
 
         Packing zeroes padding positions, and next-token values whose previous
-        column is padding (a row's first token: left padding, an empty
-        prompt). Reading them is exact only where a factor zeroes them.
+        column is not the previous token of the same sequence (a sequence's
+        first token: left padding, an empty prompt, another sequence packed
+        into the row). Reading them is exact only where a factor zeroes them.
         """
         if not self.padding_reads:
             return None
         valid = layout.valid.view(layout.batch_size, layout.seq_len)
+        seq = layout.sequence_ids().view(layout.batch_size, layout.seq_len)
+        linked = (seq[:, 1:] == seq[:, :-1]) & (seq[:, 1:] >= 0)
         factors = {}
         with torch.no_grad():
             for f in self.factor_gms:
                 factors.update(zip(f.factor_nodes, f(*args)))
-        flags = torch.stack([tainted(read, valid, factors) for read in self.padding_reads])
+        flags = torch.stack([tainted(read, valid, factors, linked) for read in self.padding_reads])
         if not bool(flags.any()):  # one host sync for all reads
             return None
         read = self.padding_reads[int(flags.nonzero()[0, 0])]

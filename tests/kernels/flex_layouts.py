@@ -1,5 +1,5 @@
 """Shared by the FlexAttention tests (tests/kernels/test_flex_block_tables.py, tests/ops/test_flex.py):
-packed-stream layouts and the comparison of two sets of block tables."""
+packed-stream layouts (two-level groups and prefix forests) and the comparison of two sets of block tables."""
 
 from __future__ import annotations
 
@@ -23,6 +23,26 @@ FIXED_LAYOUTS = [
     [(700, [])],  # a lone row
     [(127, [129]), (129, [127, 1])],  # boundaries one off the block size
 ]
+
+
+# Prefix forests as (seg_len, parent) in pre-order: deeper than the two-level groups.
+FIXED_FORESTS = [
+    ([300, 100, 50, 60, 200, 5], [-1, 0, 1, 1, 0, 4]),  # depth 3, ragged
+    ([128, 128, 128, 128], [-1, 0, 1, 2]),  # a block-aligned chain (one sequence)
+    ([1, 1, 1, 300, 1, 1, 129], [-1, 0, 1, 2, 0, 4, -1]),  # one-token nodes on a chain, a second root
+    ([200, 0, 40, 7, 0, 1], [-1, 0, 1, 0, 3, 3]),  # empty nodes (a parent and a leaf)
+    ([127, 129, 1, 127, 255], [-1, 0, 1, -1, 3]),  # boundaries one off the block size
+]
+
+
+def random_forest_layouts(rng: random.Random, n: int, max_len: int = 300):
+    """``n`` random forests (depth 1 to 3, several roots, one-token nodes likely) as (seg_len, parent)."""
+    try:  # imported as tests.kernels.flex_layouts (tests/ops) or as flex_layouts (tests/kernels on sys.path)
+        from .segments import random_forest
+    except ImportError:
+        from segments import random_forest
+
+    return [random_forest(rng, rng.randint(1, 3), max_len=max_len) for _ in range(n)]
 
 
 def same_tables(a, b):

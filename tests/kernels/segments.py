@@ -1,25 +1,54 @@
-"""Shared by the kernel tests: Segments of a packed stream written by hand."""
+"""Shared by the kernel tests: Segments of packed streams written by hand, and random prefix forests."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 
-from dualkv_compile.layout import Segments
+from dualkv_compile.layout import Segments, tree_segments
 
 
 def make_segments(groups, device="cpu") -> tuple[Segments, int]:
-    """Segments of a packed stream of ``groups`` = [(P, [R_0, R_1, ...]), ...]; returns (segs, T)."""
-    rows, off = [], 0
+    """Segments of a two-level stream of ``groups`` = [(P, [R_0, R_1, ...]), ...]; returns (segs, T).
+
+    Each group is a prompt of P tokens (a root, omitted when P = 0) and its
+    responses (children of the prompt, or roots when P = 0; empty ones omitted).
+    """
+    lens, parents = [], []
     for P, Rs in groups:
-        prompt = off
+        root = -1
         if P:
-            rows.append((off, P, off, 0))
-        off += P
+            root = len(lens)
+            lens.append(P)
+            parents.append(-1)
         for R in Rs:
             if R:
-                rows.append((off, R, prompt, P))
-                off += R
-    t = torch.tensor(rows, dtype=torch.int32, device=device)
-    # clone: with one segment, t[:, i].contiguous() is a view and the four would share storage
-    segs = Segments(*(t[:, i].clone(memory_format=torch.contiguous_format) for i in range(4)), max(r[1] for r in rows), max(r[3] for r in rows))
-    return segs, off
+                lens.append(R)
+                parents.append(root)
+    return tree_segments(lens, parents, device), sum(lens)
+
+
+def random_forest(rng: random.Random, max_depth: int = 3, max_len: int = 40, max_children: int = 4, max_roots: int = 3):
+    """A random prefix forest in pre-order: ``(seg_len, parent)`` host lists.
+
+    Depth 1 to ``max_depth`` (a root alone is depth 1); node lengths 1 to
+    ``max_len`` with one-token nodes made likely; any number of children.
+    """
+    lens, parents = [], []
+
+    def grow(parent: int, depth: int):
+        me = len(lens)
+        lens.append(1 if rng.random() < 0.15 else rng.randint(1, max_len))
+        parents.append(parent)
+        if depth < max_depth:
+            for _ in range(rng.randint(0, max_children)):
+                grow(me, depth + 1)
+
+    for _ in range(rng.randint(1, max_roots)):
+        grow(-1, 1)
+    return lens, parents
+
+
+def forest_segments(seg_len, parent, device="cpu") -> tuple[Segments, int]:
+    return tree_segments(seg_len, parent, device), sum(seg_len)

@@ -2,10 +2,11 @@
 
 The BlockMask tables built from the Segments against the dense mask (every
 needed block present, FULL blocks only where the whole tile is visible, the
-transposed tables the exact transpose), the two-region mask_mod against the
-dense mask, and the Triton builder against the torch builder under the
-Triton interpreter. The op-level tests (the custom op, tracing, the CUDA
-runs) are in tests/ops/test_flex.py.
+transposed tables the exact transpose), the tree mask_mod against the dense
+mask, on two-level groups, hand-written prefix forests and random forests
+(depth 1 to 3, several roots, one-token and empty nodes), and the Triton
+builder against the torch builder under the Triton interpreter. The op-level
+tests (the custom op, tracing, the CUDA runs) are in tests/ops/test_flex.py.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch
 pytest.register_assert_rewrite("flex_layouts")
 
 from dualkv_compile.kernels import flex  # noqa: E402
-from dualkv_compile.layout import dense_mask  # noqa: E402
-from flex_layouts import FIXED_LAYOUTS, random_groups  # noqa: E402  tests/kernels is on sys.path
-from segments import make_segments  # noqa: E402  tests/kernels is on sys.path
+from dualkv_compile.layout.segments import dense_mask, token_reach  # noqa: E402
+from flex_layouts import FIXED_FORESTS, FIXED_LAYOUTS, random_forest_layouts, random_groups  # noqa: E402  (on sys.path)
+from segments import forest_segments, make_segments  # noqa: E402  tests/kernels is on sys.path
 
 
 def _dense_from_ordered(num, idx, nb):
@@ -34,6 +35,8 @@ def _dense_from_ordered(num, idx, nb):
 def _block_truth(mask: torch.Tensor, T: int, B: int):
     """(any, all) per (query block, kv block) of the token mask; 'all' over valid rows, keys past T unseen."""
     nb = (T + B - 1) // B
+    if nb == 0:
+        return torch.zeros(0, 0, dtype=torch.bool), torch.zeros(0, 0, dtype=torch.bool)
     pad = torch.zeros(nb * B, nb * B, dtype=torch.bool)
     pad[:T, :T] = mask
     tiles = pad.view(nb, B, nb, B).permute(0, 2, 1, 3)  # [qb, kb, B, B]
@@ -44,17 +47,25 @@ def _block_truth(mask: torch.Tensor, T: int, B: int):
 
 def _all_layouts():
     rng = random.Random(1234)
-    return FIXED_LAYOUTS + [random_groups(rng) for _ in range(10)]
+    groups = FIXED_LAYOUTS + [random_groups(rng) for _ in range(10)]
+    return [pytest.param(make_segments(g), id=f"groups{i}") for i, g in enumerate(groups)]
 
 
-@pytest.mark.parametrize("groups", _all_layouts())
-def test_block_tables_match_dense_mask(groups):
-    segs, T = make_segments(groups)
+def _all_forests():
+    forests = list(FIXED_FORESTS)
+    for seed in range(6):  # several seeds, each a few forests; small lengths make blocks meet many nodes
+        forests += random_forest_layouts(random.Random(seed), 3, max_len=[40, 300][seed % 2])
+    return [pytest.param(forest_segments(*f), id=f"forest{i}") for i, f in enumerate(forests)]
+
+
+def _check_tables(segs, T):
     tables = flex.block_tables(flex.segment_table(segs, T), T)
-    kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx, own_start, pre_start, pre_end = tables
+    assert len(tables) == 9
+    kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx, reach = tables
     nb = (T + flex.BLOCK - 1) // flex.BLOCK
-    assert kv_idx.shape == (1, 1, nb, nb) and kv_num.shape == (1, 1, nb)
+    assert kv_idx.shape == (1, 1, nb, nb) and kv_num.shape == (1, 1, nb) and reach.shape == (T,)
     assert all(t.dtype == torch.int32 and t.is_contiguous() for t in tables)  # the kernels assume unit strides
+    assert torch.equal(reach.long(), token_reach(segs, T))
     partial = _dense_from_ordered(kv_num, kv_idx, nb)
     full = _dense_from_ordered(fkv_num, fkv_idx, nb)
     mask = dense_mask(segs, T)
@@ -71,12 +82,41 @@ def test_block_tables_match_dense_mask(groups):
     assert torch.equal(_dense_from_ordered(q_num, q_idx, nb), partial.t())
     assert torch.equal(_dense_from_ordered(fq_num, fq_idx, nb), full.t())
     # Indices past the counts are still valid block indices (kernels may prefetch them).
-    assert int(kv_idx.min()) >= 0 and int(kv_idx.max()) < nb
+    if nb:
+        assert int(kv_idx.min()) >= 0 and int(kv_idx.max()) < nb
     # The mask_mod reproduces the dense mask on every pair.
-    mm = flex.two_region_mask_mod(own_start, pre_start, pre_end)
+    mm = flex.tree_mask_mod(reach)
     qi = torch.arange(T)[:, None]
     ki = torch.arange(T)[None, :]
     assert torch.equal(mm(0, 0, qi, ki), mask)
+
+
+@pytest.mark.parametrize("segs_T", _all_layouts())
+def test_block_tables_match_dense_mask(segs_T):
+    _check_tables(*segs_T)
+
+
+@pytest.mark.parametrize("segs_T", _all_forests())
+def test_block_tables_match_dense_mask_forest(segs_T):
+    _check_tables(*segs_T)
+
+
+def test_block_tables_small_streams():
+    """Streams shorter than a block, a single token, and the empty stream."""
+    for lens, parents in (([1], [-1]), ([3, 1, 2], [-1, 0, 0]), ([5, 0], [-1, 0]), ([], [])):
+        _check_tables(*forest_segments(lens, parents))
+
+
+def test_deep_chain_blocks():
+    """On a chain every earlier block is FULL below the diagonal; across roots nothing is needed."""
+    segs, T = forest_segments([256, 128, 1, 127, 256], [-1, 0, 1, 2, -1])
+    kv_num, kv_idx, fkv_num, fkv_idx, *_ = flex.block_tables(flex.segment_table(segs, T), T)
+    full = _dense_from_ordered(fkv_num, fkv_idx, 6)
+    partial = _dense_from_ordered(kv_num, kv_idx, 6)
+    for qb in range(4):  # the chain: one causal sequence of 512 tokens
+        assert full[qb, :qb].all() and partial[qb, qb] and not (full | partial)[qb, qb + 1 :].any()
+    assert not (full | partial)[4:, :4].any()  # the second root sees nothing of the first tree
+    assert full[5, 4] and partial[5, 5]
 
 
 def test_prompt_blocks_are_full():
@@ -101,28 +141,28 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def probe(x_ptr):
-    n = tl.load(x_ptr)
-    acc = n * 0
-    for i in range(0, n):
+@triton.jit(do_not_specialize=["n"])
+def probe(x_ptr, n):
+    acc = tl.load(x_ptr) * 0
+    for i in range(0, n, 2):
         acc += 1
     tl.store(x_ptr, acc)
 
 
-try:  # some Triton interpreters cannot loop to a loaded bound; compiled kernels can
-    probe[(1,)](torch.tensor([3], dtype=torch.int32))
+try:  # some Triton interpreters (3.6) cannot loop to a runtime bound; compiled kernels can
+    probe[(1,)](torch.tensor([3], dtype=torch.int32), 5)
 except Exception as e:
     print("SKIP", type(e).__name__, e)
     sys.exit(0)
 sys.path.insert(0, {tests!r})
-from flex_layouts import FIXED_LAYOUTS, random_groups, same_tables as _same_tables
-from segments import make_segments
+from flex_layouts import FIXED_FORESTS, FIXED_LAYOUTS, random_forest_layouts, random_groups, same_tables as _same_tables
+from segments import forest_segments, make_segments
 from dualkv_compile.kernels import flex
 from dualkv_compile.ops import flex as flex_op
 rng = random.Random(7)
-for groups in FIXED_LAYOUTS + [random_groups(rng) for _ in range(4)]:
-    segs, T = make_segments(groups)
+layouts = [make_segments(g) for g in FIXED_LAYOUTS + [random_groups(rng) for _ in range(4)]]
+layouts += [forest_segments(*f) for f in FIXED_FORESTS + random_forest_layouts(rng, 6)]
+for segs, T in layouts:
     table = flex.segment_table(segs, T)
     want = flex.block_tables(table, T)
     _same_tables(want, flex.triton_block_tables(table, T, segs.max_seg_len))

@@ -1,15 +1,22 @@
 """Tests of the exact reference attention on the packed stream (kernels/reference.py).
 
 The main check runs the packed reference against ordinary causal attention
-over the duplicated, padded [B, S] batch, written independently here (an
-explicit per-row loop with masks and softmax), in float64: outputs at every
-valid position, the log-sum-exp, and dq/dk/dv (the padded batch's gradients
-summed back onto the packed tokens) agree to 1e-10.
+over each sequence of a prefix forest, written independently here: every
+root-to-leaf path of segments is one sequence, its tokens the concatenation
+of the path's segments, and a per-path loop with an explicit causal mask and
+softmax gives its output. In float64, outputs and log-sum-exps at every row
+of every path, and dq/dk/dv (each row's upstream gradient given to one path,
+the paths' gradients summed back onto the packed tokens by autograd through
+the gather), agree to 1e-10. Layouts are Segments built directly from
+(seg_len, parent) lists: the layout's own detection and packing are tested
+with the layout (tests/layout).
 """
 
 from __future__ import annotations
 
 import math
+import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +24,6 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dualkv_compile.ops import attention as op
 from dualkv_compile.kernels.reference import (
     attention_with_mask,
     check_qkv,
@@ -25,7 +31,9 @@ from dualkv_compile.kernels.reference import (
     reference_forward,
     shared_prompt_attention,
 )
-from dualkv_compile.layout import detect, pack, unpack
+from dualkv_compile.layout.segments import dense_mask
+from dualkv_compile.ops import attention as op
+from segments import forest_segments, make_segments, random_forest  # tests/kernels is on sys.path
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
@@ -33,121 +41,204 @@ TOL = dict(rtol=1e-10, atol=1e-10)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def T(rows):
-    return torch.tensor(rows, dtype=torch.long)
+def _layout(segs, T):
+    """What reference.shared_prompt_attention reads of a layout."""
+    return SimpleNamespace(num_tokens=T, attention_segments=segs)
 
 
-def to_kernel(x):
-    """[T, H, D] -> [1, H, T, D]."""
-    return x.permute(1, 0, 2).unsqueeze(0).contiguous()
+# --------------------------------------------------------------------------- the per-sequence oracle
 
 
-def from_kernel(x):
-    """[1, H, T, ...] -> [T, H, ...]."""
-    return x[0].transpose(0, 1)
+def forest_paths(seg_len, parent):
+    """Packed token indices of every root-to-leaf path (a leaf: a segment with no children), in pre-order."""
+    starts = [sum(seg_len[:i]) for i in range(len(seg_len))]
+    has_child = {p for p in parent if p >= 0}
+    paths = []
+    for leaf in (i for i in range(len(seg_len)) if i not in has_child):
+        chain, i = [], leaf
+        while i != -1:
+            chain.append(i)
+            i = parent[i]
+        paths.append([t for j in reversed(chain) for t in range(starts[j], starts[j] + seg_len[j])])
+    return paths
 
 
-def dense_attention(q, k, v, mask, scale):
-    """Causal attention of each row of a padded batch over its valid tokens.
+def causal_attention(q, k, v, scale):
+    """One sequence: q [Hq, n, D], k and v [Hkv, n, D]; returns out [Hq, n, D], lse [Hq, n]. Head h reads h // (Hq // Hkv)."""
+    Hq, n, _ = q.shape
+    heads = torch.arange(Hq) // (Hq // k.shape[0])
+    scores = (q @ k[heads].transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
+    return torch.softmax(scores, -1) @ v[heads], torch.logsumexp(scores, -1)
 
-    q [B, S, Hq, D], k and v [B, S, Hkv, D], mask [B, S]; returns out
-    [B, S, Hq, D] (zeros at padding) and lse [B, S, Hq] (-inf at padding).
-    Query head h uses KV head h // (Hq // Hkv).
+
+def per_path_oracle(q, k, v, dout, seg_len, parent, scale):
+    """``([(row_index, out_rows, lse_rows)], (dq, dk, dv))`` of the packed stream, one sequence per path.
+
+    Every path gives the rows of each of its tokens (returned for comparison);
+    the packed gradients are those of sum over paths of <dout, out_path>, each
+    packed row's dout counted in the first path through it (a row's output is
+    the same in every path through it, so this is the packed stream's loss).
     """
-    B, S, Hq, D = q.shape
-    r = Hq // k.shape[2]
-    out = q.new_zeros(B, S, Hq, D)
-    lse = q.new_full((B, S, Hq), -math.inf)
-    for b in range(B):
-        cols = mask[b].nonzero().flatten().tolist()
-        if not cols:
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    T = q.shape[2]
+    owner = torch.full((T,), -1)
+    rows, loss = [], 0.0
+    for n, path in enumerate(forest_paths(seg_len, parent)):
+        if not path:
             continue
-        s0, e0 = cols[0], cols[-1] + 1
-        n = e0 - s0
-        qb = q[b, s0:e0].transpose(0, 1)  # [Hq, n, D]
-        kb = k[b, s0:e0].transpose(0, 1)[torch.arange(Hq) // r]
-        vb = v[b, s0:e0].transpose(0, 1)[torch.arange(Hq) // r]
-        scores = (qb @ kb.transpose(-1, -2)) * scale
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
-        scores = scores.masked_fill(~causal, -math.inf)
-        out[b, s0:e0] = (torch.softmax(scores, -1) @ vb).transpose(0, 1)
-        lse[b, s0:e0] = torch.logsumexp(scores, -1).transpose(0, 1)
-    return out, lse
+        idx = torch.tensor(path, dtype=torch.long)
+        owner[idx[owner[idx] < 0]] = n
+        o, l = causal_attention(qg[0][:, idx], kg[0][:, idx], vg[0][:, idx], scale)
+        rows.append((idx, o.detach(), l.detach()))
+        loss = loss + (o * dout[0][:, idx] * (owner[idx] == n)[None, :, None]).sum()
+    grads = torch.autograd.grad(loss, (qg, kg, vg), allow_unused=True) if T else (None, None, None)
+    grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
+    return rows, grads
 
 
-def sum_onto_packed(x, layout):
-    """Adjoint of unpack, written out: [B, S, ...] -> [T, ...], summing every valid position onto the token it reads."""
-    flat = x.reshape(-1, *x.shape[2:])
-    valid = layout.valid
-    return x.new_zeros(layout.num_tokens, *x.shape[2:]).index_add_(0, layout.unpack_index[valid], flat[valid])
+def _compare_with_oracle(seg_len, parent, hkv, ratio, d, scale, seed):
+    segs, T = forest_segments(seg_len, parent)
+    hq = hkv * ratio
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, T, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv))
+    dout = torch.randn(1, hq, T, d, generator=g, dtype=torch.float64)
+    sc = 1 / math.sqrt(d) if scale is None else scale
+    rows, expected = per_path_oracle(q, k, v, dout, seg_len, parent, sc)
+
+    qp, kp, vp = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = reference_forward(qp, kp, vp, segs, scale)
+    assert out.shape == (1, hq, T, d) and lse.shape == (1, hq, T)
+    seen = torch.zeros(T, dtype=torch.bool)
+    for idx, o, l in rows:
+        torch.testing.assert_close(out[0][:, idx].detach(), o, **TOL)
+        torch.testing.assert_close(lse[0][:, idx], l, **TOL)
+        seen[idx] = True
+    assert seen.all()  # every packed token lies on some path
+    if T == 0:
+        return
+    got = torch.autograd.grad(out, (qp, kp, vp), dout)
+    for name, a, b in zip("qkv", got, expected):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"d{name}: {m}")
+    # The explicit backward of the reference (what the op's backward calls) agrees too.
+    manual = reference_backward(dout, q, k, v, None, None, segs, sc)
+    for name, a, b in zip("qkv", manual, expected):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"reference_backward d{name}: {m}")
+
+
+@st.composite
+def forests(draw, max_depth=3, max_len=5, max_children=3, max_roots=3):
+    """A prefix forest in pre-order, ``(seg_len, parent)``: empty and one-token nodes likely."""
+    lens, parents = [], []
+
+    def grow(p, depth):
+        me = len(lens)
+        lens.append(draw(st.integers(0, max_len)))
+        parents.append(p)
+        if depth < max_depth:
+            for _ in range(draw(st.integers(0, max_children))):
+                grow(me, depth + 1)
+
+    for _ in range(draw(st.integers(1, max_roots))):
+        grow(-1, 1)
+    return lens, parents
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    forest=forests(),
+    hkv=st.integers(1, 2),
+    ratio=st.integers(1, 3),
+    d=st.sampled_from([1, 3, 4]),
+    scale=st.sampled_from([None, 0.7]),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_per_sequence_attention(forest, hkv, ratio, d, scale, seed):
+    _compare_with_oracle(*forest, hkv, ratio, d, scale, seed)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_forest_matches_per_sequence_attention(seed):
+    """Larger random forests (depth 1 to 3, several roots, one-token nodes) from the shared helper."""
+    rng = random.Random(seed)
+    lens, parents = random_forest(rng, max_depth=1 + seed % 3, max_len=12)
+    _compare_with_oracle(lens, parents, 2, 2, 4, None, seed)
 
 
 # --------------------------------------------------------------------------- hand-computed
 
 
-def test_one_softmax_over_both_regions_by_hand():
-    # Shared prefix of 2 tokens, two responses of 1 token each: T = 4.
-    L = detect(T([[1, 2, 3], [1, 2, 4]]))
-    assert L.segments() == [(0, 2, 0, 0), (2, 1, 0, 2), (3, 1, 0, 2)]
-    q = torch.zeros(1, 1, 4, 1, dtype=torch.float64)  # all scores 0: uniform over what each token sees
-    k = torch.randn(1, 1, 4, 1, dtype=torch.float64)
-    v = torch.tensor([3.0, 6.0, 9.0, 30.0], dtype=torch.float64).view(1, 1, 4, 1)
-    out, lse = shared_prompt_attention(q, k, v, L)
-    # Token 2 sees {0, 1, 2}: (3 + 6 + 9) / 3 (normalising the regions apart would give (4.5 + 9) / 2).
-    assert out.flatten().tolist() == pytest.approx([3.0, 4.5, 6.0, 13.0], abs=1e-12)
-    assert lse.flatten().tolist() == pytest.approx([0.0, math.log(2), math.log(3), math.log(3)], abs=1e-12)
+def test_one_softmax_over_all_ancestors_by_hand():
+    # Root of 2 tokens, a child of 1, two grandchildren of 1 each: T = 5.
+    segs, T = forest_segments([2, 1, 1, 1], [-1, 0, 1, 1])
+    q = torch.zeros(1, 1, T, 1, dtype=torch.float64)  # all scores 0: uniform over what each token sees
+    k = torch.randn(1, 1, T, 1, dtype=torch.float64)
+    v = torch.tensor([3.0, 6.0, 9.0, 30.0, 60.0], dtype=torch.float64).view(1, 1, T, 1)
+    out, lse = shared_prompt_attention(q, k, v, _layout(segs, T))
+    # Token 3 sees {0, 1, 2, 3}: one softmax over the whole chain and itself (not normalised per segment).
+    assert out.flatten().tolist() == pytest.approx([3.0, 4.5, 6.0, 12.0, 19.5], abs=1e-12)
+    assert lse.flatten().tolist() == pytest.approx([0.0, math.log(2), math.log(3), math.log(4), math.log(4)], abs=1e-12)
     assert lse.dtype == torch.float64 and out.dtype == torch.float64
 
 
 def test_single_row_equals_plain_causal_sdpa():
-    L = detect(T([[0, 1, 2, 3, 4, 5]]), T([[0, 1, 1, 1, 1, 1]]))
+    segs, T = forest_segments([5], [-1])
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
-    out, _ = shared_prompt_attention(q, k, v, L)
+    q, k, v = (torch.randn(1, 2, T, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    out, _ = reference_forward(q, k, v, segs)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), **TOL)
+
+
+def test_chain_equals_plain_causal_sdpa():
+    # A chain of segments is one sequence split into nodes.
+    segs, T = forest_segments([3, 1, 4, 2], [-1, 0, 1, 2])
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, T, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    out, _ = reference_forward(q, k, v, segs)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), **TOL)
 
 
 def test_gqa_convention_matches_sdpa_enable_gqa():
     # Query head h reads KV head h // (Hq // Hkv), as in SDPA(enable_gqa=True) and HF's repeat_kv.
-    L = detect(T([[1, 2, 3, 4, 5, 6]]))
+    segs, T = forest_segments([6], [-1])
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 6, 6, 4, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(2))
-    out, _ = shared_prompt_attention(q, k, v, L)
+    q = torch.randn(1, 6, T, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, T, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    out, _ = reference_forward(q, k, v, segs)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(out, expected, **TOL)
-    mha, _ = shared_prompt_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), L)
+    mha, _ = reference_forward(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), segs)
     torch.testing.assert_close(out, mha, **TOL)
 
 
 def test_scale():
-    L = detect(T([[1, 2, 3, 4], [1, 2, 5, 6]]))
+    segs, T = make_segments([(2, [2, 2])])
     g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(1, 2, L.num_tokens, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    default, _ = shared_prompt_attention(q, k, v, L)
-    explicit, _ = shared_prompt_attention(q, k, v, L, scale=1 / math.sqrt(8))
+    q, k, v = (torch.randn(1, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    default, _ = reference_forward(q, k, v, segs)
+    explicit, _ = reference_forward(q, k, v, segs, scale=1 / math.sqrt(8))
     torch.testing.assert_close(default, explicit, rtol=0, atol=0)
-    scaled, _ = shared_prompt_attention(q, k, v, L, scale=0.3)
-    unit, _ = shared_prompt_attention(q * 0.3, k, v, L, scale=1.0)
+    scaled, _ = reference_forward(q, k, v, segs, scale=0.3)
+    unit, _ = reference_forward(q * 0.3, k, v, segs, scale=1.0)
     torch.testing.assert_close(scaled, unit, **TOL)
     assert not torch.allclose(scaled, default)
 
 
 def test_reference_forward_takes_segments():
-    L = detect(T([[1, 2, 3, 4], [1, 2, 5, 6]]))
+    segs, T = forest_segments([2, 2, 1, 2], [-1, 0, 1, 0])
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 2, L.num_tokens, 4, generator=g, dtype=torch.float64) for _ in range(3))
-    out, lse = shared_prompt_attention(q, k, v, L, scale=0.5)
-    out2, lse2 = reference_forward(q, k, v, L.attention_segments, 0.5)
-    out3, lse3 = attention_with_mask(q, k, v, L.dense_mask(), 0.5)
+    q, k, v = (torch.randn(1, 2, T, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    out, lse = shared_prompt_attention(q, k, v, _layout(segs, T), scale=0.5)
+    out2, lse2 = reference_forward(q, k, v, segs, 0.5)
+    out3, lse3 = attention_with_mask(q, k, v, dense_mask(segs, T), 0.5)
     for a, b in ((out, out2), (lse, lse2), (out, out3), (lse, lse3)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_empty_stream():
-    L = detect(T([[0, 0], [0, 0]]), T([[0, 0], [0, 0]]))
+    segs, T = forest_segments([], [])
     q = torch.randn(1, 2, 0, 4)
-    out, lse = shared_prompt_attention(q, q, q, L)
+    out, lse = shared_prompt_attention(q, q, q, _layout(segs, T))
     assert out.shape == (1, 2, 0, 4) and lse.shape == (1, 2, 0)
 
 
@@ -155,7 +246,8 @@ def test_empty_stream():
 
 
 def test_check_qkv_errors():
-    L = detect(T([[1, 2, 3], [1, 2, 4]]))  # T = 4
+    segs, T = make_segments([(2, [1, 1])])  # T = 4
+    L = _layout(segs, T)
     good = torch.zeros(1, 4, 4, 8)
     kv = torch.zeros(1, 2, 4, 8)
     shared_prompt_attention(good, kv, kv, L)
@@ -177,135 +269,35 @@ def test_check_qkv_errors():
             check_qkv(*args, 4)
 
 
-# --------------------------------------------------------------------------- dense equivalence, randomized
-
-
-@st.composite
-def batches(draw, max_groups=3, max_rows=4, max_prompt=5, max_resp=4, vocab=3):
-    """A veRL-style batch (left-padded prompts, right-padded responses), with
-    groups of different sizes; a small vocabulary makes responses share first
-    tokens by chance. Returns (input_ids, attention_mask, position_ids)."""
-    groups = []
-    for _ in range(draw(st.integers(1, max_groups))):
-        P = draw(st.integers(0, max_prompt))
-        prompt = draw(st.lists(st.integers(1, vocab), min_size=P, max_size=P))
-        resps = [draw(st.lists(st.integers(1, vocab), max_size=max_resp)) for _ in range(draw(st.integers(1, max_rows)))]
-        groups.append((prompt, resps))
-    Pw = max(len(p) for p, _ in groups) + draw(st.integers(0, 1))
-    Rw = max(len(r) for _, rs in groups for r in rs) + draw(st.integers(0, 1))
-    Rw = max(Rw, 1 - Pw)
-    ids, mask = [], []
-    for prompt, resps in groups:
-        for r in resps:
-            lp, rp = Pw - len(prompt), Rw - len(r)
-            ids.append([0] * lp + prompt + r + [0] * rp)
-            mask.append([0] * lp + [1] * (len(prompt) + len(r)) + [0] * rp)
-    ids, mask = T(ids), T(mask)
-    pos = draw(st.sampled_from([None, "hf", "arange"]))
-    if pos == "hf":
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
-    elif pos == "arange":
-        pos = torch.arange(ids.shape[1]).view(1, -1)
-    return ids, mask, pos
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    batch=batches(),
-    hkv=st.integers(1, 2),
-    ratio=st.integers(1, 3),
-    d=st.sampled_from([1, 3, 4]),
-    scale=st.sampled_from([None, 0.7]),
-    seed=st.integers(0, 2**16),
-)
-def test_matches_dense_attention_over_duplicated_batch(batch, hkv, ratio, d, scale, seed):
-    ids, mask, pos = batch
-    B, S = ids.shape
-    hq = hkv * ratio
-    L = detect(ids, mask, pos)
-    g = torch.Generator().manual_seed(seed)
-
-    # q, k, v of the padded batch as functions of (token, column, position),
-    # so rows that share a token at a column (and position) have the same q/k/v there,
-    # as a real model's projections would.
-    positions = torch.arange(S).view(1, S) if pos is None else pos
-    positions = positions.expand(B, S)
-
-    def proj(h):
-        table = torch.randn(4, S, h, d, generator=g, dtype=torch.float64)
-        per_pos = torch.randn(S, h, d, generator=g, dtype=torch.float64)
-        return table[ids, torch.arange(S)] + 0.5 * per_pos[positions]
-
-    qd, kd, vd = proj(hq), proj(hkv), proj(hkv)
-    qd.requires_grad_(), kd.requires_grad_(), vd.requires_grad_()
-    sc = 1 / math.sqrt(d) if scale is None else scale
-    out_d, lse_d = dense_attention(qd, kd, vd, mask, sc)
-
-    # Packed: the layout's stream built from the padded batch.
-    qp, kp, vp = (to_kernel(pack(x.detach(), L)).requires_grad_() for x in (qd, kd, vd))
-    out_p, lse_p = shared_prompt_attention(qp, kp, vp, L, scale=scale)
-    assert out_p.shape == (1, hq, L.num_tokens, d) and lse_p.shape == (1, hq, L.num_tokens)
-
-    valid = mask.bool()
-    out_u = unpack(from_kernel(out_p), L)
-    torch.testing.assert_close(out_u[valid], out_d[valid], **TOL)
-    assert not out_u[~valid].any()  # zeros at padding
-    lse_u = unpack(from_kernel(lse_p), L)
-    torch.testing.assert_close(lse_u[valid], lse_d[valid], **TOL)
-
-    # Gradients: a random upstream gradient at valid positions (padding carries none).
-    dout = torch.randn(B, S, hq, d, generator=g, dtype=torch.float64) * valid[..., None, None]
-    if L.num_tokens == 0:  # every row empty: nothing to differentiate
-        return
-    dq_d, dk_d, dv_d = torch.autograd.grad(out_d, (qd, kd, vd), dout)
-    expected = [to_kernel(sum_onto_packed(x, L)) for x in (dq_d, dk_d, dv_d)]
-    got = torch.autograd.grad(out_u, (qp, kp, vp), dout, retain_graph=True)
-    for name, a, b in zip("qkv", got, expected):
-        torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"d{name}: {m}")
-    # The explicit backward of the reference (what the op's backward calls) agrees too.
-    dout_p = torch.autograd.grad(out_u, out_p, dout)[0]
-    manual = reference_backward(dout_p, qp.detach(), kp.detach(), vp.detach(), None, None, L.attention_segments, sc)
-    for name, a, b in zip("qkv", manual, expected):
-        torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"reference_backward d{name}: {m}")
-
-
 # --------------------------------------------------------------------------- gradcheck, dtypes, op
 
 
-def _small_layout():
-    # Two groups (3 rows sharing a left-padded prompt, one of them with an empty
-    # response; 2 rows sharing their first response token) and a row of its own.
-    ids = T([[0, 5, 6, 1, 2], [0, 5, 6, 3, 0], [0, 5, 6, 0, 0], [7, 8, 9, 9, 1], [7, 8, 9, 9, 2], [4, 4, 0, 0, 0]])
-    mask = T([[0, 1, 1, 1, 1], [0, 1, 1, 1, 0], [0, 1, 1, 0, 0], [1] * 5, [1] * 5, [1, 1, 0, 0, 0]])
-    L = detect(ids, mask)
-    assert [(g.rows, g.shared_len) for g in L.groups] == [(range(0, 3), 2), (range(3, 5), 4), (range(5, 6), 2)]
-    return L
+def _small_segments():
+    # Two trees: a depth-3 one (an empty node, a one-token node, siblings) and a lone root.
+    return forest_segments([2, 1, 2, 0, 1, 2], [-1, 0, 1, 0, 3, -1])
 
 
-def _qkv(L, hq, hkv, d, dtype=torch.float64, seed=0):
+def _qkv(T, hq, hkv, d, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, hq, L.num_tokens, d, generator=g, dtype=torch.float64).to(dtype)
-    k = torch.randn(1, hkv, L.num_tokens, d, generator=g, dtype=torch.float64).to(dtype)
-    v = torch.randn(1, hkv, L.num_tokens, d, generator=g, dtype=torch.float64).to(dtype)
-    return q, k, v
+    return tuple(torch.randn(1, h, T, d, generator=g, dtype=torch.float64).to(dtype) for h in (hq, hkv, hkv))
 
 
 def test_gradcheck_reference():
-    L = _small_layout()
-    q, k, v = (t.requires_grad_() for t in _qkv(L, 4, 2, 3))
-    assert torch.autograd.gradcheck(lambda *a: shared_prompt_attention(*a, L, scale=0.8), (q, k, v))
-    assert torch.autograd.gradgradcheck(lambda *a: shared_prompt_attention(*a, L)[0], (q, k, v))
+    segs, T = _small_segments()
+    q, k, v = (t.requires_grad_() for t in _qkv(T, 4, 2, 3))
+    assert torch.autograd.gradcheck(lambda *a: reference_forward(*a, segs, scale=0.8), (q, k, v))
+    assert torch.autograd.gradgradcheck(lambda *a: reference_forward(*a, segs)[0], (q, k, v))
 
 
 def test_gradcheck_op_reference_backend():
-    L = _small_layout()
-    q, k, v = (t.requires_grad_() for t in _qkv(L, 4, 2, 3, seed=1))
-    f = lambda *a: op.shared_prompt_attention(*a, L, backend="reference")  # noqa: E731
+    segs, T = _small_segments()
+    q, k, v = (t.requires_grad_() for t in _qkv(T, 4, 2, 3, seed=1))
+    f = lambda *a: op.shared_prompt_attention(*a, segs, backend="reference")  # noqa: E731
     assert torch.autograd.gradcheck(f, (q, k, v))
-    assert torch.autograd.gradcheck(lambda *a: op.shared_prompt_attention(*a, L.attention_segments, scale=0.3, backend="reference"), (q, k, v))
+    assert torch.autograd.gradcheck(lambda *a: op.shared_prompt_attention(*a, segs, scale=0.3, backend="reference"), (q, k, v))
     # Same values as the reference itself, forward and backward.
     out = f(q, k, v)
-    ref, _ = shared_prompt_attention(q, k, v, L)
+    ref, _ = reference_forward(q, k, v, segs)
     torch.testing.assert_close(out, ref, **TOL)
     dout = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
@@ -317,15 +309,13 @@ def test_low_precision_dtypes_use_fp32_softmax(dtype):
     # A long shared prompt and large, similar scores: a softmax in bf16/fp16
     # would be off by many units in the last place; computing in fp32 and
     # rounding once at the end keeps the output within one.
-    ids = T([[*range(1, 97), 200 + i] for i in range(3)])
-    L = detect(ids)
-    assert L.groups[0].shared_len == 96
-    q, k, v = _qkv(L, 4, 2, 16, seed=2)
+    segs, T = make_segments([(96, [1, 1, 1])])
+    q, k, v = _qkv(T, 4, 2, 16, seed=2)
     q = q * 3
     q, k, v = (t.to(dtype) for t in (q, k, v))
-    out, lse = shared_prompt_attention(q, k, v, L)
+    out, lse = reference_forward(q, k, v, segs)
     assert out.dtype == dtype and lse.dtype == torch.float32
-    ref, ref_lse = shared_prompt_attention(q.double(), k.double(), v.double(), L)
+    ref, ref_lse = reference_forward(q.double(), k.double(), v.double(), segs)
     if dtype == torch.float32:
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     else:
@@ -335,7 +325,7 @@ def test_low_precision_dtypes_use_fp32_softmax(dtype):
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-5)
     # Gradients flow in the input dtype.
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    shared_prompt_attention(q, k, v, L)[0].float().sum().backward()
+    reference_forward(q, k, v, segs)[0].float().sum().backward()
     assert q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
-    b_q, b_k, b_v = reference_backward(torch.ones_like(out), q.detach(), k.detach(), v.detach(), None, None, L.attention_segments)
+    b_q, b_k, b_v = reference_backward(torch.ones_like(out), q.detach(), k.detach(), v.detach(), None, None, segs)
     assert b_q.dtype == b_k.dtype == b_v.dtype == dtype

@@ -4,8 +4,9 @@ CPU tests check the custom op ``dualkv::flex_block_tables`` with
 ``torch.library.opcheck`` and that the builder and the flex path trace
 without recompiling across layouts. CUDA tests (marked ``cuda``, skipped
 without a GPU) run FlexAttention forward and backward against the float64
-reference on ragged, multi-group, GQA layouts in bf16 and fp32. The block
-tables' math is tested in tests/kernels/test_flex_block_tables.py.
+reference on ragged, multi-group and prefix-forest (depth 3) GQA layouts in
+bf16 and fp32. The block tables' math is tested in
+tests/kernels/test_flex_block_tables.py.
 """
 
 from __future__ import annotations
@@ -18,15 +19,29 @@ pytest.register_assert_rewrite("tests.kernels.flex_layouts")
 from dualkv_compile.kernels import reference  # noqa: E402
 from dualkv_compile.ops import flex  # noqa: E402
 from dualkv_compile.ops.attention import attention_fwd, shared_prompt_attention  # noqa: E402
-from ..kernels.flex_layouts import FIXED_LAYOUTS, same_tables  # noqa: E402
-from ..kernels.segments import make_segments  # noqa: E402
+from ..kernels.flex_layouts import FIXED_FORESTS, FIXED_LAYOUTS, same_tables  # noqa: E402
+from ..kernels.segments import forest_segments, make_segments  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (FlexAttention's backward has no CPU kernel)")
 
 
-def test_block_tables_op_opcheck():
-    segs, T = make_segments([(300, [100, 200, 5]), (40, [3])])
+def _segments(layout, device="cpu"):
+    """A layout spec: two-level groups ``[(P, [R, ...]), ...]`` or a forest ``("forest", seg_len, parent)``."""
+    if layout and layout[0] == "forest":
+        return forest_segments(layout[1], layout[2], device)
+    return make_segments(layout, device)
+
+
+def _forest(lens, parents):
+    return ("forest", lens, parents)
+
+
+@pytest.mark.parametrize("layout", [[(300, [100, 200, 5]), (40, [3])], _forest([300, 100, 50, 60, 200], [-1, 0, 1, 1, 0])])
+def test_block_tables_op_opcheck(layout):
+    segs, T = _segments(layout)
+    tables = flex.block_tables_op(flex.segment_table(segs, T), T, segs.max_seg_len)
+    assert len(tables) == 9 and tables[-1].shape == (T,)
     torch.library.opcheck(flex.block_tables_op, (flex.segment_table(segs, T), T, segs.max_seg_len))
 
 
@@ -48,8 +63,9 @@ def test_flex_path_traces_once_under_outer_compile(monkeypatch):
         return flex.attention(q, k, v, segs, 0.2)
 
     cf = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
-    for groups in ([(150, [40, 70, 9])], [(131, [30, 90]), (20, [5, 5, 5, 7, 1])]):
-        segs, T = make_segments(groups)
+    layouts = ([(150, [40, 70, 9])], [(131, [30, 90]), (20, [5, 5, 5, 7, 1])], _forest([90, 40, 1, 70, 30, 9], [-1, 0, 1, 1, 0, -1]))
+    for layout in layouts:
+        segs, T = _segments(layout)
         g = torch.Generator().manual_seed(T)
         q, k, v = (torch.randn(1, h, T, 16, generator=g).requires_grad_() for h in (6, 2, 2))
         out = cf(q, k, v, segs)
@@ -79,6 +95,8 @@ GPU_LAYOUTS = [
     [(1000, [300, 77, 513])],  # ragged, nothing a multiple of 128
     [(512, [256, 256, 256])],  # block-aligned
     [(200, [1, 130, 7]), (333, [64, 1000]), (50, [])],  # several groups, tiny segments, a lone row
+    _forest([700, 300, 129, 1, 257, 64, 500, 3, 90], [-1, 0, 1, 1, 0, 4, -1, 6, 6]),  # depth 3, two trees
+    _forest([128, 128, 1, 255, 384], [-1, 0, 1, 2, 1]),  # a block-aligned chain with a one-token node
 ]
 
 
@@ -95,10 +113,10 @@ def _ref_grads(q, k, v, dout, segs, scale):
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("groups", GPU_LAYOUTS)
+@pytest.mark.parametrize("layout", GPU_LAYOUTS)
 @pytest.mark.parametrize("dtype,heads,d", [(torch.bfloat16, (8, 2), 128), (torch.bfloat16, (4, 4), 64), (torch.float32, (6, 3), 64)])
-def test_flex_matches_reference_cuda(groups, dtype, heads, d):
-    segs, T = make_segments(groups, "cuda")
+def test_flex_matches_reference_cuda(layout, dtype, heads, d):
+    segs, T = _segments(layout, "cuda")
     q, k, v = _cuda_inputs(T, *heads, d, dtype, seed=T + d)
     scale = d**-0.5
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
@@ -118,8 +136,7 @@ def test_flex_matches_reference_cuda(groups, dtype, heads, d):
 @needs_cuda
 def test_flex_opaque_op_forward_lse_and_recomputed_backward_cuda():
     """The protocol path (dualkv::attention_fwd/bwd with backend='flex'): lse, and the recompute backward."""
-    groups = [(700, [129, 300]), (90, [45, 200, 3])]
-    segs, T = make_segments(groups, "cuda")
+    segs, T = forest_segments([700, 129, 60, 300, 90, 45, 200, 3], [-1, 0, 1, 1, 0, -1, 5, 5], "cuda")
     q, k, v = _cuda_inputs(T, 8, 2, 128, torch.bfloat16, seed=7)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     out, lse = attention_fwd(qg, kg, vg, *segs, 0.1, "flex")
@@ -137,7 +154,7 @@ def test_flex_opaque_op_forward_lse_and_recomputed_backward_cuda():
 @pytest.mark.cuda
 @needs_cuda
 def test_block_mask_build_does_not_sync_cuda():
-    segs, T = make_segments([(3000, [500, 700, 129]), (257, [1000, 5])], "cuda")
+    segs, T = forest_segments([3000, 500, 700, 129, 60, 257, 1000, 5], [-1, 0, 1, 1, 0, -1, 5, 6], "cuda")
     flex.block_mask(segs, T, builder="torch")  # warm up allocator and kernels
     flex.block_mask(segs, T)
     torch.cuda.synchronize()
@@ -151,9 +168,9 @@ def test_block_mask_build_does_not_sync_cuda():
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("groups", FIXED_LAYOUTS + GPU_LAYOUTS)
-def test_triton_builder_matches_torch_builder_cuda(groups):
-    segs, T = make_segments(groups, "cuda")
+@pytest.mark.parametrize("layout", FIXED_LAYOUTS + GPU_LAYOUTS + [_forest(*f) for f in FIXED_FORESTS])
+def test_triton_builder_matches_torch_builder_cuda(layout):
+    segs, T = _segments(layout, "cuda")
     table = flex.segment_table(segs, T)
     same_tables(flex.block_tables(table, T), flex.block_tables_op(table, T, segs.max_seg_len))
 
@@ -163,8 +180,8 @@ def test_triton_builder_matches_torch_builder_cuda(groups):
 def test_no_recompile_across_layouts_cuda():
     from torch._dynamo.utils import counters
 
-    def run(groups):
-        segs, T = make_segments(groups, "cuda")
+    def run(layout):
+        segs, T = _segments(layout, "cuda")
         q, k, v = (t.requires_grad_() for t in _cuda_inputs(T, 8, 2, 128, torch.bfloat16, seed=T))
         out = shared_prompt_attention(q, k, v, segs, backend="flex")
         out.backward(torch.randn_like(out))
@@ -172,6 +189,6 @@ def test_no_recompile_across_layouts_cuda():
 
     run([(640, [200, 300])])  # compiles (or reuses) the builder and the flex kernels
     before = counters["stats"]["unique_graphs"]
-    for groups in ([(1000, [1, 513, 77])], [(128, [128] * 5), (300, [40])], [(2049, [7] * 9)]):
-        run(groups)
+    for layout in ([(1000, [1, 513, 77])], [(128, [128] * 5), (300, [40])], [(2049, [7] * 9)], GPU_LAYOUTS[3]):
+        run(layout)
     assert counters["stats"]["unique_graphs"] == before

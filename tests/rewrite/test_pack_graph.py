@@ -52,7 +52,7 @@ def forward(self, L_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter
         axes = analyze_token_axes(gm, find_token_inputs(gm.graph))
         packed = pack_graph(gm, axes, "reference")
         self.assertExpectedInline(normalise(packed.code), """\
-def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter.Parameter, pos.weight : torch.nn.parameter.Parameter, l_position_ids_ : torch.Tensor, norm.weight : torch.nn.parameter.Parameter, l_self_modules_norm_parameters_bias_ : torch.nn.parameter.Parameter, qkv.weight : torch.nn.parameter.Parameter, out.weight : torch.nn.parameter.Parameter, head.weight : torch.nn.parameter.Parameter, pack_index, col_index, unpack_index, valid, prev_index, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len):
+def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter.Parameter, pos.weight : torch.nn.parameter.Parameter, l_position_ids_ : torch.Tensor, norm.weight : torch.nn.parameter.Parameter, l_self_modules_norm_parameters_bias_ : torch.nn.parameter.Parameter, qkv.weight : torch.nn.parameter.Parameter, out.weight : torch.nn.parameter.Parameter, head.weight : torch.nn.parameter.Parameter, pack_index, col_index, unpack_index, valid, prev_index, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len):
     size = pack_index.size(0)
     pack_tokens = dualkv_compile_rewrite_packed_ops_pack_tokens(l_input_ids_, pack_index, 0, 1)
     pack_tokens_1 = dualkv_compile_rewrite_packed_ops_pack_tokens(l_position_ids_, pack_index, 0, 1)
@@ -66,7 +66,7 @@ def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter
     q_packed = permute_packed[0]
     k_packed = permute_packed[1]
     v_packed = permute_packed[2]
-    attention_fwd_default = torch.ops.dualkv.attention_fwd.default(q_packed, k_packed, v_packed, seg_start, seg_len, prefix_start, prefix_len, max_seg_len, max_prefix_len, 0.35355339059327373, 'reference')
+    attention_fwd_default = torch.ops.dualkv.attention_fwd.default(q_packed, k_packed, v_packed, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, 0.35355339059327373, 'reference')
     a_packed = attention_fwd_default[0]
     transpose_packed = a_packed.transpose(1, 2)
     reshape_packed = transpose_packed.reshape(1, size, -1)

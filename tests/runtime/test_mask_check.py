@@ -42,7 +42,7 @@ def test_pin_padding_rejects_a_padding_query_that_attends_to_itself():
     m = _causal_with_key_padding(pad_self=True)
     assert mask_mismatch([m], ["sdpa"], layout, pin_padding=False) is None
     why = mask_mismatch([m], ["sdpa"], layout, pin_padding=True)
-    assert why is not None and why.startswith("sdpa: the attention mask is not causal with key padding")
+    assert why is not None and why.startswith("sdpa: the attention mask is not causal within each sequence")
 
 
 def test_sliding_window_and_bias_are_rejected():
@@ -50,7 +50,7 @@ def test_sliding_window_and_bias_are_rejected():
     window = _causal_with_key_padding(False)
     window[:, :, 4, 0] = False  # the last query no longer sees the first key
     for pin in (False, True):
-        assert "not causal with key padding" in mask_mismatch([window], ["a"], layout, pin_padding=pin)
+        assert "not causal within each sequence" in mask_mismatch([window], ["a"], layout, pin_padding=pin)
     bias = _additive(_causal_with_key_padding(False))
     bias[0, 0, 2, 1] = -0.5
     assert "not a pure mask" in mask_mismatch([bias], ["a"], layout, pin_padding=False)

@@ -1,20 +1,20 @@
-"""The math of the FlexAttention backend's two-region mask, with no op or dispatch.
+"""The math of the FlexAttention backend's prefix-forest mask, with no op or dispatch.
 
     block_tables.py          segment_table, block_tables (eager torch), BLOCK, SENTINEL
     triton_block_tables.py   triton_kernels, triton_block_tables (the CUDA builder)
-    mask_mod.py              two_region_mask_mod (the mask of the partial blocks)
+    mask_mod.py              tree_mask_mod (the mask of the partial blocks)
 
 Assumes ``layout.segments.Segments`` as the layout type and nothing from
 ``dualkv_compile.ops``: the custom op ``dualkv::flex_block_tables``, the
 ``BlockMask`` and the FlexAttention calls live in ``ops/flex.py``, which
 builds on this package. Guarantees: both builders return the same tables
-(see their modules) with no device sync, and ``two_region_mask_mod`` agrees
+(see their modules) with no device sync, and ``tree_mask_mod`` agrees
 with the FULL/partial classification they make.
 """
 
 from .block_tables import BLOCK, SENTINEL, block_tables, segment_table
-from .mask_mod import two_region_mask_mod
+from .mask_mod import tree_mask_mod
 from .triton_block_tables import triton_block_tables, triton_kernels
 
-__all__ = ["BLOCK", "SENTINEL", "block_tables", "segment_table", "two_region_mask_mod", "triton_block_tables",
+__all__ = ["BLOCK", "SENTINEL", "block_tables", "segment_table", "tree_mask_mod", "triton_block_tables",
            "triton_kernels"]
