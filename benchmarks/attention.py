@@ -25,6 +25,7 @@ compile count of the flex path across layouts are measured first.
     python benchmarks/attention.py --quick         # smoke test on CUDA
     python benchmarks/attention.py --device cpu --quick   # reference path on tiny shapes
     python benchmarks/attention.py --shapes 16,4096,1024 --shapes groups
+    python benchmarks/attention.py --shapes tree   # system 4K shared by 4 groups of a 2K prompt and 8 responses of 1K
 """
 
 from __future__ import annotations
@@ -79,14 +80,15 @@ def log(msg: str) -> None:
 class Case:
     name: str
     groups: list  # [(P, [R_0, R_1, ...]), ...]
+    system: int = 0  # a system prompt shared by every group: a tree of two levels above the responses
 
     @property
     def num_tokens(self) -> int:
-        return sum(P + sum(Rs) for P, Rs in self.groups)
+        return self.system + sum(P + sum(Rs) for P, Rs in self.groups)
 
     @property
     def rows(self) -> list[int]:
-        return [P + R for P, Rs in self.groups for R in Rs]
+        return [self.system + P + R for P, Rs in self.groups for R in Rs]
 
     @property
     def pairs_before(self) -> int:
@@ -94,7 +96,10 @@ class Case:
 
     @property
     def pairs_after(self) -> int:
-        return sum(P * (P + 1) // 2 + sum(P * R + R * (R + 1) // 2 for R in Rs) for P, Rs in self.groups)
+        Y = self.system
+        return Y * (Y + 1) // 2 + sum(
+            Y * P + P * (P + 1) // 2 + sum((Y + P) * R + R * (R + 1) // 2 for R in Rs) for P, Rs in self.groups
+        )
 
     @property
     def ideal_ratio(self) -> float:
@@ -105,6 +110,7 @@ class Case:
         Rs = [R for _, rs in self.groups for R in rs]
         return dict(
             case=self.name,
+            system=self.system,
             groups=len(self.groups),
             N=len(Rs),
             P=Ps[0] if len(Ps) == 1 else Ps,
@@ -125,13 +131,24 @@ def groups_case(num_groups=4, N=8, P=4096, lo=128, hi=2048, seed=0) -> Case:
     return Case(f"groups{num_groups}_N{N}_P{P}_R{lo}-{hi}", [(P, [rng.randint(lo, hi) for _ in range(N)]) for _ in range(num_groups)])
 
 
+def tree_case(system=4096, num_groups=4, N=8, P=2048, R=1024) -> Case:
+    """A system prompt shared by ``num_groups`` groups of a ``P``-token prompt and ``N`` responses of ``R``."""
+    return Case(f"tree_sys{system}_{num_groups}x(P{P}_N{N}_R{R})", [(P, [R] * N) for _ in range(num_groups)], system)
+
+
 def segments(case: Case, device) -> Segments:
-    # Each group: its prompt a root, its responses the prompt's children (pre-order).
+    # The system prompt (if any) a root, each group's prompt its child (or a root), the responses
+    # the prompt's children: pre-order.
     lens, parents = [], []
+    root = -1
+    if case.system:
+        lens.append(case.system)
+        parents.append(-1)
+        root = 0
     for P, Rs in case.groups:
         prompt = len(lens)
         lens.append(P)
-        parents.append(-1)
+        parents.append(root)
         lens.extend(Rs)
         parents.extend([prompt] * len(Rs))
     return tree_segments(lens, parents, device)
@@ -202,6 +219,9 @@ def setup_sdpa_dup(case: Case, cfg: Cfg, backend: Optional[str]):
 def setup_split_sdpa(case: Case, cfg: Cfg):
     """Prompt causal, then each group's responses (right-padded) over [prompt K/V, own K/V], lower-right causal."""
     from torch.nn.attention.bias import causal_lower_right
+
+    if case.system:
+        raise NotImplementedError("split_sdpa (PrefixGrouper's two regions) has no tree: one prompt per group only")
 
     leaves, parts = [], []
     for P, Rs in case.groups:
@@ -578,8 +598,8 @@ def plot(results: dict, path: Path) -> None:
 
 
 def parse_shape(s: str):
-    if s == "groups":
-        return "groups"
+    if s in ("groups", "tree"):
+        return s
     n, p, r = (int(x) for x in s.split(","))
     return (n, p, r)
 
@@ -588,7 +608,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--quick", action="store_true", help="small shapes, few reps (smoke test)")
-    ap.add_argument("--shapes", action="append", type=parse_shape, help="N,P,R or 'groups'; repeatable (default: all)")
+    ap.add_argument("--shapes", action="append", type=parse_shape, help="N,P,R, 'groups' or 'tree'; repeatable (default: all)")
     ap.add_argument("--methods", default=None, help="comma-separated subset of methods")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--stem", default=None, help="output file stem (default attention_<device>[_quick])")
@@ -611,11 +631,11 @@ def main(argv=None) -> int:
         ap.error("--device cuda but CUDA is not available")
     if device.type == "cpu":
         cfg = Cfg(4, 2, 16, torch.float32, device)
-        shapes = args.shapes or CPU_SHAPES + ["groups"]
+        shapes = args.shapes or CPU_SHAPES + ["groups", "tree"]
         args.budget_ms, args.max_reps, args.skip_mask = min(args.budget_ms, 50.0), min(args.max_reps, 5), True
     else:
         cfg = Cfg(32, 8, 128, torch.bfloat16, device)
-        shapes = args.shapes or (QUICK_SHAPES + ["groups"] if args.quick else FULL_SHAPES[:4] + ["groups"] + FULL_SHAPES[4:])
+        shapes = args.shapes or (QUICK_SHAPES + ["groups", "tree"] if args.quick else FULL_SHAPES[:4] + ["groups", "tree"] + FULL_SHAPES[4:])
         if args.quick:
             args.budget_ms, args.max_reps = min(args.budget_ms, 50.0), min(args.max_reps, 5)
 
@@ -625,6 +645,9 @@ def main(argv=None) -> int:
             cases.append(groups_case(4, 8, 4096, 128, 2048, seed=0) if device.type == "cuda" and not args.quick
                          else groups_case(2, 3, 48 if device.type == "cpu" else 512, 8 if device.type == "cpu" else 64,
                                           40 if device.type == "cpu" else 300, seed=0))
+        elif s == "tree":
+            cases.append(tree_case() if device.type == "cuda" and not args.quick
+                         else tree_case(40, 2, 3, 24, 16) if device.type == "cpu" else tree_case(512, 2, 4, 256, 128))
         else:
             cases.append(uniform_case(*s))
 

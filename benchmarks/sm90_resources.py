@@ -121,7 +121,7 @@ def resources(name: str, kernel) -> dict:
 def compile_kernels(config, head_dim: int = 128, q_heads: int = 32, kv_heads: int = 8, tokens: int = 4096) -> list:
     """Compile one forward and one backward of ``config`` for sm_90; the resource record of each kernel."""
     from dualkv_compile.kernels.triton import attention as ta, tma
-    from dualkv_compile.layout import Segments
+    from dualkv_compile.layout import tree_segments
 
     compiled: list = []
     driver.set_active(_Sm90Driver())
@@ -134,9 +134,7 @@ def compile_kernels(config, head_dim: int = 128, q_heads: int = 32, kv_heads: in
     torch.cuda.get_device_capability = lambda *a: (9, 0)
 
     P, R = tokens // 2, tokens // 4
-    rows = [(0, P, 0, 0), (P, R, 0, P), (P + R, R, 0, P)]
-    t = torch.tensor(rows, dtype=torch.int32)
-    segs = Segments(*(t[:, i].contiguous() for i in range(4)), P, P)
+    segs = tree_segments([P, R, R], [-1, 0, 0])
     make = lambda h: torch.randn(1, h, tokens, head_dim).bfloat16()  # noqa: E731
     q, k, v, do = make(q_heads), make(kv_heads), make(kv_heads), make(q_heads)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)  # as a projection lays it out

@@ -32,7 +32,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from dualkv_compile.layout import Segments  # noqa: E402
+from dualkv_compile.layout import tree_segments  # noqa: E402
 from dualkv_compile.kernels import reference  # noqa: E402
 from dualkv_compile.kernels.triton import attention as ta  # noqa: E402
 from dualkv_compile.kernels.triton.attention import Config, KernelConfig as KC  # noqa: E402
@@ -52,20 +52,17 @@ def emit(**rec):
 
 def make_segments(groups, device="cuda"):
     """groups: [(P, [R0, R1, ...])] -> Segments, T, attention pairs."""
-    rows, off, pairs = [], 0, 0
+    lens, parents, pairs = [], [], 0
     for P, Rs in groups:
-        rows.append((off, P, off, 0))
-        pstart = off
-        off += P
+        root = len(lens)
+        lens.append(P)
+        parents.append(-1)
         pairs += P * (P + 1) // 2
         for R in Rs:
-            rows.append((off, R, pstart, P))
-            off += R
+            lens.append(R)
+            parents.append(root)
             pairs += P * R + R * (R + 1) // 2
-    t = torch.tensor(rows, dtype=torch.int32, device=device)
-    segs = Segments(t[:, 0].contiguous(), t[:, 1].contiguous(), t[:, 2].contiguous(), t[:, 3].contiguous(),
-                    max(r[1] for r in rows), max(r[3] for r in rows))
-    return segs, off, pairs
+    return tree_segments(lens, parents, device), sum(lens), pairs
 
 
 def rel(a, b):
@@ -120,12 +117,10 @@ def flex_setup(segs, T):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     seg_id = torch.repeat_interleave(torch.arange(segs.seg_len.numel(), device="cuda"), segs.seg_len.long(), output_size=T)
-    own_start = segs.seg_start.long()[seg_id]
-    pre_start = segs.prefix_start.long()[seg_id]
-    pre_end = pre_start + segs.prefix_len.long()[seg_id]
+    reach = segs.subtree_end.long()[seg_id]  # a key is seen by the rows from it to its segment's subtree end
 
     def mask_mod(b, h, qi, kv):
-        return ((kv >= own_start[qi]) & (kv <= qi)) | ((kv >= pre_start[qi]) & (kv < pre_end[qi]))
+        return (kv <= qi) & (qi < reach[kv])
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()

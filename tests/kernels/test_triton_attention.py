@@ -23,9 +23,9 @@ if not torch.cuda.is_available():
 from dualkv_compile.kernels import reference  # noqa: E402
 from dualkv_compile.kernels.triton import attention as ta  # noqa: E402
 from dualkv_compile.kernels.triton import schedule, tma  # noqa: E402
-from dualkv_compile.ops.attention import shared_prompt_attention  # noqa: E402
 from dualkv_compile.kernels.triton.attention import Config, KernelConfig  # noqa: E402
-from dualkv_compile.layout import Segments, detect  # noqa: E402
+from dualkv_compile.layout.segments import host_rows  # noqa: E402
+from segments import forest_segments, make_segments, random_forest  # noqa: E402  tests/kernels is on sys.path
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(
@@ -36,7 +36,9 @@ pytestmark = needs_kernels
 
 
 def make_layout(groups, seed=0, device=DEVICE):
-    """A real padded batch whose rows share prompts: groups = [(P, [R0, R1, ...])]."""
+    """A real padded batch whose rows share prompts (for the tests through the op): groups = [(P, [R0, R1, ...])]."""
+    from dualkv_compile.layout import detect
+
     g = torch.Generator().manual_seed(seed)
     rows = []
     for P, Rs in groups:
@@ -79,8 +81,7 @@ def reference_all(q, k, v, do, segs, scale):
     return out, lse, grads
 
 
-def check_against_reference(layout_or_segs, T, Hq, Hkv, D, dtype, config=None, seed=0, transpose_q=False):
-    segs = layout_or_segs.attention_segments if hasattr(layout_or_segs, "attention_segments") else layout_or_segs
+def check_against_reference(segs, T, Hq, Hkv, D, dtype, config=None, seed=0, transpose_q=False):
     q, k, v, do = qkv(T, Hq, Hkv, D, dtype, seed)
     if transpose_q:  # [T, H, D] storage seen as [1, H, T, D]
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
@@ -126,31 +127,69 @@ TMA_SPLIT = Config(KernelConfig(16, 16, 4, 1, tma=True), KernelConfig(16, 16, 4,
     ],
 )
 def test_matches_reference_random_layouts(seed, D, Hq, Hkv, dtype, config):
-    layout = make_layout(random_groups(seed), seed)
-    check_against_reference(layout, layout.num_tokens, Hq, Hkv, D, dtype, config if DEVICE == "cpu" else None, seed,
+    segs, T = make_segments(random_groups(seed), DEVICE)
+    check_against_reference(segs, T, Hq, Hkv, D, dtype, config if DEVICE == "cpu" else None, seed,
                             transpose_q=seed % 2 == 1)
 
 
+def small_forest(seed, max_tokens=128):
+    """A random forest of depth up to 3 and a few roots, small enough for the interpreter (T <= max_tokens)."""
+    rng = random.Random(seed)
+    while True:
+        lens, parents = random_forest(rng, max_depth=3, max_len=24, max_children=3, max_roots=3)
+        if sum(lens) <= max_tokens and len(lens) > 1:
+            return lens, parents
+
+
+@pytest.mark.parametrize(
+    "seed, Hq, Hkv, config",
+    [(10, 2, 1, INTERP), (11, 4, 2, MIXED), (12, 2, 1, ATOMIC), (13, 2, 2, TMA), (14, 4, 1, TMA_SPLIT)],
+)
+def test_random_forests_match_reference(seed, Hq, Hkv, config):
+    # Prefix forests: every ancestor of a node fully visible, one softmax over all of them;
+    # the readers of a node's keys reach down several levels.
+    segs, T = forest_segments(*small_forest(seed), DEVICE)
+    check_against_reference(segs, T, Hq, Hkv, 32, torch.float32, config if DEVICE == "cpu" else None, seed,
+                            transpose_q=seed % 2 == 1)
+
+
+def test_depth_three_middle_node_with_several_children():
+    # root -> middle (children: three leaves of 12, 1 and 25 tokens), a leaf, a second middle node
+    # with one child; then a one-token root of its own.
+    lens = [20, 18, 12, 1, 25, 9, 16, 5, 1]
+    parents = [-1, 0, 1, 1, 1, 0, 0, 6, -1]
+    segs, T = forest_segments(lens, parents, DEVICE)
+    assert segs.prefix_len.tolist() == [0, 20, 38, 38, 38, 20, 20, 36, 0]
+    assert segs.subtree_end.tolist() == [106, 76, 50, 51, 76, 85, 106, 106, 107]
+    check_against_reference(segs, T, 2, 1, 32, torch.float32, ATOMIC if DEVICE == "cpu" else None, seed=15)
+
+
 def test_edge_segments():
-    # Groups of one (no prefix), prompts of one token, responses of one token, and
-    # a prompt longer than several blocks next to one shorter than a block.
-    groups = [(1, [1, 3]), (9, [1]), (50, [17, 1, 2]), (5, [40])]
-    layout = make_layout(groups, seed=7)
-    # plus a segment of its own at the end: no prefix, no readers
-    host = layout.segments() + [(layout.num_tokens, 23, layout.num_tokens, 0)]
-    T = layout.num_tokens + 23
-    t = torch.tensor(host, dtype=torch.int32, device=DEVICE)
-    segs = Segments(t[:, 0].contiguous(), t[:, 1].contiguous(), t[:, 2].contiguous(), t[:, 3].contiguous(),
-                    max(h[1] for h in host), max(h[3] for h in host))
+    # Prompts of one token, responses of one token, a prompt longer than several blocks next
+    # to one shorter than a block, roots alone (no ancestors, no readers), and empty
+    # segments: an empty root and an empty middle node (ancestors that add no block).
+    lens = [1, 1, 3, 9, 1, 50, 17, 1, 2, 5, 40, 23, 0, 6, 0, 1, 1]
+    parents = [-1, 0, 0, -1, 3, -1, 5, 5, 5, -1, 9, -1, -1, 12, 13, 14, -1]
+    segs, T = forest_segments(lens, parents, DEVICE)
     check_against_reference(segs, T, 2, 1, 64, torch.float32, INTERP if DEVICE == "cpu" else None, seed=7)
+
+
+def test_ancestors_with_only_full_or_only_ragged_blocks():
+    # The query kernels walk all ancestors' full blocks, then their ragged last blocks, each walk
+    # skipping the ancestors without such a block: the leaf's ancestors (nearest first) have
+    # 2 full blocks and a ragged one, 1 full block only, a ragged one only, 1 full and a ragged one.
+    lens, parents = [20, 5, 16, 37, 3, 2], [-1, 0, 1, 2, 3, 2]
+    segs, T = forest_segments(lens, parents, DEVICE)
+    assert schedule.ancestor_walk(segs, 16).tolist()[4] == [4, 3, 3, 3]
+    check_against_reference(segs, T, 2, 1, 32, torch.float32, INTERP if DEVICE == "cpu" else None, seed=16)
 
 
 @pytest.mark.parametrize("config", [INTERP, ATOMIC], ids=["recompute_dq", "atomic_dq"])
 def test_very_negative_scores_give_finite_gradients(config):
     # Every visible score near -200: lse is too, and a zero-loaded column past a ragged
     # prefix block scores 0, whose exp(0 - lse) overflows float32 unless it is masked.
-    layout = make_layout([(21, [7, 13]), (5, [9])], seed=4)
-    segs, T, D = layout.attention_segments, layout.num_tokens, 64
+    segs, T = make_segments([(21, [7, 13]), (5, [9])], DEVICE)
+    D = 64
     _, _, v, do = qkv(T, 2, 1, D, torch.float32, seed=4)
     u = torch.ones(1, 1, T, D, device=DEVICE) / math.sqrt(D)
     jitter = torch.randn(1, 1, T, D, generator=torch.Generator().manual_seed(0)).to(DEVICE) * 0.01
@@ -168,20 +207,21 @@ def test_very_negative_scores_give_finite_gradients(config):
         assert rel(g, r) < 1e-3, (name, rel(g, r))
 
 
-def test_readers_not_right_after_their_prefix():
-    # SharedPromptLayout puts a prompt's responses right after it, and the dK/dV kernel then walks
-    # the prompt's own rows and its readers' rows as one range; a segment in between splits them.
-    host = [(0, 37, 0, 0), (37, 21, 37, 0), (58, 19, 0, 37), (77, 40, 0, 37), (117, 3, 0, 37)]
-    t = torch.tensor(host, dtype=torch.int32, device=DEVICE)
-    segs = Segments(*(t[:, i].contiguous() for i in range(4)), 40, 37)
-    assert schedule.readers(segs)[0].tolist()[0] == 2  # the prompt's readers start two segments later
+def test_readers_span_several_levels():
+    # The dK/dV kernel walks a key tile's own rows after the diagonal and every descendant's rows
+    # as one range up to the subtree's end: the root's readers here are children, grandchildren
+    # and a great-grandchild; node 1's subtree ends before its sibling's starts.
+    lens = [37, 21, 19, 3, 40, 5, 1]
+    parents = [-1, 0, 1, 2, 0, 4, -1]
+    segs, T = forest_segments(lens, parents, DEVICE)
+    assert segs.subtree_end.tolist() == [125, 80, 80, 80, 125, 125, 126]
+    assert segs.prefix_len.tolist() == [0, 37, 58, 77, 37, 77, 0]
     for config in (INTERP, TMA):
-        check_against_reference(segs, 120, 2, 1, 64, torch.float32, config if DEVICE == "cpu" else None, seed=9)
+        check_against_reference(segs, T, 2, 1, 64, torch.float32, config if DEVICE == "cpu" else None, seed=9)
 
 
 def test_tma_paths_are_taken():
-    layout = make_layout([(40, [20, 33]), (9, [17])], seed=8)
-    T = layout.num_tokens
+    T = make_segments([(40, [20, 33]), (9, [17])])[1]
     q, k, v, do = qkv(T, 4, 2, 64, torch.float32, seed=8)
     assert tma.descriptors(TMA.fwd, 16, k, v)[1]
     assert tma.descriptors(TMA.dkdv, 16, q.transpose(1, 2).contiguous().transpose(1, 2), do)[1]
@@ -225,6 +265,8 @@ def test_config_rejects_unknown_dq_mode():
 
 
 def test_through_op_forward_and_backward():
+    from dualkv_compile.ops.attention import shared_prompt_attention
+
     layout = make_layout([(21, [7, 13, 2]), (12, [30])], seed=3)
     T, Hq, Hkv, D = layout.num_tokens, 4, 2, 64
     q, k, v, do = qkv(T, Hq, Hkv, D, torch.float32, seed=3)
@@ -238,34 +280,57 @@ def test_through_op_forward_and_backward():
 
 
 def test_deterministic_backward_is_bitwise_reproducible():
-    layout = make_layout([(30, [9, 25, 4]), (14, [11, 6])], seed=5)
-    T, D = layout.num_tokens, 64
+    segs, T = forest_segments([30, 9, 25, 4, 14, 11, 6], [-1, 0, 1, 0, -1, 4, 4], DEVICE)
+    D = 64
     q, k, v, do = qkv(T, 4, 2, D, torch.bfloat16, seed=5)
-    segs = layout.attention_segments
     out, lse = ta.forward(q, k, v, segs, 0.125)
     a = ta.backward(do, q, k, v, out, lse, segs, 0.125, True)
     b = ta.backward(do, q, k, v, out, lse, segs, 0.125, True)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_tile_schedule_covers_every_tile_once():
-    layout = make_layout(random_groups(11, max_p=90, max_r=70), seed=11)
-    segs, T = layout.attention_segments, layout.num_tokens
+def test_tile_schedule_covers_every_tile_once_heaviest_first():
+    lens, parents = random_forest(random.Random(11), max_depth=3, max_len=90)
+    segs, T = forest_segments(lens, parents, DEVICE)
+    rows = host_rows(lens, parents)
     for block, kind in ((16, "q"), (32, "kv"), (128, "q")):
-        sched = schedule.tile_schedule(segs, T, block, kind).cpu()
-        got = sorted((int(s), int(t)) for s, t in zip(sched[0], sched[1]) if s >= 0)
-        want = sorted((i, t) for i, (_, n, _, _) in enumerate(layout.segments()) for t in range(-(-n // block)))
-        assert got == want
-        assert (sched[0][len(want):] == -1).all()  # padding only at the end
+        sched = schedule.tile_schedule(segs, T, block, kind).cpu().tolist()
+        got = [(s, t) for s, t in zip(*sched) if s >= 0]
+        assert sorted(got) == [(i, t) for i, n in enumerate(lens) for t in range(-(-n // block))]
+        assert all(s == -1 for s in sched[0][len(got):])  # padding only at the end
+        # Work per tile: "q" all ancestors + the causal part; "kv" the rows from the tile to the subtree's end.
+        work = [rows[s][3] + min((t + 1) * block, rows[s][1]) if kind == "q" else rows[s][4] - rows[s][0] - t * block
+                for s, t in got]
+        assert work == sorted(work, reverse=True), (kind, work)
 
 
-def test_readers_are_the_responses_of_each_prompt():
-    layout = make_layout([(10, [3, 4]), (6, [2]), (5, [1, 1, 1])], seed=2)
-    first, last, rows = schedule.readers(layout.attention_segments)
-    # segments: prompt0, r, r, the one-row group (its own segment, no prefix), prompt2, r, r, r
-    assert first.tolist() == [1, 8, 8, 8, 5, 8, 8, 8]
-    assert last.tolist() == [2, -1, -1, -1, 7, -1, -1, -1]
-    assert rows.tolist() == [7, 0, 0, 0, 3, 0, 0, 0]
+@pytest.mark.parametrize("seed", range(4))
+def test_ancestor_walk_follows_the_parent_chain(seed):
+    rng = random.Random(seed)
+    lens, parents = random_forest(rng, max_depth=5, max_len=40)
+    lens = [0 if rng.random() < 0.2 else n for n in lens]  # empty segments: ancestors with no block at all
+    chain = [rng.choice([0, 1, 16, 17, 40]) for _ in range(70)]  # deeper than a few rounds of pointer doubling
+    for lens, parents in ((lens, parents), (chain, list(range(-1, 69)))):
+        segs, _ = forest_segments(lens, parents, DEVICE)
+        for block in (16, 32):
+            for s, (n, got) in enumerate(zip(lens, schedule.ancestor_walk(segs, block).tolist())):
+                chain_s, a = [], parents[s]
+                while a >= 0:
+                    chain_s, a = chain_s + [a], parents[a]
+                want = [sum(lens[a] // block for a in chain_s), sum(lens[a] % block != 0 for a in chain_s),
+                        next((a for a in chain_s if lens[a] >= block), -1),
+                        next((a for a in chain_s if lens[a] % block), -1)]
+                # the counts are only read for segments with tokens (the only ones with tiles)
+                assert got == want if n else got[2:] == want[2:], (s, got, want)
+
+
+def test_plan_cache_tells_forests_apart():
+    # Same starts and lengths, another parent chain: the cached schedules must not be shared.
+    a, T = forest_segments([20, 20, 20], [-1, 0, 1], DEVICE)
+    b = forest_segments([20, 20, 20], [-1, -1, -1], DEVICE)[0]._replace(seg_start=a.seg_start, seg_len=a.seg_len)
+    qa, qb = (schedule.tile_schedule(x, T, 16, "q") for x in (a, b))
+    assert qa.tolist() != qb.tolist()
+    assert schedule.tile_schedule(a, T, 16, "q") is qa
 
 
 def test_supports_gives_reasons():
@@ -297,13 +362,16 @@ def _check_heads(out, lse, grads, q, k, v, do, segs, scale, kv_heads):
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("groups", [
-    [(4096, [517, 300, 1, 777, 640, 1023, 64, 700])],
-    [(3001, [500, 777, 1, 1200]), (2500, [900, 640, 33]), (129, [1000])],
-])
-def test_gpu_realistic(groups, D):
-    layout = make_layout(groups, seed=D)
-    segs, T = layout.attention_segments, layout.num_tokens
+@pytest.mark.parametrize("forest", [
+    make_segments([(4096, [517, 300, 1, 777, 640, 1023, 64, 700])], "cpu"),
+    make_segments([(3001, [500, 777, 1, 1200]), (2500, [900, 640, 33]), (129, [1000])], "cpu"),
+    # depth 3: a middle node with several children (one of one token), a leaf, a one-child chain; a second tree
+    forest_segments([2048, 1024, 700, 1, 1500, 900, 512, 2000, 1000, 600], [-1, 0, 1, 1, 1, 0, 0, 6, -1, 8], "cpu"),
+], ids=["one_group", "three_groups", "depth3"])
+def test_gpu_realistic(forest, D):
+    segs, T = forest
+    segs = segs._replace(**{f: getattr(segs, f).to(DEVICE) for f in ("seg_start", "seg_len", "parent", "prefix_len",
+                                                                      "subtree_end")})
     assert 8000 <= T <= 20000
     q, k, v, do = qkv(T, 32, 8, D, torch.bfloat16, seed=D)
     scale = 1 / math.sqrt(D)
@@ -322,6 +390,8 @@ def test_gpu_realistic(groups, D):
 @pytest.mark.cuda
 @cuda
 def test_gpu_through_op():
+    from dualkv_compile.ops.attention import shared_prompt_attention
+
     layout = make_layout([(4000, [1000, 2000, 999, 1])], seed=1)
     q, k, v, do = qkv(layout.num_tokens, 32, 8, 128, torch.bfloat16, seed=1)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -335,7 +405,8 @@ def test_gpu_through_op():
 @pytest.mark.cuda
 @cuda
 def test_gpu_new_lengths_do_not_recompile():
-    """Layouts reach the kernels as tensors and descriptor offsets: new P, N and R_i reuse the compiled kernels."""
+    """Layouts reach the kernels as tensors and descriptor offsets: new lengths and forest shapes
+    (a deeper ancestor chain is a longer runtime loop) reuse the compiled kernels."""
     from dualkv_compile.kernels.triton.bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
     from dualkv_compile.kernels.triton.fwd import shared_prompt_fwd_kernel
 
@@ -345,11 +416,12 @@ def test_gpu_new_lengths_do_not_recompile():
         return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
 
     counts = []
-    for groups in ([(1000, [300, 17])], [(4096, [1024] * 4)], [(777, [5, 1, 333]), (129, [1000])]):
-        layout = make_layout(groups, seed=len(groups))
-        q, k, v, do = qkv(layout.num_tokens, 32, 8, 128, torch.bfloat16, seed=1)
-        segs = layout.attention_segments
+    layouts = [make_segments(groups, DEVICE) for groups in (
+        [(1000, [300, 17])], [(4096, [1024] * 4)], [(777, [5, 1, 333]), (129, [1000])])]
+    layouts.append(forest_segments([1000, 300, 17, 1, 500, 64], [-1, 0, 1, 2, 0, -1], DEVICE))
+    for segs, T in layouts:
+        q, k, v, do = qkv(T, 32, 8, 128, torch.bfloat16, seed=1)
         out, lse = ta.forward(q, k, v, segs, 0.0883)
         ta.backward(do, q, k, v, out, lse, segs, 0.0883)
         counts.append(compiled())
-    assert counts[1:] == counts[:1] * 2, counts
+    assert counts[1:] == counts[:1] * 3, counts

@@ -1,7 +1,7 @@
 """The hand-written Triton kernels of shared-prompt attention.
 
     attention.py   the launcher: supports, config_for, Config, KernelConfig, forward, backward, DQ_MODES
-    schedule.py    per-launch tile schedules and reader ranges from ``Segments`` (no device sync)
+    schedule.py    per-launch tile schedules and the ancestor walk from ``Segments`` (no device sync)
     tma.py         Hopper tensor descriptors over the operands, where the strides allow
     tiles.py       the jitted tile loads shared by the kernels
     fwd.py, bwd.py the forward and backward kernels

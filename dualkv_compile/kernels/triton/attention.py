@@ -8,15 +8,19 @@ The launcher module of the package: the tuning tables (``Config``,
 ``KernelConfig``, ``config_for``) and the launches. The kernels (``fwd.py``,
 ``bwd.py``, with the tile loads they share in ``tiles.py``) take the layout
 only as int32 tensors; ``schedule.py`` turns ``Segments`` into per-launch
-tile schedules with a few small device ops (no host sync), ``tma.py`` builds
+tile schedules and ancestor walks with a few small device ops (no host
+sync, cached across the layers of a step), ``tma.py`` builds
 the tensor descriptors, and this module picks block sizes from a small
-per-head-dim table. Changing P, N or R_i therefore never recompiles: the
-grids come from the host ints T, the number of segments and the head counts.
+per-head-dim table. Changing the segments' lengths or the forest's shape
+therefore never recompiles: the grids come from the host ints T, the number
+of segments and the head counts.
 
-Assumes (on top of ``Segments``): a segment's non-empty prefix is exactly one
-earlier segment, and the segments that read the same prefix are consecutive,
-as ``SharedPromptLayout`` builds them. Offsets inside one head must fit in
-int32 (``T * token_stride < 2**31``); ``forward`` and ``backward`` check it.
+Assumes ``Segments``: the segments are a prefix forest listed in pre-order
+(each segment's descendants directly follow it), so a query tile walks its
+ancestor chain and a key tile's readers are one run of rows up to its
+subtree's end. The forest's depth and shape are data, not compile-time
+constants. Offsets inside one head must fit in int32
+(``T * token_stride < 2**31``); ``forward`` and ``backward`` check it.
 
 Guarantees: ``forward`` and ``backward`` write every valid row of their
 outputs (see ``fwd.py`` and ``bwd.py``) and raise ``ValueError`` on an input
@@ -53,7 +57,7 @@ from typing import Optional
 import torch
 
 from ...layout.segments import Segments
-from .schedule import reader_ranges, tile_schedule
+from .schedule import ancestor_walk, tile_schedule
 from .tma import block_d, descriptors, interpreting, row_stats_descriptor
 
 log = logging.getLogger("dualkv_compile")
@@ -234,7 +238,7 @@ def forward(q, k, v, segs: Segments, scale: float, *, config: Optional[Config] =
     descs, tma = descriptors(cfg, cfg.block_n, k, v)
     shared_prompt_fwd_kernel[(Hq, tiles.shape[1])](
         q, k, v, out, lse, tiles, tiles.shape[1], *descs,
-        segs.seg_start, segs.seg_len, segs.prefix_start, segs.prefix_len,
+        segs.seg_start, segs.seg_len, ancestor_walk(segs, cfg.block_n),
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), lse.stride(1),
         Hq // Hkv, scale * LOG2E,
         HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -281,11 +285,10 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     )
 
     tiles = tile_schedule(segs, T, c.block_n, "kv")
-    read_first, read_last = reader_ranges(segs)
     bwd_dkdv_kernel[(Hkv * head_split, tiles.shape[1])](
         q, k, v, dout, lse, delta, dk, dv, dq, tiles, tiles.shape[1], *descs,
         *((row_stats_descriptor(stats, c.block_m), T) if stats_tma else (None, 0)),
-        segs.seg_start, segs.seg_len, read_first, read_last,
+        segs.seg_start, segs.seg_len, segs.subtree_end,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv), *_strides(dq),
         lse.stride(1), G, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_SPLIT=head_split,
@@ -298,7 +301,7 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
         descs, tma = descriptors(c, c.block_n, k, v)
         bwd_dq_kernel[(Hq, tiles.shape[1])](
             q, k, v, dout, lse, delta, dq, tiles, tiles.shape[1], *descs,
-            segs.seg_start, segs.seg_len, segs.prefix_start, segs.prefix_len,
+            segs.seg_start, segs.seg_len, ancestor_walk(segs, c.block_n),
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
             lse.stride(1), G, scale * LOG2E, scale,
             HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n,

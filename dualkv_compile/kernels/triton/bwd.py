@@ -12,11 +12,13 @@ dQ = scale * dS K,  dK = scale * dS^T Q.  Three kernels:
 ``bwd_dkdv_kernel`` (KV-major)
     One program owns one ``BLOCK_N`` tile of keys of one segment and one kv
     head, and loops over every query block that reads the tile:
-        * its own segment's query rows at and after the tile (causal: the
-          blocks on the diagonal are masked, later blocks are full);
-        * when the segment is a shared prefix, every row of every segment
-          reading it ("readers", a contiguous range of segments), all full
-          blocks but the ragged last one;
+        * its own segment's query rows on the tile's diagonal (causal: those
+          blocks are masked);
+        * then the run ``[after the diagonal, subtree_end)``: its own later
+          rows and every row of every descendant segment (pre-order puts the
+          whole subtree right after the segment), all of which see every key
+          of the tile; full blocks but the ragged last one, in one pipelined
+          loop;
     and over the ``heads_per_kv`` query heads sharing the kv head. dK and dV
     accumulate in float32 registers and are written once, so the sum over the
     N responses (and the GQA heads) never goes through atomics and its order
@@ -28,18 +30,16 @@ dQ = scale * dS K,  dK = scale * dS^T Q.  Three kernels:
     Q-major kernel's recomputation (not bitwise reproducible).
 
 ``bwd_dq_kernel`` (Q-major)
-    One program per query tile and query head walks the same two regions as
-    the forward (prefix blocks full, own blocks causal) and writes dQ once.
+    One program per query tile and query head walks the same regions as the
+    forward (every ancestor's blocks, through the same ``WALK`` table for its
+    ``BLOCK_N``; own blocks causal) and writes dQ once.
 
-Assumes what ``fwd.py`` assumes, plus: a non-empty prefix is exactly one
-earlier segment (the group's shared segment) and the segments reading it are
-consecutive: ``READ_FIRST[s]..READ_LAST[s]`` (empty when first > last).
-``SharedPromptLayout`` always builds such segments, and puts the readers
-right after their prefix; the dK/dV kernel then walks the prefix's own rows
-after the diagonal and all its readers' rows as one range, in one pipelined
-loop. With ``TMA``, full blocks of the loop-carried operands (q and dO in the
-dK/dV kernel, k and v in the dQ kernel) are loaded through tensor
-descriptors, as in ``fwd.py``; masked blocks keep masked pointer loads.
+Assumes what ``fwd.py`` assumes, plus (``Segments``): the segments are a
+forest in pre-order, so ``SUBTREE_END[s]`` ends the one run holding s and
+all its descendants, the readers of s's keys beyond s itself. With ``TMA``,
+full blocks of the loop-carried operands (q and dO in the dK/dV kernel, k
+and v in the dQ kernel) are loaded through tensor descriptors, as in
+``fwd.py``; masked blocks keep masked pointer loads.
 
 Guarantees: every valid row of dQ and every valid key row of dK/dV is written
 (or, in the atomic modes, added into zeroed float32 buffers); contributions
@@ -161,7 +161,7 @@ def _dkdv_rows(
 def bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ, TILES, num_tiles,
     Q_DESC, DO_DESC, q_row_h, q_col_h, do_row_h, do_col_h, STATS_DESC, stats_row_h,
-    SEG_START, SEG_LEN, READ_FIRST, READ_LAST,
+    SEG_START, SEG_LEN, SUBTREE_END,
     stride_qh, stride_qt, stride_qd,
     stride_kh, stride_kt, stride_kd,
     stride_vh, stride_vt, stride_vd,
@@ -186,8 +186,7 @@ def bwd_dkdv_kernel(
     split = pid_h % HEAD_SPLIT
     seg_start = tl.load(SEG_START + seg)
     seg_end = seg_start + tl.load(SEG_LEN + seg)
-    read_first = tl.load(READ_FIRST + seg)
-    read_last = tl.load(READ_LAST + seg)
+    subtree_end = tl.load(SUBTREE_END + seg)
 
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     n0 = seg_start + tile * BLOCK_N
@@ -204,19 +203,11 @@ def bwd_dkdv_kernel(
 
     # Own rows on the diagonal: blocks starting at n0 until they pass the
     # tile's last column; then the rows after the tile see all of it, and so
-    # does every row of the segments reading this one as their prefix.
+    # does every row of every descendant, which pre-order puts right after the
+    # segment: one range [after_diag, subtree_end), one pipelined loop, and a
+    # fixed order of the sum over all readers (deterministic).
     n_diag = tl.cdiv(tl.minimum(BLOCK_N, seg_end - n0), BLOCK_M)
     after_diag = tl.minimum(n0 + n_diag * BLOCK_M, seg_end)
-    own_end = seg_end
-    readers_start = seg_end
-    readers_end = seg_end
-    if read_last >= read_first:
-        readers_start = tl.load(SEG_START + read_first)
-        readers_end = tl.load(SEG_START + read_last) + tl.load(SEG_LEN + read_last)
-        if readers_start == seg_end:
-            # The readers follow right after this segment: one range, one pipelined loop.
-            own_end = readers_end
-            readers_start = readers_end
     heads_per_prog = heads_per_kv // HEAD_SPLIT
     for i in range(0, heads_per_prog):
         head = kv_head * heads_per_kv + split * heads_per_prog + i
@@ -233,12 +224,8 @@ def bwd_dkdv_kernel(
                 d_ok, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
                 BLOCK_M, True, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
         dk, dv = _dkdv_rows(
-            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, after_diag, own_end, offs_n, col_ok, offs_d, d_ok,
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, after_diag, subtree_end, offs_n, col_ok, offs_d, d_ok,
             stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
-            BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
-        dk, dv = _dkdv_rows(
-            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, readers_start, readers_end, offs_n, col_ok, offs_d,
-            d_ok, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
             BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
 
     dk = dk * sm_scale
@@ -267,7 +254,7 @@ def _dq_kv_block(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     p = tl.math.exp2(s * qk_scale - lse2[:, None])
     if MASK == 1:
-        # k = 0 past the prefix, but p = exp2(0 - lse) can overflow there (and inf * 0 is NaN).
+        # k = 0 past the ancestor's end, but p = exp2(0 - lse) can overflow there (and inf * 0 is NaN).
         p = tl.where(col_ok[None, :], p, 0.0)
     if MASK == 2:
         p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)
@@ -281,7 +268,7 @@ def _dq_kv_block(
 def bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, TILES, num_tiles,
     K_DESC, V_DESC, k_row_h, k_col_h, v_row_h, v_col_h,
-    SEG_START, SEG_LEN, PREFIX_START, PREFIX_LEN,
+    SEG_START, SEG_LEN, WALK,
     stride_qh, stride_qt, stride_qd,
     stride_kh, stride_kt, stride_kd,
     stride_vh, stride_vt, stride_vd,
@@ -301,8 +288,6 @@ def bwd_dq_kernel(
     tile = tl.load(TILES + num_tiles + t)
     seg_start = tl.load(SEG_START + seg)
     seg_end = seg_start + tl.load(SEG_LEN + seg)
-    pre_start = tl.load(PREFIX_START + seg)
-    pre_end = pre_start + tl.load(PREFIX_LEN + seg)
 
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     m0 = seg_start + tile * BLOCK_M
@@ -324,13 +309,30 @@ def bwd_dq_kernel(
     delta = tl.load(DELTA + head.to(tl.int64) * stride_lh + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    pre_full_end = pre_start + ((pre_end - pre_start) // BLOCK_N) * BLOCK_N
-    for start_n in range(pre_start, pre_full_end, BLOCK_N):
-        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, start_n, pre_end, rows, offs_n, offs_d, d_ok,
+    # The ancestors as in the forward (all their full blocks, nearest first, then each ragged last
+    # block; two flat loops, no branch: see fwd.py), then the own tokens, causal. No running
+    # maximum here: the saved lse normalises every block.
+    walk = WALK + seg * 4
+    anc = tl.maximum(tl.load(walk + 2), 0)
+    start_n = tl.load(SEG_START + anc)
+    full_end = start_n + (tl.load(SEG_LEN + anc) // BLOCK_N) * BLOCK_N
+    for _ in range(0, tl.load(walk)):
+        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, start_n, full_end, rows, offs_n, offs_d, d_ok,
                           stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
-    if pre_full_end < pre_end:
-        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, pre_full_end, pre_end, rows, offs_n, offs_d, d_ok,
-                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 1, EVEN_D, DOT_PREC, UPCAST, TMA)
+        start_n += BLOCK_N
+        moved = start_n >= full_end
+        anc = tl.where(moved, tl.maximum(tl.load(WALK + anc * 4 + 2), 0), anc)
+        a_start = tl.load(SEG_START + anc)
+        start_n = tl.where(moved, a_start, start_n)
+        full_end = tl.where(moved, a_start + (tl.load(SEG_LEN + anc) // BLOCK_N) * BLOCK_N, full_end)
+    anc = tl.maximum(tl.load(walk + 3), 0)
+    for _ in tl.range(0, tl.load(walk + 1), num_stages=1):  # one block per ancestor: no pipeline
+        a_start = tl.load(SEG_START + anc)
+        a_end = a_start + tl.load(SEG_LEN + anc)
+        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, a_start + ((a_end - a_start) // BLOCK_N) * BLOCK_N,
+                          a_end, rows, offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 1,
+                          EVEN_D, DOT_PREC, UPCAST, TMA)
+        anc = tl.maximum(tl.load(WALK + anc * 4 + 3), 0)
     diag_start = seg_start + ((m0 - seg_start) // BLOCK_N) * BLOCK_N
     for start_n in range(seg_start, diag_start, BLOCK_N):
         dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, start_n, seg_end, rows, offs_n, offs_d, d_ok,

@@ -1,11 +1,12 @@
 """Forward Triton kernel of shared-prompt attention on the packed stream.
 
 One program computes one tile of ``BLOCK_M`` query rows of one segment for one
-query head. It walks two key/value regions with ONE online softmax:
+query head. It walks two kinds of key/value regions with ONE online softmax:
 
-    1. the segment's prefix (the shared prompt), every key visible: full
-       blocks carry no mask arithmetic at all; only the ragged last block
-       masks the columns past the prefix;
+    1. every ancestor segment (the chain parent, grandparent, ... of the
+       prefix forest), every key visible: first the full blocks of all of
+       them, which carry no mask arithmetic at all, then each one's ragged
+       last block, which masks the columns past that ancestor's end;
     2. the segment's own tokens up to the tile: blocks strictly left of the
        tile's diagonal are full; the diagonal blocks get the causal mask.
 
@@ -20,8 +21,13 @@ Assumes
       program t (``-1`` for the padding entries at the end of the grid) and
       ``TILES[1, t]`` the tile index inside that segment. The schedule lists
       the heaviest tiles first so the tail of the launch is short tiles.
-    * Segment lengths only ever reach the kernel through tensors: a new
-      layout never triggers a recompilation.
+    * ``SEG_START``, ``SEG_LEN`` are the ``Segments`` columns and ``WALK``
+      the ancestor walk for ``BLOCK_N`` (``schedule.ancestor_walk``): per
+      segment (full blocks over all its ancestors, ancestors with a ragged
+      last block, nearest ancestor with a full block, nearest with a ragged
+      one; -1: none). Lengths and the forest's shape only ever reach the
+      kernel through tensors (trip counts are data): a new layout, deeper or
+      wider, never triggers a recompilation.
     * With ``TMA``, ``K_DESC`` / ``V_DESC`` are Hopper tensor descriptors over
       the same memory as K / V (built by ``tma.tma_view``): the
       ``BLOCK_N`` rows of kv head ``h`` from token ``t`` are
@@ -64,8 +70,10 @@ def _fwd_kv_block(
     if MASK == 2:
         # Columns past the segment end only pass for rows past it too (never stored).
         s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
-    # Every row has seen a finite score before any all-masked block (its prefix or its own
-    # diagonal element comes first in the walk), so m_new is finite and no NaN appears.
+    # Every row has seen a finite score before any all-masked block, so m_new is finite and no
+    # NaN appears: the walk's first block is an ancestor's full block, else (no ancestor has
+    # one) an ancestor's ragged block, at least one column of it visible, else (no ancestor
+    # has a token) the segment's own first block, whose column seg_start every row sees.
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     p = tl.math.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
@@ -81,7 +89,7 @@ def _fwd_kv_block(
 def shared_prompt_fwd_kernel(
     Q, K, V, O, LSE, TILES, num_tiles,
     K_DESC, V_DESC, k_row_h, k_col_h, v_row_h, v_col_h,
-    SEG_START, SEG_LEN, PREFIX_START, PREFIX_LEN,
+    SEG_START, SEG_LEN, WALK,
     stride_qh, stride_qt, stride_qd,
     stride_kh, stride_kt, stride_kd,
     stride_vh, stride_vt, stride_vd,
@@ -102,8 +110,6 @@ def shared_prompt_fwd_kernel(
     tile = tl.load(TILES + num_tiles + t)
     seg_start = tl.load(SEG_START + seg)
     seg_end = seg_start + tl.load(SEG_LEN + seg)
-    pre_start = tl.load(PREFIX_START + seg)
-    pre_end = pre_start + tl.load(PREFIX_LEN + seg)
 
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     m0 = seg_start + tile * BLOCK_M
@@ -124,16 +130,38 @@ def shared_prompt_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # Region 1: the prefix, fully visible.
-    pre_full_end = pre_start + ((pre_end - pre_start) // BLOCK_N) * BLOCK_N
-    for start_n in range(pre_start, pre_full_end, BLOCK_N):
+    # Region 1: the ancestors, fully visible: the full blocks of all of them (nearest ancestor
+    # first), then each one's ragged last block. Two flat loops without a branch inside: a loop
+    # nest or a branch around the accumulator makes ptxas serialise every wgmma of the kernel
+    # (sm_90, "C7515", seen with benchmarks/sm90_resources.py), so the chain is walked through
+    # WALK with selects. The order of the blocks is free: the online softmax is one sum.
+    # Ancestor ids are clamped to 0: a -1 only appears once no block is left, and then the
+    # loads of segment 0 are in bounds and unused.
+    walk = WALK + seg * 4
+    anc = tl.maximum(tl.load(walk + 2), 0)
+    start_n = tl.load(SEG_START + anc)
+    full_end = start_n + (tl.load(SEG_LEN + anc) // BLOCK_N) * BLOCK_N
+    for _ in range(0, tl.load(walk)):
         acc, l_i, m_i = _fwd_kv_block(
-            acc, l_i, m_i, q, Kh, Vh, descs, start_n, pre_end, rows,
-            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
-    if pre_full_end < pre_end:
+            acc, l_i, m_i, q, Kh, Vh, descs, start_n, full_end, rows, offs_n, offs_d, d_ok,
+            stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
+        start_n += BLOCK_N
+        # Past this ancestor's full blocks: on to the next ancestor that has some.
+        moved = start_n >= full_end
+        anc = tl.where(moved, tl.maximum(tl.load(WALK + anc * 4 + 2), 0), anc)
+        a_start = tl.load(SEG_START + anc)
+        start_n = tl.where(moved, a_start, start_n)
+        full_end = tl.where(moved, a_start + (tl.load(SEG_LEN + anc) // BLOCK_N) * BLOCK_N, full_end)
+    anc = tl.maximum(tl.load(walk + 3), 0)
+    # At most one block per ancestor: not worth the shared memory and registers of a pipeline.
+    for _ in tl.range(0, tl.load(walk + 1), num_stages=1):
+        a_start = tl.load(SEG_START + anc)
+        a_end = a_start + tl.load(SEG_LEN + anc)
         acc, l_i, m_i = _fwd_kv_block(
-            acc, l_i, m_i, q, Kh, Vh, descs, pre_full_end, pre_end, rows,
-            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 1, EVEN_D, DOT_PREC, UPCAST, TMA)
+            acc, l_i, m_i, q, Kh, Vh, descs, a_start + ((a_end - a_start) // BLOCK_N) * BLOCK_N, a_end, rows,
+            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 1, EVEN_D, DOT_PREC, UPCAST,
+            TMA)
+        anc = tl.maximum(tl.load(WALK + anc * 4 + 3), 0)
 
     # Region 2: the segment's own tokens, causal. Blocks ending at or before the
     # tile's first row are full; the rest straddle the diagonal.

@@ -1,12 +1,11 @@
 """Per-launch tile schedules of the Triton kernels, built from ``Segments`` on the device.
 
-    readers(segs)                          -> (first, last, rows) per segment
-    reader_ranges(segs)                    -> (first, last), cached
     tile_schedule(segs, T, block, kind)    -> int32 [2, bound], cached
+    ancestor_walk(segs, block)             -> int32 [num_segments, 4], cached
 
-Assumes (on top of ``Segments``): a segment's non-empty prefix is exactly one
-earlier segment, and the segments that read the same prefix are consecutive,
-as ``SharedPromptLayout`` builds them. Segments are in stream order.
+Assumes ``Segments``: a prefix forest in pre-order, in stream order, so a
+segment's ancestors total ``prefix_len`` tokens and its readers (beyond its
+own rows) are the one run ``[seg_end, subtree_end)``.
 
 Guarantees: every function is a handful of device tensor ops whose sizes come
 from host ints (T, the block, the number of segments), so nothing waits on
@@ -24,7 +23,7 @@ import torch
 
 from ...layout.segments import Segments
 
-__all__ = ["PlanCache", "readers", "reader_ranges", "tile_schedule"]
+__all__ = ["PlanCache", "tile_schedule", "ancestor_walk"]
 
 
 class PlanCache:
@@ -39,7 +38,7 @@ class PlanCache:
         self.entries: dict = {}
 
     def get(self, segs: Segments, extra: tuple, build):
-        tensors = (segs.seg_start, segs.seg_len, segs.prefix_start, segs.prefix_len)
+        tensors = (segs.seg_start, segs.seg_len, segs.parent, segs.prefix_len, segs.subtree_end)
         key = tuple(id(t) for t in tensors) + tuple(t._version for t in tensors) + extra
         hit = self.entries.get(key)
         if hit is not None and all(r() is t for r, t in zip(hit[0], tensors)):
@@ -54,30 +53,14 @@ class PlanCache:
 _plans = PlanCache()
 
 
-def readers(segs: Segments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per segment: the first and last segment that read it as prefix (first > last: none), and their rows."""
-    nseg = segs.seg_start.numel()
-    dev = segs.seg_start.device
-    starts = segs.seg_start.long()
-    owner = torch.searchsorted(starts, segs.prefix_start.long(), right=True) - 1
-    # Segments with no prefix scatter into a dummy slot at the end.
-    slot = torch.where(segs.prefix_len > 0, owner.clamp(min=0), nseg)
-    ids = torch.arange(nseg, device=dev)
-    first = torch.full((nseg + 1,), nseg, dtype=torch.long, device=dev).scatter_reduce(0, slot, ids, "amin")
-    last = torch.full((nseg + 1,), -1, dtype=torch.long, device=dev).scatter_reduce(0, slot, ids, "amax")
-    first, last = first[:nseg], last[:nseg]
-    cum = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), segs.seg_len.long().cumsum(0)])
-    rows = torch.where(last >= first, cum[(last + 1).clamp(min=0)] - cum[first.clamp(max=nseg)], 0)
-    return first.to(torch.int32), last.to(torch.int32), rows
-
-
 def tile_schedule(segs: Segments, num_tokens: int, block: int, kind: str) -> torch.Tensor:
     """int32 ``[2, bound]``: (segment, tile) per program, heaviest first; segment -1 pads the grid.
 
     ``bound = cdiv(T, block) + num_segments`` is a host-side upper bound on the
     number of tiles, so the grid is known without a sync. ``kind`` is "q"
-    (query tiles: work = prefix + causal part) or "kv" (key tiles of the
-    dK/dV kernel: work = own rows after the tile + all readers' rows).
+    (query tiles: work = all ancestors + the causal part) or "kv" (key tiles
+    of the dK/dV kernel: work = the rows from the tile to the subtree's end,
+    its own later rows and every descendant's).
     """
 
     def build():
@@ -95,7 +78,7 @@ def tile_schedule(segs: Segments, num_tokens: int, block: int, kind: str) -> tor
         if kind == "q":
             work = segs.prefix_len.long()[segc] + torch.minimum((tile + 1) * block, seg_len[segc])
         else:
-            work = seg_len[segc] - tile * block + readers(segs)[2][segc]
+            work = segs.subtree_end.long()[segc] - (segs.seg_start.long()[segc] + tile * block)
         order = torch.argsort(torch.where(valid, work, -1), descending=True, stable=True)
         sched = torch.stack([torch.where(valid, seg, -1)[order], tile[order]])
         return sched.to(torch.int32).contiguous()
@@ -103,6 +86,35 @@ def tile_schedule(segs: Segments, num_tokens: int, block: int, kind: str) -> tor
     return _plans.get(segs, (num_tokens, block, kind), build)
 
 
-def reader_ranges(segs: Segments) -> tuple[torch.Tensor, torch.Tensor]:
-    """``readers(segs)[:2]`` (int32 first and last reader per segment), cached like the schedules."""
-    return _plans.get(segs, ("readers",), lambda: readers(segs)[:2])
+def ancestor_walk(segs: Segments, block: int) -> torch.Tensor:
+    """int32 ``[num_segments, 4]``: how the query kernels walk a segment's ancestors in key blocks of ``block``.
+
+    Per segment: the number of full blocks over all its ancestors, the number
+    of its ancestors with a ragged last block (length not a multiple of
+    ``block``), the nearest ancestor with a full block and the nearest with a
+    ragged one (-1: none). The kernels step from ancestor to ancestor through
+    the last two columns with selects, not branches (``fwd.py`` says why).
+    The counts are exact for segments with tokens, the only ones with tiles.
+    """
+
+    def build():
+        lens = segs.seg_len.long()
+        nseg = lens.numel()
+        weight = torch.stack([lens // block, (lens % block != 0).long()])  # [2, nseg]: full blocks, ragged blocks
+        # Pre-order: the earlier segments that are not ancestors of a segment with tokens are those whose
+        # subtree ends at or before its start; sum the weights of all earlier segments, minus those.
+        earlier = weight.cumsum(1) - weight
+        ends, order = segs.subtree_end.long().sort()
+        closed = torch.cat([weight.new_zeros(2, 1), weight[:, order].cumsum(1)], 1)
+        n_closed = torch.searchsorted(ends, segs.seg_start.long(), right=True)
+        counts = earlier - closed[:, n_closed]
+        # Nearest ancestor with a full (ragged) block by pointer doubling: no segment strictly between a
+        # segment and ptr is one, and each round either stops on one (or -1) or doubles the distance.
+        ptr = segs.parent.long().expand(2, nseg).contiguous()
+        for _ in range(nseg.bit_length() + 1):
+            at = ptr.clamp(min=0)
+            stop = (ptr < 0) | (weight.gather(1, at) > 0)
+            ptr = torch.where(stop, ptr, ptr.gather(1, at))
+        return torch.cat([counts, ptr]).t().to(torch.int32).contiguous()
+
+    return _plans.get(segs, ("walk", block), build)
