@@ -104,7 +104,7 @@ def per_sequence_attention(q, k, v, paths, places, scale):
         sl = slice(c, c + len(p))
         qs, ks, vs = (t[b, sl].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
         s = (qs @ ks.transpose(-1, -2)) * scale
-        causal = torch.ones(len(p), len(p), dtype=torch.bool).tril()
+        causal = torch.ones(len(p), len(p), dtype=torch.bool, device=q.device).tril()
         out[b, sl] = (s.masked_fill(~causal, float("-inf")).softmax(-1) @ vs).transpose(0, 1)
     return out
 
@@ -119,6 +119,9 @@ def test_random_forest_exact(backend, seed):
     paths, total = random_sequences(rng)
     packed_rows = seed % 2 == 1
     ids, mask, pos, places = (as_packed_rows if packed_rows else as_padded_rows)(rng, paths)
+    # Without CUDA the Triton kernels run interpreted on CPU tensors (conftest); with CUDA, on the GPU.
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
     layout = detect(ids, mask, pos, same_columns=False)
     assert layout.num_tokens == total
     assert layout.stats().num_sequences == len(paths)
@@ -126,11 +129,11 @@ def test_random_forest_exact(backend, seed):
     H, D = 2, 16  # 16: the smallest head dim the Triton kernels take
     g = torch.Generator().manual_seed(seed)
     # Values of the token only (every token id is one position of one node): copies agree exactly.
-    table = torch.randn(3, int(ids.max()) + 1, H, D, generator=g, dtype=torch.float64)
+    table = torch.randn(3, int(ids.max()) + 1, H, D, generator=g, dtype=torch.float64).to(device)
     table.requires_grad_()
     q, k, v = (table[i][ids] for i in range(3))
     dtype = torch.float64
-    probe = torch.empty(1, H, 1, D, dtype=dtype)
+    probe = torch.empty(1, H, 1, D, dtype=dtype, device=device)
     why = unsupported_reason(backend, probe)
     if why is not None:
         dtype = torch.float32  # the backend's best precision on this machine
@@ -148,7 +151,7 @@ def test_random_forest_exact(backend, seed):
     assert (out[valid] - expected[valid]).abs().max() <= tol * max(1.0, expected.abs().max().item())
 
     # The gradient of the token values: a shared token's packed copy gets the sum over its sequences.
-    w = torch.randn(out.shape, generator=g, dtype=torch.float64) * valid[..., None, None]
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64).to(device) * valid[..., None, None]
     (got,) = torch.autograd.grad((out * w).sum(), table, retain_graph=True)
     (want,) = torch.autograd.grad((expected * w).sum(), table)
     err = (got - want).abs().max().item()
