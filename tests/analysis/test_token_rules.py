@@ -337,6 +337,9 @@ VIEW = [
     ("merge-s-b", meth("view", X0, S * B, D), [In((S, B, D), "s b -", TOKEN)], fails("reshape merging ['s', 'b']")),
     ("features-ahead", meth("reshape", X0, D * B, S), [In((D, B, S), "- b s", TOKEN)],
      fails("reshape that merges feature dims ahead of a token axis")),
+    # A batch of one row (a remove-padding batch [1, total]): the size-1 batch axis keeps its tag.
+    ("one-row-heads-back", meth("reshape", X0, 1, S, D), [In((1, S, 2, D // 2), "b s - -", TOKEN)], out("b s -", TOKEN)),
+    ("one-row-merge", meth("view", X0, S, D), [In((1, S, D), "b s -", TOKEN)], out("bs -", TOKEN)),
 ]
 
 MOVE = [
