@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-import torch
 
 from dualkv_compile.layout import Segments, tree_segments
 
