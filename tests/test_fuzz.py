@@ -126,12 +126,17 @@ def _grads(model):
 
 
 def _assert_grads(got, want):
+    # A gradient that is zero in exact arithmetic (q_proj's when every query sees one key) comes out as
+    # float64 rounding noise on either side: compare each against the model's largest gradient at
+    # float64 precision, as well as relative to itself.
+    floor = 1e-12 * max((w.norm().item() for w in want.values() if w is not None), default=0.0)
     for name, w in want.items():
         g = got[name]
         if w is None or g is None:
             assert (w is None or w.abs().max() == 0) and (g is None or g.abs().max() == 0), name
         else:
-            assert rel(g, w) <= TOL, (name, rel(g, w))
+            err = (g - w).norm().item()
+            assert err <= TOL * w.norm().item() or err <= floor, (name, rel(g, w), err, floor)
 
 
 def _check_backend(model, batch):
