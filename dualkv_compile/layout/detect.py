@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from .forest import build_forest
-from .segments import tree_segments
+from .segments import to_device, tree_segments
 from .sequences import HostBatch, read_sequences
 from .shared_prompt import Node, SequenceSpan, SharedPromptLayout
 
@@ -125,18 +125,6 @@ def _build(batch: HostBatch, forest: list, leaf: list[int], device) -> SharedPro
     )
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a host tensor to ``device`` without synchronising it.
-
-    A plain host-to-CUDA copy from pageable memory waits for the whole stream;
-    from pinned memory with ``non_blocking=True`` it is queued like a kernel
-    (the caching host allocator keeps the pinned buffer alive until it is done).
-    """
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 def expand_runs(runs, total: int, device) -> tuple[torch.Tensor, ...]:
     """For runs ``(a, b, ..., n)``: the concatenations of ``arange(a, a + n)``, ``arange(b, b + n)``, ...
 
@@ -147,7 +135,7 @@ def expand_runs(runs, total: int, device) -> tuple[torch.Tensor, ...]:
     runs = [r for r in runs if r[-1] > 0]
     if not runs:
         return tuple(torch.zeros(0, dtype=torch.long, device=device) for _ in range(width))
-    t = _to_device(torch.tensor(runs, dtype=torch.long), device)
+    t = to_device(torch.tensor(runs, dtype=torch.long), device)
     n = t[:, -1]
     run = torch.repeat_interleave(torch.arange(len(runs), device=device), n, output_size=total)
     within = torch.arange(total, device=device) - (torch.cumsum(n, 0) - n)[run]

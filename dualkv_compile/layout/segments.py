@@ -31,6 +31,7 @@ import torch
 
 __all__ = [
     "Segments", "tree_segments", "segment_ids", "token_reach", "dense_mask", "previous_token_index", "host_rows",
+    "to_device",
 ]
 
 
@@ -95,15 +96,25 @@ def tree_segments(seg_len: Sequence[int], parent: Sequence[int], device: Optiona
     """
     rows = host_rows(seg_len, parent)
     table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 5).t().contiguous()
-    if device is not None and torch.device(device).type == "cuda":
-        table = table.pin_memory().to(device, non_blocking=True)
-    elif device is not None:
-        table = table.to(device)
+    if device is not None:
+        table = to_device(table, torch.device(device))
     return Segments(
         *(table[i].clone() for i in range(5)),
         max((r[1] for r in rows), default=0),
         max((r[3] for r in rows), default=0),
     )
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without synchronising it.
+
+    A plain host-to-CUDA copy from pageable memory waits for the whole stream;
+    from pinned memory with ``non_blocking=True`` it is queued like a kernel
+    (the caching host allocator keeps the pinned buffer alive until it is done).
+    """
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def segment_ids(segs: Segments, num_tokens: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import torch
 
-from .segments import Segments, dense_mask
+from .segments import Segments, dense_mask, to_device
 
 __all__ = ["SharedPromptLayout", "Node", "SequenceSpan", "LayoutStats"]
 
@@ -193,7 +193,7 @@ class SharedPromptLayout:
             ids = torch.full((self.batch_size * self.seq_len,), -1, dtype=torch.long)
             for i, s in enumerate(self.sequences):
                 ids[s.row * self.seq_len + s.start : s.row * self.seq_len + s.end] = i
-            self._cache["sequence_ids"] = ids.to(self.device)
+            self._cache["sequence_ids"] = to_device(ids, self.device)
         return self._cache["sequence_ids"]
 
     def token_multiplicity(self) -> torch.Tensor:
@@ -201,7 +201,7 @@ class SharedPromptLayout:
         if "multiplicity" not in self._cache:
             counts = torch.tensor([n.count for n in self.nodes], dtype=torch.long)
             lens = torch.tensor([n.length for n in self.nodes], dtype=torch.long)
-            self._cache["multiplicity"] = counts.repeat_interleave(lens).to(self.device)
+            self._cache["multiplicity"] = to_device(counts.repeat_interleave(lens), self.device)
         return self._cache["multiplicity"]
 
     def dense_mask(self) -> torch.Tensor:
