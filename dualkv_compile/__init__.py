@@ -12,6 +12,7 @@ from .ops.attention import shared_prompt_attention
 from .layout import Segments, SharedPromptLayout, detect, pack, unpack
 from .policy_loss import policy_loss
 from . import distributed  # check_groups_on_rank: the data-parallel data-loader check
+from . import integrations  # integrations.trl.enable(trainer)
 
 _register()
 

@@ -95,17 +95,20 @@ class _Packer:
         tags, shape = info.tags, shape_of(n)
         p = self.packed[n]
         slen = info.slen
+        truncate = info.shift == 0 and slen == self.S - 1
         if "bs" in tags:
             d = tags.index("bs")
-            if shape[d] != self.B * self.S or info.shift or slen != self.S:
+            if shape[d] != self.B * slen:
                 raise Refusal(f"{n.name}: leaves the packed region with a merged token axis of size {shape[d]}")
-            o = self.g.call_function(unpack_merged, (p, self.inp["unpack_index"], self.inp["valid"], d))
+            ids = self.orig[self.size_ref()]
+            o = self.g.call_function(
+                unpack_merged, (p, self.inp["unpack_index"], self.inp["valid"], ids, d, info.shift, truncate)
+            )
         else:
             b, s = tags.index("b"), tags.index("s")
             if shape[b] != self.B or shape[s] != slen:
                 raise Refusal(f"{n.name}: leaves the packed region with token axes of sizes {shape[b]}, {shape[s]}")
             ids = self.orig[self.size_ref()]
-            truncate = info.shift == 0 and slen == self.S - 1
             o = self.g.call_function(
                 unpack_tokens, (p, self.inp["unpack_index"], self.inp["valid"], ids, b, s, info.shift, truncate)
             )
@@ -206,7 +209,11 @@ class _Packer:
         )
 
     def emit_attention(self, m: AttentionMatch) -> fx.Node:
-        q, k, v = (self.packed_of(_unrepeated_kv(x, self.axes)) for x in (m.q, m.k, m.v))
+        # The kernel takes q, k, v in the attention output's dtype. They differ under autocast: SDPA
+        # casts its inputs to the autocast dtype (HF's fp32 RMSNorm and rotary leave q, k in float32
+        # and v in bfloat16), which an opaque op does not do; so the cast is made here, in the graph.
+        want = _ev(m.output).dtype
+        q, k, v = (self._in_dtype(_unrepeated_kv(x, self.axes), want) for x in (m.q, m.k, m.v))
         scale = m.scale if m.scale is not None else default_scale(m.q)
         i = self.inp
         res = self.g.call_function(
@@ -214,11 +221,11 @@ class _Packer:
             (q, k, v, i["seg_start"], i["seg_len"], i["parent"], i["prefix_len"], i["subtree_end"],
              i["max_seg_len"], i["max_prefix_len"], float(scale), self.backend),
         )
-        out = self.g.call_function(operator.getitem, (res, 0), name=m.output.name + "_packed")
-        want = _ev(m.output).dtype
-        if want != _ev(m.q).dtype:
-            out = self.g.call_method("to", (out, want))
-        return out
+        return self.g.call_function(operator.getitem, (res, 0), name=m.output.name + "_packed")
+
+    def _in_dtype(self, n: fx.Node, dtype: torch.dtype) -> fx.Node:
+        p = self.packed_of(n)
+        return p if _ev(n).dtype == dtype else self.g.call_method("to", (p, dtype))
 
     # ------------------------------------------------------------ shapes
     def token_size(self, tag: str, size: int, slen: int):

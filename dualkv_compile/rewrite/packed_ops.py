@@ -81,6 +81,17 @@ def gather_previous(x: torch.Tensor, prev_index: torch.Tensor, index: torch.Tens
     return x[0][prev_index.unsqueeze(-1), index[0]].unsqueeze(0)
 
 
-def unpack_merged(x: torch.Tensor, unpack_index: torch.Tensor, valid: torch.Tensor, bs_dim: int) -> torch.Tensor:
-    """Packed ``[.., T, ..]`` -> original ``[.., B*S, ..]``, zeros at padding."""
-    return gather_valid(x, unpack_index, valid, bs_dim)
+def unpack_merged(
+    x: torch.Tensor,
+    unpack_index: torch.Tensor,
+    valid: torch.Tensor,
+    input_ids: torch.Tensor,
+    bs_dim: int,
+    shift: int = 0,
+    truncate: bool = False,
+) -> torch.Tensor:
+    """Packed ``[.., T, ..]`` -> original ``[.., B*C, ..]``, zeros at padding: ``unpack_tokens`` with the
+    batch and sequence axes merged, as ``x.reshape(-1, H)`` leaves them (C = S, or S - 1 columns with
+    ``shift``/``truncate``: TRL's fused lm_head flattens ``last_hidden_state[:, :-1]``)."""
+    y = unpack_tokens(x.unsqueeze(bs_dim), unpack_index, valid, input_ids, bs_dim, bs_dim + 1, shift, truncate)
+    return y.flatten(bs_dim, bs_dim + 1)

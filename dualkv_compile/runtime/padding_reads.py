@@ -51,6 +51,8 @@ _MUL = {operator.mul, torch.mul, "mul"}
 # Ops along dims past the token axes ([B, L, ...]: their positions stay apart).
 _TRAILING_FUNCS = SOFTMAX_LIKE | REDUCE_FUNCS | {torch.gather, torch.squeeze, torch.unsqueeze}
 _TRAILING_METHODS = SOFTMAX_METHODS | REDUCE_METHODS | {"gather", "squeeze", "unsqueeze"}
+# A projection of the last dim (an lm_head over ``hidden[:, -k:]``, as ``logits_to_keep`` slices it).
+_LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +166,8 @@ def find_padding_reads(gm: fx.GraphModule, num_packed_inputs: int, original: Opt
     reads: list[Read] = []
     for u in gm.graph.nodes:
         if u.op == "call_function" and u.target is unpack_merged:
-            reads.extend(Read(u, user, 0, False) for user in u.users if user.op != "output")
+            shift, truncate = u.args[5:7]
+            reads.extend(Read(u, user, shift, truncate) for user in u.users if user.op != "output")
             continue
         if not (u.op == "call_function" and u.target is unpack_tokens):
             continue
@@ -192,6 +195,8 @@ def find_padding_reads(gm: fx.GraphModule, num_packed_inputs: int, original: Opt
                     frontier.append((user, step))
                 elif _is(user, _TRAILING_FUNCS, _TRAILING_METHODS) and user.args[0] is value and _trailing_dims_only(user, value):
                     frontier.append((user, step))
+                elif _is(user, _LINEAR, ()) and user.args[0] is value and (_rank(value) or 0) >= 3:
+                    frontier.append((user, step))
                 else:
                     reads.append(step)
     return reads
@@ -213,14 +218,14 @@ def tainted(
     ``c + 1`` hold consecutive tokens of one sequence (default: both valid). A next-token value elsewhere
     reads across a sequence boundary (another sequence packed into the row, or padding), which the packed
     stream does not compute."""
-    if read.source.target is unpack_merged:
-        return (~valid).any()
     if read.shift:
         taint = ~(valid[:, 1:] & valid[:, :-1] if linked is None else linked)
     elif read.truncate:
         taint = ~valid[:, :-1]
     else:
         taint = ~valid
+    if read.source.target is unpack_merged:
+        return taint.any()  # rows and columns merged: no slice or factor is followed
     B, C = taint.shape
     taint = taint.clone()
     for node, slices, rank in read.factors:
