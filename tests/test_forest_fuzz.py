@@ -15,7 +15,9 @@ detection must find is exactly the generated one:
   the token values q, k and v are read from (a shared token's copy gets the
   sum over its sequences, semantics 4), in
   float64 for the reference, cpu_flash and the Triton kernels (interpreted
-  on CPU).
+  on CPU), exact to 1e-12; and in float32 for cpu_flash and Triton (on the
+  GPU where there is one: its compiled kernels take no float64), to 1e-5
+  (gradients 1e-4).
 """
 
 from __future__ import annotations
@@ -109,12 +111,13 @@ def per_sequence_attention(q, k, v, paths, places, scale):
     return out
 
 
-BACKENDS = ["reference", "cpu_flash", "triton"]
+CASES = [("reference", torch.float64), ("cpu_flash", torch.float64), ("triton", torch.float64),
+         ("cpu_flash", torch.float32), ("triton", torch.float32)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("seed", range(6))
-def test_random_forest_exact(backend, seed):
+@pytest.mark.parametrize("backend, dtype", CASES, ids=[f"{b}-{str(d)[6:]}" for b, d in CASES])
+@pytest.mark.parametrize("seed", range(12))
+def test_random_forest_exact(backend, dtype, seed):
     rng = random.Random(seed)
     paths, total = random_sequences(rng)
     packed_rows = seed % 2 == 1
@@ -132,12 +135,10 @@ def test_random_forest_exact(backend, seed):
     table = torch.randn(3, int(ids.max()) + 1, H, D, generator=g, dtype=torch.float64).to(device)
     table.requires_grad_()
     q, k, v = (table[i][ids] for i in range(3))
-    dtype = torch.float64
-    probe = torch.empty(1, H, 1, D, dtype=dtype, device=device)
-    why = unsupported_reason(backend, probe)
-    if why is not None:
-        dtype = torch.float32  # the backend's best precision on this machine
-        assert unsupported_reason(backend, probe.float()) is None, why
+    why = unsupported_reason(backend, torch.empty(1, H, 1, D, dtype=dtype, device=device))
+    if why is not None and device == "cuda" and dtype == torch.float64:
+        pytest.skip(why)  # only the Triton interpreter runs the kernels in float64
+    assert why is None, why
     scale = 1 / math.sqrt(D)
 
     def to_stream(t):
@@ -155,4 +156,5 @@ def test_random_forest_exact(backend, seed):
     (got,) = torch.autograd.grad((out * w).sum(), table, retain_graph=True)
     (want,) = torch.autograd.grad((expected * w).sum(), table)
     err = (got - want).abs().max().item()
-    assert err <= tol * 10 * max(1.0, want.abs().max().item()), err
+    grad_tol = tol if dtype == torch.float64 else 10 * tol  # float32: a shared token sums many rounded terms
+    assert err <= grad_tol * max(1.0, want.abs().max().item()), err

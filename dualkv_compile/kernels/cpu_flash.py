@@ -14,8 +14,10 @@ Assumes ``Segments`` in pre-order (``layout.segments``). The chain's keys
 are gathered in root-to-parent order; any order gives the same softmax.
 The backward sums each ancestor token's dK/dV over every sibling batch that
 reads it (its own segment's queries, its children's, its grandchildren's,
-...) in float32 (DESIGN.md, semantics 4); for GQA, over the query heads
-sharing a KV head.
+...) in float32, float64 for float64 inputs (DESIGN.md, semantics 4); for
+GQA, over the query heads sharing a KV head. The log-sum-exp is float32
+too (float64 for float64 inputs): PyTorch's CPU flash kernels take float64
+and compute in it, so float64 inputs stay in float64 throughout.
 """
 
 from __future__ import annotations
@@ -30,7 +32,12 @@ __all__ = ["supports", "forward", "backward"]
 
 _fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the log-sum-exp and the gradient sums: float64 for float64, else float32."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def supports(q: torch.Tensor) -> Optional[str]:
@@ -114,7 +121,7 @@ def forward(q, k, v, segs: Segments, scale: float):
     rep = q.shape[1] // k.shape[1]
     kr, vr = _repeat_heads(k, rep), _repeat_heads(v, rep)
     out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32)
+    lse = torch.empty(q.shape[:3], dtype=_acc(q.dtype))
     roots, batches = _batches(segs)
     for s, n in roots:
         sl = slice(s, s + n)
@@ -131,19 +138,20 @@ def forward(q, k, v, segs: Segments, scale: float):
 def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False):
     rep = q.shape[1] // k.shape[1]
     kr, vr = _repeat_heads(k, rep), _repeat_heads(v, rep)
-    dq = torch.zeros_like(q, dtype=torch.float32)
-    dk = torch.zeros_like(kr, dtype=torch.float32)
-    dv = torch.zeros_like(vr, dtype=torch.float32)
-    lse = lse.float()
+    acc = _acc(q.dtype)
+    dq = torch.zeros_like(q, dtype=acc)
+    dk = torch.zeros_like(kr, dtype=acc)
+    dv = torch.zeros_like(vr, dtype=acc)
+    lse = lse.to(acc)
     roots, batches = _batches(segs)
     for s, n in roots:
         sl = slice(s, s + n)
         gq, gk, gv = _bwd(
             dout[:, :, sl], q[:, :, sl], kr[:, :, sl], vr[:, :, sl], out[:, :, sl], lse[:, :, sl], 0.0, True, scale=scale
         )
-        dq[:, :, sl] += gq.float()
-        dk[:, :, sl] += gk.float()
-        dv[:, :, sl] += gv.float()
+        dq[:, :, sl] += gq.to(acc)
+        dk[:, :, sl] += gk.to(acc)
+        dv[:, :, sl] += gv.to(acc)
     for chain, kids in batches:
         g = _Siblings(chain, kids, q.dtype)
         # Padded query rows carry dO = 0 and lse = +inf (probabilities 0): they add nothing.
@@ -151,9 +159,9 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
             g.rows(dout), g.rows(q), g.keys(kr), g.keys(vr), g.rows(out), g.rows(lse, float("inf")),
             0.0, False, attn_mask=g.mask, scale=scale,
         )
-        g.scatter_rows(dq, gq.float())
-        g.add_keys(dk, gk.float())
-        g.add_keys(dv, gv.float())
+        g.scatter_rows(dq, gq.to(acc))
+        g.add_keys(dk, gk.to(acc))
+        g.add_keys(dv, gv.to(acc))
 
     def per_kv_head(t):
         return t.unflatten(1, (k.shape[1], rep)).sum(2)

@@ -84,7 +84,8 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
         if q.device.type != "cuda":
             from ..kernels import cpu_flash
 
-            return "cpu_flash" if cpu_flash.supports(q) is None else "reference"
+            # float64 stays on the reference, the oracle (cpu_flash runs float64 too, when asked for by name).
+            return "cpu_flash" if q.dtype != torch.float64 and cpu_flash.supports(q) is None else "reference"
         for name in ("triton", "flex"):
             try:
                 why = _impl(name).supports(q)

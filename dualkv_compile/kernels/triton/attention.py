@@ -24,12 +24,20 @@ constants. Offsets inside one head must fit in int32
 
 Guarantees: ``forward`` and ``backward`` write every valid row of their
 outputs (see ``fwd.py`` and ``bwd.py``) and raise ``ValueError`` on an input
-``supports`` refuses; outputs come back in the inputs' dtypes (lse float32).
+``supports`` refuses; outputs come back in the inputs' dtypes (lse float32,
+float64 for float64 inputs).
+
+Precision: the kernels accumulate (softmax statistics, output, dQ/dK/dV,
+lse, Delta and the atomic buffers) in float32 for bfloat16, float16 and
+float32 inputs, and in float64 for float64 inputs, which only the CPU
+interpreter takes (for exact tests): the accumulator dtype is a compile-time
+constant derived from the input's, so the GPU kernels of the other dtypes
+are unchanged by it.
 
 Backward modes: ``deterministic=True`` uses the KV-major dK/dV kernel with
 all query heads of a kv head in one program plus the Q-major dQ kernel; no
 atomics anywhere, bitwise reproducible. The default mode uses whatever the
-tuning table marks fastest, which may add float32 atomics (``head_split`` > 1
+tuning table marks fastest, which may add atomics (``head_split`` > 1
 spreads the query heads of a kv head over programs; ``dq_mode="atomic"``
 adds dQ from the KV-major kernel instead of recomputing it in a Q-major one).
 The Hopper table uses neither: there both modes run the same kernels.
@@ -153,7 +161,12 @@ _FP32_CUDA_CONFIG = Config(KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 1
 # and still exercise many blocks, ragged edges and diagonals.
 _INTERPRET_CONFIG = Config(KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1))
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The accumulators' dtype (lse, Delta, atomic buffers): float64 for float64, else float32 (as in the kernels)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def supports(q: torch.Tensor) -> Optional[str]:
@@ -175,7 +188,10 @@ def supports(q: torch.Tensor) -> Optional[str]:
     else:
         return f"{needs}; this input is on {q.device.type}"
     if q.dtype not in _DTYPES:
-        return f"dtype {q.dtype} is not supported (bfloat16, float16, float32)"
+        return f"dtype {q.dtype} is not supported (bfloat16, float16, float32; float64 under the interpreter)"
+    if q.dtype == torch.float64 and q.device.type == "cuda":
+        # Untested on GPUs, and Python float arguments (the scales) reach compiled kernels as float32.
+        return "dtype torch.float64 runs only under the Triton interpreter (TRITON_INTERPRET=1, CPU tensors)"
     D = q.shape[-1]
     if not 16 <= D <= 256:
         return f"head dim {D} is not supported (16 to 256)"
@@ -211,9 +227,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, segs: Segments) -> None:
 def _dot_flags(q: torch.Tensor) -> dict:
     # The CPU interpreter gets bf16 dots wrong; the kernels then widen bf16 tiles to fp32 at load.
     upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
-    if q.dtype == torch.float32 or upcast:
+    if q.dtype in (torch.float32, torch.float64) or upcast:
         # fp32 inputs get (near-)fp32 products, not tf32: exact ones in the interpreter,
         # 3-pass tf32 on GPU (IEEE fp32 dots compile for minutes and run on FMA units).
+        # fp64 (interpreter only) gets exact fp64 products.
         return dict(DOT_PREC="tf32x3" if q.device.type == "cuda" else "ieee", UPCAST=upcast)
     return dict(DOT_PREC="tf32", UPCAST=False)
 
@@ -223,7 +240,7 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def forward(q, k, v, segs: Segments, scale: float, *, config: Optional[Config] = None):
-    """``(out [1, Hq, T, D] in q's dtype, lse [1, Hq, T] float32)``."""
+    """``(out [1, Hq, T, D] in q's dtype, lse [1, Hq, T] float32, float64 for float64 inputs)``."""
     from .fwd import shared_prompt_fwd_kernel
 
     _check(q, k, segs)
@@ -231,7 +248,7 @@ def forward(q, k, v, segs: Segments, scale: float, *, config: Optional[Config] =
     Hkv = k.shape[1]
     cfg = (config or config_for(q)).fwd
     out = torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((1, Hq, T), dtype=torch.float32, device=q.device)
+    lse = torch.empty((1, Hq, T), dtype=_acc(q.dtype), device=q.device)
     if T == 0 or Hq == 0:
         return out, lse
     tiles = tile_schedule(segs, T, cfg.block_m, "q")
@@ -259,15 +276,15 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     full = config or config_for(q)
     head_split = 1 if deterministic else math.gcd(full.head_split, G)
     dq_mode = "recompute" if deterministic else full.dq_mode
-    dev, BD = q.device, block_d(D)
-    lse = lse.contiguous()
+    dev, BD, acc = q.device, block_d(D), _acc(q.dtype)
+    lse = lse.to(acc).contiguous()
     flags = _dot_flags(q)
 
     if dq_mode == "recompute":
         dq = torch.empty((1, Hq, T, D), dtype=q.dtype, device=dev)
     else:
-        dq = torch.zeros((1, Hq, T, D), dtype=torch.float32, device=dev)
-    acc_dtype = torch.float32 if head_split > 1 else k.dtype
+        dq = torch.zeros((1, Hq, T, D), dtype=acc, device=dev)
+    acc_dtype = acc if head_split > 1 else k.dtype
     dk = (torch.zeros if head_split > 1 else torch.empty)((1, Hkv, T, D), dtype=acc_dtype, device=dev)
     dv = (torch.zeros if head_split > 1 else torch.empty)((1, Hkv, T, D), dtype=acc_dtype, device=dev)
     if T == 0 or Hq == 0:
@@ -276,8 +293,8 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     c = full.dkdv
     descs, tma = descriptors(c, c.block_m, q, dout)
     stats_tma = tma and c.stats_tma
-    stats = torch.empty((Hq * T, 4), dtype=torch.float32, device=dev) if stats_tma else None
-    delta = torch.empty((1, Hq, T), dtype=torch.float32, device=dev)
+    stats = torch.empty((Hq * T, 4), dtype=acc, device=dev) if stats_tma else None
+    delta = torch.empty((1, Hq, T), dtype=acc, device=dev)
     pre_block = 64 if BD <= 128 else 32
     bwd_preprocess_kernel[(Hq, -(-T // pre_block))](
         out, dout, delta, lse, stats, T, *_strides(out), *_strides(dout), delta.stride(1),

@@ -41,6 +41,11 @@ full blocks of the loop-carried operands (q and dO in the dK/dV kernel, k
 and v in the dQ kernel) are loaded through tensor descriptors, as in
 ``fwd.py``; masked blocks keep masked pointer loads.
 
+Precision: every float32 above (Delta, the packed statistics, the dQ, dK
+and dV accumulators, the atomic modes' buffers) is the compile-time ``ACC``
+(``tiles.acc_dtype``): float64 for float64 inputs, which only the
+interpreter gets (``attention.py``).
+
 Guarantees: every valid row of dQ and every valid key row of dK/dV is written
 (or, in the atomic modes, added into zeroed float32 buffers); contributions
 of rows or columns outside a segment are exactly zero: masked loads give
@@ -54,7 +59,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import load_pair, load_tile
+from .tiles import acc_dtype, load_pair, load_tile
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -68,6 +73,7 @@ def bwd_preprocess_kernel(
     stride_deltah,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PACK_STATS: tl.constexpr,
 ):
+    ACC: tl.constexpr = acc_dtype(O.dtype.element_ty)
     head = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -76,13 +82,13 @@ def bwd_preprocess_kernel(
                 mask=mask, other=0.0)
     do = tl.load(DO + head.to(tl.int64) * stride_dh + rows[:, None] * stride_dt + offs_d[None, :] * stride_dd,
                  mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    delta = tl.sum(o.to(ACC) * do.to(ACC), 1)
     tl.store(DELTA + head.to(tl.int64) * stride_deltah + rows, delta, mask=rows < T)
     if PACK_STATS:
         # LSE is laid out like DELTA. Rows of 16 bytes (lse in base 2, Delta, two unused words)
         # for the dK/dV kernel's copy engine.
         lse2 = tl.load(LSE + head.to(tl.int64) * stride_deltah + rows, mask=rows < T, other=0.0) * LOG2E
-        zero = tl.zeros([BLOCK_M], tl.float32)
+        zero = tl.zeros([BLOCK_M], ACC)
         packed = tl.reshape(tl.join(tl.join(lse2, delta), tl.join(zero, zero)), [BLOCK_M, 4])
         ptrs = ROW_STATS + (head.to(tl.int64) * T + rows)[:, None] * 4 + tl.arange(0, 4)[None, :]
         tl.store(ptrs, packed, mask=(rows < T)[:, None])
@@ -189,6 +195,7 @@ def bwd_dkdv_kernel(
     subtree_end = tl.load(SUBTREE_END + seg)
 
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    ACC: tl.constexpr = acc_dtype(Q.dtype.element_ty)
     n0 = seg_start + tile * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     col_ok = offs_n < seg_end
@@ -198,8 +205,8 @@ def bwd_dkdv_kernel(
                   col_ok, d_ok, True, EVEN_D, UPCAST)
     v = load_tile(V + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
                   col_ok, d_ok, True, EVEN_D, UPCAST)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], ACC)
 
     # Own rows on the diagonal: blocks starting at n0 until they pass the
     # tile's last column; then the rows after the tile see all of it, and so
@@ -290,6 +297,7 @@ def bwd_dq_kernel(
     seg_end = seg_start + tl.load(SEG_LEN + seg)
 
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    ACC: tl.constexpr = acc_dtype(Q.dtype.element_ty)
     m0 = seg_start + tile * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < seg_end
@@ -307,7 +315,7 @@ def bwd_dq_kernel(
     # Rows past the segment load q = dO = 0 and lse = Delta = 0: finite, never stored.
     lse2 = tl.load(LSE + head.to(tl.int64) * stride_lh + rows, mask=row_ok, other=0.0) * LOG2E
     delta = tl.load(DELTA + head.to(tl.int64) * stride_lh + rows, mask=row_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
 
     # The ancestors as in the forward (all their full blocks, nearest first, then each ragged last
     # block; two flat loops, no branch: see fwd.py), then the own tokens, causal. No running

@@ -37,9 +37,10 @@ Assumes
 Guarantees
     * Every valid query row of every segment is written exactly once; rows
       of other segments are never touched.
-    * Softmax statistics and the output accumulator are float32; the scores
-      are computed in base 2 (``exp2``) with ``scale * log2(e)`` folded into
-      one multiply-add.
+    * Softmax statistics, the output accumulator and the lse are float32
+      (``ACC``; float64 for float64 inputs, which only the interpreter gets);
+      the scores are computed in base 2 (``exp2``) with ``scale * log2(e)``
+      folded into one multiply-add.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import load_pair, load_tile
+from .tiles import acc_dtype, load_pair, load_tile
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -112,6 +113,7 @@ def shared_prompt_fwd_kernel(
     seg_end = seg_start + tl.load(SEG_LEN + seg)
 
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    ACC: tl.constexpr = acc_dtype(Q.dtype.element_ty)  # float32; float64 for float64 inputs (interpreter only)
     m0 = seg_start + tile * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < seg_end
@@ -126,9 +128,9 @@ def shared_prompt_fwd_kernel(
     descs = (K_DESC, kv_head * k_row_h, kv_head * k_col_h, V_DESC, kv_head * v_row_h, kv_head * v_col_h)
     q = load_tile(Qh + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd, row_ok, d_ok, True, EVEN_D, UPCAST)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), ACC)
+    l_i = tl.zeros([BLOCK_M], ACC)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
 
     # Region 1: the ancestors, fully visible: the full blocks of all of them (nearest ancestor
     # first), then each one's ragged last block. Two flat loops without a branch inside: a loop

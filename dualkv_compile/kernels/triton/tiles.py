@@ -4,6 +4,8 @@
 ``load_pair`` loads the same rows of two tensors (k and v in the forward and
 dQ kernels, q and dO in the dK/dV kernel), through tensor descriptors for
 full blocks when the launcher built them, else through ``load_tile``.
+``acc_dtype`` (a compile-time function) is the kernels' accumulator dtype:
+float32, float64 for float64 inputs (which only the CPU interpreter gets).
 
 Assumes
     * ``ptrs`` (and ``A`` / ``B`` with their token and dim strides) address
@@ -24,6 +26,12 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.constexpr_function
+def acc_dtype(dtype):
+    """The accumulators' dtype for inputs of ``dtype``: float64 for float64, else float32 (bf16, fp16, fp32)."""
+    return tl.float64 if dtype == tl.float64 else tl.float32
 
 
 @triton.jit
