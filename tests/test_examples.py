@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -44,3 +45,21 @@ def test_verl_style_batch_summary():
     out = run("verl_style_batch.py", "--layers", "1", "--max-prompt-length", "16", "--max-response-length", "8")
     assert "verl_style_batch: OK" in out
     assert "rewritten" in out and "position_ids" in out
+
+
+@pytest.mark.parametrize("form", ["roll", "slice-masked"])
+def test_verl_style_batch_remove_padding(form):
+    """veRL's use_remove_padding: the shuffled rows' valid tokens in one row, packed by the backend."""
+    out = run("verl_style_batch.py", "--remove-padding", "--rmpad-form", form, "--layers", "1",
+              "--max-prompt-length", "16", "--max-response-length", "8")
+    assert "verl_style_batch: OK" in out
+    assert "rows shuffled" in out and "input_ids [1, " in out and "no attention mask" in out
+    tokens = re.search(r"(\d+) with padding -> (\d+) after remove padding -> (\d+) packed \(rho ([\d.]+)x\)", out)
+    assert tokens, out
+    padded, unpadded, packed, rho = int(tokens[1]), int(tokens[2]), int(tokens[3]), float(tokens[4])
+    assert padded > unpadded > packed and rho > 1.5
+    assert re.search(r"8 sequences in 2 trees of depth 2", out)
+    calls = re.search(r"1 graph\(s\): 1 rewritten, 0 refused; (\d+) of (\d+) calls of rewritten graphs ran packed", out)
+    assert calls and int(calls[1]) == int(calls[2]) >= 1, out
+    if form == "slice-masked":
+        assert "next-token log-probs computed from the lm_head in chunks" in out
