@@ -87,14 +87,24 @@ class TokenInputs:
 
 
 def find_token_inputs(graph: fx.Graph) -> TokenInputs:
-    """Placeholders whose names say they are token inputs (``L_kwargs_input_ids_``, ``L_batch_attention_mask_`` ...)."""
-    found: dict[Role, fx.Node] = {}
-    for node in graph.find_nodes(op="placeholder"):
+    """Placeholders whose names say they are token inputs (``L_kwargs_input_ids_``, ``L_batch_attention_mask_`` ...).
+
+    Of several names with a role in them, the one that ends with it wins (``L_batch_input_ids_`` over
+    veRL's ``L_batch_input_ids_rmpad_rolled_``, the labels), then the shortest (``input_ids_rmpad``
+    over ``input_ids_rmpad_rolled``), whatever order the graph reads them in."""
+    found: dict[Role, tuple[tuple[bool, int], fx.Node]] = {}
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    for node in placeholders:
         name = node.name.lower()
+        if not isinstance(node.meta.get("example_value"), torch.Tensor):
+            continue
         for role in NAMED_ROLES:
-            if role.value in name and role not in found and isinstance(node.meta.get("example_value"), torch.Tensor):
-                found[role] = node
-    return TokenInputs(tuple(TokenInput(role, node) for role, node in found.items()))
+            if role.value in name:
+                rank = (not name.rstrip("_").endswith(role.value), len(name))
+                if role not in found or rank < found[role][0]:
+                    found[role] = (rank, node)
+    order = sorted(found, key=lambda role: placeholders.index(found[role][1]))
+    return TokenInputs(tuple(TokenInput(role, found[role][1]) for role in order))
 
 
 def complete_token_inputs(
