@@ -125,3 +125,18 @@ def test_explain_shows_tree_depth_and_rho():
     text = buf.getvalue()
     assert "5 sequences in 1 trees of depth 3" in text
     assert "tokens 66 -> 30 (rho 2.20x)" in text
+
+
+@pytest.mark.parametrize("family,impl", [("qwen3", "sdpa"), ("llama", "eager")])
+def test_one_packed_row_with_flash_attention_kwargs(family, impl):
+    """FlashAttention-style ``cu_seq_lens_q/k`` and ``max_length_q/k`` beside the restarting position ids (as a
+    padding-free collator passes them): SDPA and eager attention take the sequences from the position ids and
+    ignore the kwargs, and so does the layout. (The flash-attn varlen kernels read them instead; neither machine
+    here has flash-attn, and an op with no token-axis rule refuses its graph, which then runs unchanged.)"""
+    rows = [_rows(5, TWO_GROUPS, seed=2)[i] for i in SHUFFLE]
+    batch = _packed_row(rows)
+    lens = torch.tensor([len(r) for r in rows])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).int()])
+    batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int(lens.max()), max_length_k=int(lens.max()))
+    stats = _check(family, impl, batch)
+    assert (stats.num_sequences, stats.tokens_before, stats.tokens_after, stats.depth) == (5, 66, 30, 3)
