@@ -48,7 +48,11 @@ def _fused_model():
     return model
 
 
-def test_fused_lm_head_forward_packs_and_is_exact():
+@pytest.mark.parametrize("compact", [False, True])
+def test_fused_lm_head_forward_packs_and_is_exact(compact, monkeypatch):
+    """``compact``: TRL on a GPU selects ``hidden_states[mask]`` (a data-dependent shape: the graph breaks
+    before it, and the backbone's graph returns ``[B, S - 1, H]``); elsewhere it flattens every position."""
+    monkeypatch.setattr(trl_utils, "_use_triton", lambda device: compact)
     torch._dynamo.reset()
     model, ref = _fused_model(), _fused_model()
     compile_scoring_forward(model, inner="aot_eager")
