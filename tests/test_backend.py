@@ -205,3 +205,24 @@ def test_hf_flex_attention_implementation_is_refused_and_exact():
     assert rel(out[mask.bool()], ref[mask.bool()]) <= 1e-5
     reasons = [r.reason or "" for r in dualkv_compile.reports()[start:]]
     assert any("flex_attention" in r and "sdpa" in r for r in reasons), reasons
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_refused_graph_with_data_dependent_sizes_runs_as_the_inner_compiler_would(inner):
+    """veRL-style unpadding (``nonzero``) under capture_dynamic_output_shape_ops: the graph has unbacked sizes.
+    Its fallback used to be compiled later, from its example inputs and without Dynamo's shape environment,
+    and raised DynamicOutputShapeException; it now compiles inside the backend call, as the inner compiler would."""
+
+    def unpad(input_ids, attention_mask):
+        indices = torch.nonzero(attention_mask.flatten()).flatten()
+        return input_ids.flatten()[indices] * 2
+
+    ids = torch.arange(12).view(2, 6)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]])
+    torch._dynamo.reset()
+    start = len(dualkv_compile.reports())
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled = torch.compile(unpad, backend=functools.partial(dualkv_backend, options={"inner": inner}))
+        got = compiled(ids, mask)
+        again = compiled(ids, mask.flip(1))
+    assert torch.equal(got, unpad(ids, mask)) and torch.equal(again, unpad(ids, mask.flip(1)))
+    assert [r.rewritten for r in dualkv_compile.reports()[start:]] == [False]

@@ -4,7 +4,10 @@ The backend hands the original graph (its fallback) and the packed graph to the 
 (``"inductor"``, ``"aot_eager"`` or ``"eager"``). A graph with symbolic sizes, or one that reads lifted
 module floats (``placeholder.item()``), is compiled through a nested ``torch.compile(dynamic=True)`` of a
 function calling it: compiled directly outside Dynamo's tracing context it would be specialised to its
-first inputs (or fail on the data-dependent ``.item()``).
+first inputs (or fail on the data-dependent ``.item()``). A graph with data-dependent sizes (``nonzero`` under
+``capture_dynamic_output_shape_ops``: unbacked symbols) needs Dynamo's own fake inputs and shape environment:
+its fallback is compiled at once, inside the backend call, as the inner compiler alone would have compiled it
+(``LazyCompile.compile_now``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import torch.fx as fx
 from ..config import DualKVConfig
 from ..analysis.attention_match import item_of_placeholder
 
-__all__ = ["LazyCompile", "inner_compile", "is_dynamic", "mode_patches", "nested_compile", "reads_lifted_scalars"]
+__all__ = [
+    "LazyCompile", "has_unbacked_sizes", "inner_compile", "is_dynamic", "mode_patches", "nested_compile", "reads_lifted_scalars",
+]
 
 _nested_ids = itertools.count()
 
@@ -45,6 +50,24 @@ def is_dynamic(gm: fx.GraphModule) -> bool:
     return False
 
 
+def has_unbacked_sizes(gm: fx.GraphModule) -> bool:
+    """True if a value of the graph has a data-dependent (unbacked) size or value (``nonzero``, ``.item()``).
+
+    ``is_dynamic`` looks at the inputs only; these symbols appear inside the graph.
+    """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for n in gm.graph.nodes:
+        if n.meta.get("unbacked_bindings"):
+            return True
+        try:
+            if free_unbacked_symbols(n.meta.get("example_value")):
+                return True
+        except Exception:  # noqa: BLE001 - a value free_unbacked_symbols cannot walk: assume it has one
+            return True
+    return False
+
+
 def reads_lifted_scalars(gm: fx.GraphModule) -> bool:
     """True if the graph reads an input as a Python scalar (``placeholder.item()``: Dynamo's lifted module floats)."""
     return any(item_of_placeholder(n) is not None for n in gm.graph.find_nodes(op="call_method", target="item"))
@@ -58,12 +81,27 @@ class LazyCompile:
     its example inputs; a dynamic-shape one goes through a nested
     ``torch.compile(dynamic=True)`` (compiled directly outside Dynamo's
     tracing context it would be specialised to its first inputs), the same
-    route the packed graph takes.
+    route the packed graph takes. A graph with unbacked sizes compiles at
+    once (``compile_now``): only Dynamo's tracing context, current while the
+    backend runs, has the shape environment that defines them (compiled
+    later from its example inputs, ``nonzero`` raised
+    DynamicOutputShapeException).
     """
 
     def __init__(self, gm, example_inputs, cfg: DualKVConfig, mode: Optional[str]):
         self.args = (gm, example_inputs, cfg, mode)
         self.compiled: Optional[Callable] = None
+        if has_unbacked_sizes(gm):
+            self.compile_now()
+
+    def compile_now(self) -> "LazyCompile":
+        """Compile now, as the inner compiler would have been called in this backend call: Dynamo's graph, its
+        example inputs, and (while the backend runs) its tracing context, fake mode and shape environment."""
+        if self.compiled is None:
+            gm, example_inputs, cfg, mode = self.args
+            self.compiled = inner_compile(gm, example_inputs, cfg, mode)
+            self.args = None
+        return self
 
     def __call__(self, *args):
         if self.compiled is None:

@@ -56,12 +56,21 @@ class Runner:
         # Where the program reads a position packing zeroes, and the input-only factors that may mask it.
         self.padding_reads = find_padding_reads(packed, len(PACKED_INPUTS), gm)
         factors = list(dict.fromkeys(node for r in self.padding_reads for node, _, _ in r.factors))
-        self.factor_gms = [
-            f for f in (
-                factor_graph(packed, [n for n in factors if n.graph is packed.graph], len(PACKED_INPUTS)),
-                factor_graph(gm, [n for n in factors if n.graph is gm.graph], 0),
-            ) if f is not None
-        ]
+        self.factor_gms: list[fx.GraphModule] = []
+        # Factors that cannot be evaluated before the call (side_graphs: their graph's ``unusable``), with why:
+        # unknown, they zero nothing, so a call whose padding read only they could zero runs unpacked.
+        self.unknown_factors: dict[fx.Node, str] = {}
+        for f in (
+            factor_graph(packed, [n for n in factors if n.graph is packed.graph], len(PACKED_INPUTS)),
+            factor_graph(gm, [n for n in factors if n.graph is gm.graph], 0),
+        ):
+            if f is None:
+                continue
+            if f.unusable is None:
+                self.factor_gms.append(f)
+                continue
+            self.unknown_factors.update(dict.fromkeys(f.factor_nodes, f.unusable))
+            log.info("dualkv: graph %d: the masks of its padding reads cannot be evaluated on their own (%s)", report.graph_id, f.unusable)
 
     def _compile_packed(self):
         def count():
@@ -134,17 +143,24 @@ class Runner:
         valid = layout.valid.view(layout.batch_size, layout.seq_len)
         seq = layout.sequence_ids().view(layout.batch_size, layout.seq_len)
         linked = (seq[:, 1:] == seq[:, :-1]) & (seq[:, 1:] >= 0)
-        factors = {}
+        factors = dict.fromkeys(self.unknown_factors)  # None: unknown, zeroes nothing
+        unknown = dict(self.unknown_factors)
         with torch.no_grad():
             for f in self.factor_gms:
-                factors.update(zip(f.factor_nodes, f(*args)))
+                try:
+                    factors.update(zip(f.factor_nodes, f(*args)))
+                except Exception as e:  # noqa: BLE001 - the factors are then unknown; the original program runs
+                    factors.update(dict.fromkeys(f.factor_nodes))
+                    unknown.update(dict.fromkeys(f.factor_nodes, f"evaluating them failed: {type(e).__name__}: {e}"[:300]))
         flags = torch.stack([tainted(read, valid, factors, linked) for read in self.padding_reads])
         if not bool(flags.any()):  # one host sync for all reads
             return None
         read = self.padding_reads[int(flags.nonzero()[0, 0])]
+        why = next((f"{node.name}: {unknown[node]}" for node, _, _ in read.factors if node in unknown), None)
         return (
             f"{read.reader.name} reads a position packing does not compute (padding, or the column before a "
             "row's first token, e.g. an empty prompt) where no mask zeroes it; the original program runs"
+            + (f" (its mask could not be evaluated before the call: {why})" if why else "")
         )
 
     def _disable(self, args, why: str):
