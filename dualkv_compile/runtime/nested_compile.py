@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from ..config import DualKVConfig
 from ..analysis.attention_match import item_of_placeholder
+from .autocast_regions import autocast_regions_as_with_blocks
 
 __all__ = [
     "LazyCompile", "has_unbacked_sizes", "inner_compile", "is_dynamic", "mode_patches", "nested_compile", "reads_lifted_scalars",
@@ -145,6 +146,8 @@ def nested_compile(gm: fx.GraphModule, cfg: DualKVConfig, mode: Optional[str], d
         if node.op == "call_function" and node.target in _SYM_BUILTINS:
             node.target = _SYM_BUILTINS[node.target]
     module.recompile()
+    # Dynamo before torch 2.12 cannot trace its own _enter_autocast/_exit_autocast calls again.
+    module = autocast_regions_as_with_blocks(module)
 
     def forward(*args):
         return module(*args)
