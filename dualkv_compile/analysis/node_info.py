@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 __all__ = [
-    "Kind", "Tags", "NodeInfo", "Refusal", "RuleFailed", "Coupling",
+    "Kind", "Tags", "NodeInfo", "Route", "Refusal", "RuleFailed", "Coupling",
     "ev", "hint", "shape_of", "arg", "op_name", "kind_of", "untagged",
 ]
 
@@ -26,9 +26,29 @@ class Kind(enum.Enum):
     BCAST = "bcast"
     NONE = "none"
     ORIG = "orig"
+    # MoE dispatch (analysis.moe_rules): a value of the packed program only, with no form in the original
+    # layout (entries in expert-sorted order, indices into the token axis, per-expert counts). Never unpacked.
+    ROUTED = "routed"
 
 
 Tags = tuple[Optional[str], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """What a ROUTED value is, relative to ``order``: the sort along a merged token axis that laid it out.
+
+    ``what``: "sort" (the sort's (values, indices) pair); "keys" (the sorted keys, one per entry);
+    "values" (data of each entry, in sorted order: tag "r"); "perm" (the entries' indices into the merged
+    token axis of ``factor`` entries per token); "empty" (an uninitialised buffer shaped like the sort);
+    "inverse" (each token-axis entry's position in the sorted order: tag "bs", ``factor`` per token);
+    "counts" (entries per expert); "offsets" (their cumulative sums: the expert groups); "mutation" (the
+    in-place op that writes "inverse").
+    """
+
+    order: fx.Node
+    what: str
+    factor: int = 1
 
 
 @dataclasses.dataclass
@@ -42,6 +62,7 @@ class NodeInfo:
     # or ``x[:, 1:]``). The packed value is the same either way: one per token.
     shift: int = 0
     slen: Optional[int] = None
+    route: Optional[Route] = None  # ROUTED values only
 
 
 class Refusal(Exception):
@@ -90,7 +111,12 @@ def op_name(node: fx.Node) -> str:
 
 
 def kind_of(tags: Tags) -> Kind:
-    """The kind of a value with token axes ``tags`` (not ORIG: that depends on the ancestry)."""
+    """The kind of a value with token axes ``tags`` (not ORIG: that depends on the ancestry).
+
+    Tag "r" marks an axis in expert-sorted order (``Route``): such a value exists on the packed stream only.
+    """
+    if "r" in tags:
+        return Kind.ROUTED
     if any(t in ("s", "bs") for t in tags):
         return Kind.TOKEN if any(t in ("b", "bs") for t in tags) else Kind.COLUMN
     if "b" in tags:

@@ -45,6 +45,12 @@ def _view(node, info, B, S) -> NodeInfo:
             merged = "".join(t for _, t in tagged)
             if merged not in ("b", "s", "bs"):
                 raise RuleFailed(f"reshape merging {[t for _, t in tagged]}")
+            ones = [o for o in outs if o < real_outs[0]]  # size-1 dims ahead of it
+            if merged == "bs" and B == 1 and ones and out_shape[real_outs[0]] == S:
+                # A one-row batch's [S] (merged from [1, S]) back to [1, S]: the batch axis returns
+                # (an MoE block's reshape(batch, seq, hidden) of its flattened tokens).
+                out[ones[-1]], out[real_outs[0]] = "b", "s"
+                continue
             out[real_outs[0]] = merged
             continue
         kinds = [t for _, t in tagged]
@@ -65,8 +71,9 @@ def _view(node, info, B, S) -> NodeInfo:
                 if sizes[1] != S:
                     raise RuleFailed("reshape splitting the sequence axis")
                 continue
-            if kind == "s" and sizes[0] == S:
-                out[real_outs[0]] = "s"
+            if kind in ("s", "bs") and sizes[0] % (S if kind == "s" else B * S) == 0:
+                # [.., N*f] -> [.., N*g, f/g]: the first dim keeps whole tokens (token-major), g per token.
+                out[real_outs[0]] = kind
                 continue
         raise RuleFailed(f"reshape {in_shape} -> {out_shape} that splits a token axis")
     t = tuple(out)

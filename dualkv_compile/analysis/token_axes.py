@@ -20,6 +20,10 @@ Contract
         ORIG    must be computed in the original ``[B, S]`` layout: it mixes
                 tokens (reduction, shift or slice along the sequence), or derives
                 from a value that does; ``cause`` says which node and why
+        ROUTED  a step of an MoE expert dispatch (sorted by expert, indices
+                into the token axis): computed on the packed stream only, read
+                only by the rules of ``moe_rules.routed_rule`` (anything else
+                refuses the graph), never unpacked
 
     and the graph's attention matches. The graph is not modified.
 
@@ -43,6 +47,7 @@ import torch.fx as fx
 
 from .attention_match import AttentionMatch, find_attention
 from .node_info import Coupling, Kind, NodeInfo, Refusal, RuleFailed, ev as _ev, hint, op_name, shape_of, untagged
+from .moe_rules import routed_rule
 from .token_inputs import Role, TokenInputs
 from .token_rules import POINTWISE_FUNCS, POINTWISE_METHODS, rule_for
 
@@ -123,6 +128,10 @@ def analyze_token_axes(
         except Coupling as e:
             refusals.append(f"{node.name}: {e}")
             info[node] = NodeInfo(Kind.ORIG, cause=f"{node.name}: {e}")
+    for out in graph.find_nodes(op="output"):
+        for a in out.all_input_nodes:
+            if info[a].kind is Kind.ROUTED:
+                refusals.append(f"{a.name}: an output of the MoE dispatch's expert sort depends on every token of the batch")
     for m in matches:
         if m.refusal:
             refusals.append(m.refusal)
@@ -154,6 +163,8 @@ def _rule(node: fx.Node, info, token_inputs, B, S) -> NodeInfo:
     ins = [info[a] for a in node.all_input_nodes]
     if node.op == "call_function" and node.target in _SIDE_EFFECTS:
         return NodeInfo(Kind.NONE)
+    if any(i.kind is Kind.ROUTED for i in ins):
+        return routed_rule(node, info, B, S)  # MoE dispatch: values of the packed stream only
     orig = [i for i in ins if i.kind is Kind.ORIG]
     if orig:
         return NodeInfo(Kind.ORIG, untagged(_ev(node)), cause=orig[0].cause)

@@ -15,7 +15,7 @@ linear, embedding and matmul keep the token axes of their token operand;
 reductions, softmax and norms over feature dimensions drop or keep them;
 ops that couple tokens (batch_norm, instance_norm, dropout in training,
 cumsum along the sequence) refuse the graph. The rules that move dimensions
-are in ``shape_rules``.
+are in ``shape_rules``; those of MoE routing and expert dispatch in ``moe_rules``.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _cumulative(node, info, B, S) -> NodeInfo:
     src = node.args[0]
     dim = arg(node, 1, "dim")
     t = info[src].tags
-    if isinstance(dim, int) and t and t[dim % len(t)] in ("s", "bs"):
+    if isinstance(dim, int) and t and t[dim % len(t)] in ("s", "bs", "r"):  # "r": the experts' sorted order
         raise Coupling("cumulative sum along the sequence axis couples tokens beyond causal attention")
     return _same(node, info)
 
@@ -251,5 +251,6 @@ def _norm(node, info, B, S) -> NodeInfo:
     return NodeInfo(kind_of(t), t)
 
 
-# The shape-moving rules register themselves in RULES on import.
+# The shape-moving rules and the MoE routing rules register themselves in RULES on import.
 importlib.import_module(".shape_rules", __package__)
+importlib.import_module(".moe_rules", __package__)

@@ -135,6 +135,7 @@ class _Packer:
             self.orig[n] = new
         self.inp = {name: self.g.placeholder(name) for name in PACKED_INPUTS}
         self.T = self.g.call_method("size", (self.inp["pack_index"], 0))
+        self.recomputed = self.originals_to_recompute()
         for n in self.gm.graph.nodes:
             if n.op == "placeholder":
                 info = self.axes.info[n]
@@ -148,8 +149,10 @@ class _Packer:
                 continue
             info = self.axes.info[n]
             last = next(iter(reversed(self.g.nodes)))  # nodes emitted for n follow it
-            if info.kind is Kind.TOKEN:
+            if info.kind in (Kind.TOKEN, Kind.ROUTED):  # ROUTED (MoE dispatch): the packed form only
                 self.packed[n] = self.emit_packed(n)
+                if n in self.recomputed:
+                    self.emit_original(n)
             else:
                 self.orig[n] = self.copy(n, self.orig_of)
                 if info.kind is Kind.BCAST:  # both forms; DCE keeps what is read
@@ -158,6 +161,39 @@ class _Packer:
         self.g.eliminate_dead_code()
         self.g.lint()
         return fx.GraphModule(self.gm, self.g, class_name="PackedGraph")
+
+    def unpackable(self, n: fx.Node) -> bool:
+        """Whether ``unpack`` of ``n``'s packed form gives its original one (token axes of the batch's sizes)."""
+        if not isinstance(_ev(n), torch.Tensor):
+            return True  # a tuple (topk's): its elements are checked
+        info, shape = self.axes.info[n], shape_of(n)
+        if "bs" in info.tags:
+            return shape[info.tags.index("bs")] == self.B * info.slen
+        b, s = info.tags.index("b"), info.tags.index("s")
+        return shape[b] == self.B and shape[s] == info.slen
+
+    def originals_to_recompute(self) -> set:
+        """TOKEN values ``unpack`` cannot restore (a merged axis of k entries per token: a top-k's
+        ``ids.reshape(-1)``) that a reader in the original layout needs, directly or through another such value
+        (a load-balancing loss counting experts): ``emit_original`` recomputes them from their operands'."""
+        need: set = set()
+        for n in reversed(self.gm.graph.nodes):
+            info = self.axes.info.get(n)
+            if info is None or info.kind is not Kind.TOKEN or self.unpackable(n):
+                continue
+            if any(u.op == "output" or u in need or self.axes.info[u].kind not in (Kind.TOKEN, Kind.ROUTED) for u in n.users):
+                need.add(n)
+        return need
+
+    def emit_original(self, n: fx.Node) -> None:
+        """The original form of ``n`` (``originals_to_recompute``): its op on its operands' original forms, equal
+        to the original program's at every valid position (a per-token op on unpacked operands)."""
+        if any(self.axes.info[a].kind is Kind.ROUTED for a in n.all_input_nodes):
+            return  # an MoE dispatch's output: orig_of refuses if a reader needs it
+        try:
+            self.orig[n] = self.copy(n, self.orig_of)
+        except Refusal:
+            pass  # an operand has no original form either: orig_of refuses if a reader needs it
 
     def copy(self, n: fx.Node, lookup) -> fx.Node:
         args = fx.map_arg(n.args, lookup)
@@ -260,25 +296,33 @@ class _Packer:
                     sizes[j] = self.token_size(tag, out_shape[dim + j], self.axes.info[n].slen)
             args = (args[0], dim, tuple(sizes))
         elif n.op == "call_function" and n.target is operator.getitem and isinstance(_ev(n.args[0]), torch.Tensor):
-            args = (args[0], self._full_slices(n))
+            args = (args[0], self._full_slices(n, args[1]))
+        elif n.op == "call_function" and n.target is operator.setitem and self.axes.info[n].kind is Kind.ROUTED:
+            # The MoE dispatch's inverse permutation, inv[perm] = arange(n): n entries of the packed stream.
+            value = n.args[2]
+            size = self.g.call_method("size", (args[1], 0))
+            args = (args[0], args[1], self.g.call_function(torch.arange, (size,), dict(value.kwargs)))
         return args, kwargs
 
-    def _full_slices(self, n: fx.Node):
-        """Slices along token axes are full (the analysis checked); drop their bounds so they stay full at T."""
+    def _full_slices(self, n: fx.Node, packed_idx):
+        """Slices along token axes are full (the analysis checked); drop their bounds so they stay full at T.
+
+        ``packed_idx``: the index with its nodes mapped to the packed graph (tensor indices kept as mapped)."""
         src_tags = self.axes.info[n.args[0]].tags
         idx = n.args[1]
         single = not isinstance(idx, tuple)
         idx = (idx,) if single else idx
+        mapped = (packed_idx,) if single else packed_idx
         n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
         out, d = [], 0
-        for i in idx:
+        for i, m in zip(idx, mapped):
             if i is Ellipsis:
                 d += len(src_tags) - n_real
                 out.append(i)
             elif i is None:
                 out.append(i)
             else:
-                out.append(slice(None) if isinstance(i, slice) and src_tags[d] is not None else i)
+                out.append(slice(None) if isinstance(i, slice) and src_tags[d] is not None else m)
                 d += 1
         return out[0] if single else tuple(out)
 

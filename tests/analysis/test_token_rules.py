@@ -314,6 +314,9 @@ CUMULATIVE = [
     ("cumprod-along-bs", meth("cumprod", X0, 0), [merged], couples("cumulative sum along the sequence axis")),
     # Along the batch axis the rows stay apart.
     ("cumsum-along-b", fn(torch.cumsum, X0, 0), [x], out("b s -", TOKEN)),
+    # MoE dispatch values in expert-sorted order (tag r): a running sum over them mixes tokens.
+    ("cumsum-along-expert-order", fn(torch.cumsum, X0, 0), [In((B * S * 2, D), "r -", Kind.ROUTED)],
+     couples("cumulative sum along the sequence axis")),
 ]
 
 VIEW = [
@@ -331,6 +334,12 @@ VIEW = [
     # The sequence axis merged with the features (s-major) and split back.
     ("merge-s-features", meth("view", X0, B, S * D), [x], out("b s", TOKEN)),
     ("split-s-features", meth("view", X0, B, S, D), [In((B, S * D), "b s", TOKEN)], out("b s -", TOKEN)),
+    # A merged axis of k entries per token split into [tokens * g, k / g]: the first dim keeps whole tokens.
+    ("split-bs-per-token", meth("view", X0, B * S, 2, D), [In((B * S * 2, D), "bs -", TOKEN)], out("bs - -", TOKEN)),
+    ("split-bs-two-per-token", meth("view", X0, B * S * 2, 2), [In((B * S * 4,), "bs", TOKEN)], out("bs -", TOKEN)),
+    ("split-s-two-per-token", meth("view", X0, B, 2 * S, 2), [In((B, 4 * S), "b s", TOKEN)], out("b s -", TOKEN)),
+    ("split-bs-across-tokens", meth("view", X0, 2, B * S, D), [In((B * S * 2, D), "bs -", TOKEN)],
+     fails("reshape [24, 8] -> [2, 12, 8] that splits a token axis")),
     ("split-s", meth("view", X0, B, 2, S // 2, D), [x], fails("reshape [3, 4, 8] -> [3, 2, 2, 8] that splits a token axis")),
     ("split-bs-wrong-slen", meth("view", X0, B, S, D), [In((B * S, D), "bs -", TOKEN, slen=S // 2)],
      fails("reshape splitting the sequence axis")),
@@ -464,14 +473,20 @@ def test_rule(op, inputs, expected):
         assert apply_rule(op, inputs) == expected
 
 
+def _all_rows():
+    from .test_moe_rules import MOE_TABLES  # the MoE routing rules' rows (analysis/moe_rules.py)
+
+    return [row for tables in (TABLES, MOE_TABLES) for rows in tables.values() for row in rows]
+
+
 def test_every_rule_key_has_a_row():
-    covered = {_values(row)[1].key() for rows in TABLES.values() for row in rows}
+    covered = {_values(row)[1].key() for row in _all_rows()}
     missing = sorted(f"{op} {getattr(target, '__name__', target)}" for op, target in RULES if (op, target) not in covered)
     assert not missing, f"registered token-axis rules without a table row: {missing}"
 
 
 def test_every_row_targets_a_registered_rule():
-    keys = [_values(row)[1].key() for rows in TABLES.values() for row in rows]
+    keys = [_values(row)[1].key() for row in _all_rows()]
     assert [k for k in keys if k not in RULES] == []
 
 
@@ -479,8 +494,8 @@ def test_rule_for_unregistered():
     graph = fx.Graph()
     a = graph.placeholder("a")
     assert rule_for(a) is None
-    assert rule_for(graph.call_function(torch.sort, (a,))) is None
-    assert rule_for(graph.call_method("sort", (a,))) is None
+    assert rule_for(graph.call_function(torch.flip, (a,))) is None
+    assert rule_for(graph.call_method("flip", (a,))) is None
     assert rule_for(graph.call_module("linear", (a,))) is None  # a module named like a method
     assert rule_for(graph.call_method("view", (a, 1))) is not None
 
@@ -498,13 +513,13 @@ def _analyze(build):
 
 def test_driver_no_rule():
     def build(graph, ids):
-        n = graph.call_function(torch.sort, (ids, -1))
-        n.meta["example_value"] = torch.sort(ids.meta["example_value"], -1)
+        n = graph.call_function(torch.flip, (ids, (1,)))
+        n.meta["example_value"] = torch.flip(ids.meta["example_value"], (1,))
         return n
 
     axes, node = _analyze(build)
     assert axes.info[node].kind is Kind.ORIG
-    assert axes.info[node].cause == f"{node.name}: no token-axis rule for sort"
+    assert axes.info[node].cause == f"{node.name}: no token-axis rule for flip"
     assert axes.refusals == ()
 
 
