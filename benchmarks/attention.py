@@ -288,7 +288,7 @@ def setup_dualkv_flex_op(case: Case, cfg: Cfg):
     segs = segments(case, cfg.device)
 
     def fn():
-        return [dk_op.attention_fwd(q, k, v, *segs, cfg.scale, "flex")[0]]
+        return [dk_op.attention_fwd(q, k, v, *segs, cfg.scale, 0.0, "flex")[0]]
 
     return fn, [q, k, v], None, "opaque custom op; backward recomputes the forward"
 

@@ -53,6 +53,22 @@ def moe_model(family: str, router_logits: bool = True):
     return model(cfg).train()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _experts_compile_without_dualkv():
+    """transformers 5.17's CPU float32 grouped-mm fallback has a backward Dynamo cannot trace (a data-dependent
+    guard in ``_grouped_mm_fallback_backward``), with or without dualkv: then these tests cannot run here."""
+    ids, mask, _ = grpo_batch(GROUPS, VOCAB)
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(moe_model("qwen3_moe"), backend="aot_eager")(input_ids=ids, attention_mask=mask)
+        out.logits.sum().backward()
+    except Exception as e:  # noqa: BLE001 - the environment's own compile fails: say so and skip
+        pytest.skip(f"transformers {transformers.__version__}: the MoE model does not compile without dualkv either "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+    finally:
+        torch._dynamo.reset()
+
+
 def _run_and_compare(model, ref, compiled, groups, seed=0):
     ids, mask, _ = grpo_batch(groups, VOCAB, seed=seed)
     out = compiled(input_ids=ids, attention_mask=mask)

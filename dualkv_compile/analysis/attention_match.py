@@ -13,16 +13,24 @@ Recognised forms
       is_causal=..., scale=..., enable_gqa=...)``, as Hugging Face's "sdpa"
       implementation traces to.
     * Hugging Face's "eager" attention: ``matmul(q, k.transpose(2, 3)) * scale
-      (+ mask) -> softmax(dim=-1) (-> .to(dtype)) (-> dropout) -> matmul(., v)``.
+      (-> / c -> tanh -> * c) (+ mask) -> softmax(dim=-1) (-> .to(dtype)) (-> dropout)
+      -> matmul(., v)``; the optional middle part is Gemma 2's logit softcap c
+      (``AttentionMatch.softcap``, 0.0 without one).
 An attention with dropout that can be active is reported through
-``AttentionMatch.refusal``; so is a non-causal attention without a mask.
+``AttentionMatch.refusal``; so is a non-causal attention without a mask, and
+one whose mask has a window the kernels do not implement (``mask_window``: a
+sliding window ``kv > q - w`` or chunks ``q // w``, as Hugging Face's mask
+functions build them) unless the mask's sequence length S fits in it
+(S <= w: the window never binds; with a symbolic S that is a guard, so Dynamo
+recompiles, and this refuses, once S outgrows it). The first call's mask check
+(``runtime/mask_check``) cannot see a window its batch does not reach.
 A ``dropout_p`` or ``scale`` that is a graph value read from an input
 (``placeholder.item()``, as Dynamo lifts module floats under
 ``dynamic=True``) is recorded in ``AttentionMatch.scalar_inputs``: the backend
 resolves it from the example inputs and checks it on every call. In the eager
 form that is ``matmul * scaling.item()`` (key ``"scale"``, or ``"scale_divisor"``
 for ``/``; ``AttentionMatch.scale`` then holds only the constant factors) and
-``dropout(p=attention_dropout.item())``.
+``dropout(p=attention_dropout.item())``; a lifted softcap is ``"softcap"``.
 """
 
 from __future__ import annotations
@@ -36,13 +44,18 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-__all__ = ["AttentionMatch", "find_attention", "item_of_placeholder", "default_scale", "resolve_scalar_inputs"]
+__all__ = ["AttentionMatch", "find_attention", "item_of_placeholder", "default_scale", "resolve_scalar_inputs", "mask_window"]
 
 _SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 _MATMUL = {torch.matmul, operator.matmul}
 _SOFTMAX = {F.softmax, torch.softmax}
 _CASTS = {"to", "float", "type_as", "contiguous"}
 _SCALE_OPS = {operator.mul, operator.truediv, torch.mul, torch.div}
+_TANH = {torch.tanh, torch.nn.functional.tanh}
+_COMPARE = {operator.gt, operator.ge, operator.lt, operator.le, torch.gt, torch.ge, torch.lt, torch.le}
+_COMPARE_METHODS = {"gt", "ge", "lt", "le", "__gt__", "__ge__", "__lt__", "__le__"}
+_OFFSET = {operator.sub, operator.add, torch.sub, torch.add}
+_CHUNK = {operator.floordiv, operator.mod, torch.floor_divide, torch.remainder}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -59,6 +72,7 @@ class AttentionMatch:
     refusal: Optional[str] = None
     # "dropout_p"/"scale" -> the placeholder whose .item() gives it
     scalar_inputs: dict = dataclasses.field(default_factory=dict)
+    softcap: float = 0.0  # the logit softcap (Gemma 2), 0.0 for none
 
 
 def _arg(node: fx.Node, index: int, name: str, default=None):
@@ -81,12 +95,76 @@ def find_attention(graph: fx.Graph) -> list[AttentionMatch]:
         if node.op != "call_function":
             continue
         if node.target in _SDPA:
-            matches.append(_match_sdpa(node))
+            matches.append(_window_checked(_match_sdpa(node)))
         elif node.target in _SOFTMAX:
             m = _match_eager(node)
             if m is not None:
-                matches.append(m)
+                matches.append(_window_checked(m))
     return matches
+
+
+def _window_checked(m: AttentionMatch) -> AttentionMatch:
+    """``m``, refused if its mask has a window (sliding or chunked) that can bind at the mask's sequence length."""
+    if m.mask is None or m.refusal is not None:
+        return m
+    w = mask_window(m.mask)
+    if w is None:
+        return m
+    ev = m.mask.meta.get("example_value")
+    S = ev.shape[-1] if isinstance(ev, torch.Tensor) else None
+    # S <= w: no two columns are w apart, so the window masks nothing. A symbolic S is guarded here.
+    if S is not None and bool(S <= w):
+        return m
+    length = "unknown" if S is None else S if isinstance(S, int) else f"{S}, symbolic, above {w} on this call"
+    return dataclasses.replace(m, refusal=(
+        f"{m.output.name}: the attention mask has a sliding or chunked window of {w} tokens, which the kernels do not "
+        f"implement; packing is exact only while sequences fit in it, and this graph's sequence length is {length}"))
+
+
+def mask_window(mask: fx.Node, limit: int = 2000) -> Optional[int]:
+    """The smallest window a mask's computation applies, or None: ``kv > q - w`` style comparisons
+    of an index offset by a constant w (``|w|``), ``q - kv < w`` (``|w|``), or chunks ``q // w``
+    and ``q % w``. Walks at most ``limit`` nodes back from ``mask``."""
+    seen, stack, windows = set(), [mask], []
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        w = _window_of(n)
+        if w:
+            windows.append(w)
+        stack.extend(n.all_input_nodes)
+    return min(windows) if windows else None
+
+
+def _window_of(n: fx.Node) -> Optional[int]:
+    def const(x):
+        return abs(x) if isinstance(x, int) and not isinstance(x, bool) and x != 0 else None
+
+    def offset(x):  # index +- constant, or index - index
+        if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target in _OFFSET and len(x.args) == 2):
+            return None, False
+        a, b = x.args
+        c = const(b) if isinstance(a, fx.Node) else const(a) if isinstance(b, fx.Node) else None
+        return c, isinstance(a, fx.Node) and isinstance(b, fx.Node)
+
+    if n.op == "call_function" and n.target in _CHUNK and len(n.args) == 2 and isinstance(n.args[0], fx.Node):
+        return const(n.args[1])
+    if not (n.op == "call_function" and n.target in _COMPARE or n.op == "call_method" and n.target in _COMPARE_METHODS):
+        return None
+    if len(n.args) != 2:
+        return None
+    found = []
+    for x, other in (n.args, reversed(n.args)):
+        c, of_two = offset(x)
+        if c is not None and isinstance(other, fx.Node):
+            found.append(c)  # kv > q - w
+        if of_two and const(other) is not None:
+            found.append(const(other))  # q - kv < w
+        if isinstance(x, fx.Node) and x.op == "call_function" and x.target in (abs, torch.abs) and const(other):
+            found.append(const(other))  # |q - kv| <= w
+    return min(found) if found else None
 
 
 def _match_sdpa(node: fx.Node) -> AttentionMatch:
@@ -124,9 +202,15 @@ def _match_eager(softmax: fx.Node) -> Optional[AttentionMatch]:
     if x.op == "call_function" and x.target in (operator.add, torch.add):
         a, b = x.args[:2]
         internal.append(x)
-        x, mask = (a, b) if _reaches_matmul(a) else (b, a)
-    scale = 1.0
+        x, mask = (a, b) if _reaches_matmul(a) or _softcap(a) is not None else (b, a)
+    scale, softcap = 1.0, 0.0
     scalar_inputs: dict = {}
+    capped = _softcap(x)
+    if capped is not None:
+        x, softcap, cap_nodes = capped
+        internal.extend(cap_nodes)
+        if isinstance(softcap, fx.Node):
+            scalar_inputs["softcap"], softcap = softcap, 0.0  # resolved from the example inputs, checked per call
     while isinstance(x, fx.Node) and x.op == "call_function" and x.target in _SCALE_OPS:
         if len(x.args) != 2 or x.kwargs:
             return None  # torch.div(..., rounding_mode=...), keyword operands: not a plain scale
@@ -143,7 +227,7 @@ def _match_eager(softmax: fx.Node) -> Optional[AttentionMatch]:
             # Under dynamic=True Dynamo lifts the module's float (HF's `self.scaling`) to an input read
             # as `placeholder.item()`: resolved from the example inputs by the backend, checked per call.
             src = item_of_placeholder(c)
-            if src is None or scalar_inputs:
+            if src is None or "scale" in scalar_inputs or "scale_divisor" in scalar_inputs:
                 return None
             scalar_inputs["scale_divisor" if divide else "scale"] = src
             s = 1.0
@@ -188,7 +272,41 @@ def _match_eager(softmax: fx.Node) -> Optional[AttentionMatch]:
     v = u.args[1]
     if mask is None and refusal is None:
         refusal = f"{u.name}: eager attention without a mask is bidirectional, not the causal pattern the kernels implement"
-    return AttentionMatch(u, q, k, v, mask, False, scale, "eager", tuple(internal), refusal, scalar_inputs)
+    return AttentionMatch(u, q, k, v, mask, False, scale, "eager", tuple(internal), refusal, scalar_inputs, softcap)
+
+
+def _softcap(x):
+    """``(scores, c, nodes)`` if ``x`` is ``tanh(scores / c) * c`` (a logit softcap), else None.
+
+    ``c`` is a positive constant, or the placeholder both ``c``'s read as ``.item()`` (Dynamo's
+    lifted module float); ``nodes`` are the three of the pattern.
+    """
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target in (operator.mul, torch.mul)):
+        return None
+    if len(x.args) != 2 or x.kwargs:
+        return None
+    for t, c in (x.args, reversed(x.args)):
+        is_tanh = isinstance(t, fx.Node) and (t.op == "call_function" and t.target in _TANH or _is_method(t, {"tanh"}))
+        if not is_tanh or len(t.args) != 1 or t.kwargs:
+            continue
+        d = t.args[0]
+        if not (isinstance(d, fx.Node) and d.op == "call_function" and d.target in (operator.truediv, torch.div)):
+            continue
+        if len(d.args) != 2 or d.kwargs or not _reaches_matmul(d.args[0]):
+            continue
+        cap = _cap_value(c, d.args[1])
+        if cap is not None:
+            return d.args[0], cap, [x, t, d]
+    return None
+
+
+def _cap_value(a, b):
+    """The softcap both operands give: an equal positive constant, or the one placeholder read by both."""
+    ca, cb = _scalar(a), _scalar(b)
+    if ca is not None and ca == cb and ca > 0 and math.isfinite(ca):
+        return ca
+    sa, sb = item_of_placeholder(a), item_of_placeholder(b)
+    return sa if sa is not None and sa is sb else None
 
 
 def item_of_placeholder(x) -> Optional[fx.Node]:
@@ -244,6 +362,12 @@ def resolve_scalar_inputs(
             checks.append((index, value, f"{m.output.name}.{what}"))
             if what == "scale":
                 scale = value * (scale if scale is not None else 1.0)
+            elif what == "softcap":
+                if value > 0 and math.isfinite(value):
+                    m = dataclasses.replace(m, softcap=value)
+                elif not refusal:
+                    refusal = f"{m.output.name}: attention logit softcap {value} (not a positive finite number)"
+                    refusals.append(refusal)
             elif what == "scale_divisor":
                 if value == 0 or not math.isfinite(value):
                     if not refusal:

@@ -18,6 +18,14 @@ reads it (its own segment's queries, its children's, its grandchildren's,
 GQA, over the query heads sharing a KV head. The log-sum-exp is float32
 too (float64 for float64 inputs): PyTorch's CPU flash kernels take float64
 and compute in it, so float64 inputs stay in float64 throughout.
+
+Logit softcap: PyTorch's CPU flash kernels take no score modifier, so with a
+softcap the same batches run through explicit scores (``reference``'s masked
+attention and its backward on each root and sibling batch): exact, memory
+O(R * (L + R)) per batch instead of O(R). MLA head dims (v's differs from
+q's and k's): the flash kernels need one head dim, so the smaller operands
+are zero-padded to it (``head_dims``; exact), except on the softcap path,
+which takes them as they are.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from typing import Optional
 import torch
 
 from ..layout.segments import Segments
+from .head_dims import common_head_dim, pad_head_dim
+from .reference import attention_with_mask, backward_with_mask
 
 __all__ = ["supports", "forward", "backward"]
 
@@ -40,7 +50,7 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def supports(q: torch.Tensor) -> Optional[str]:
+def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]:
     if q.device.type != "cpu":
         return f"cpu_flash runs on CPU tensors, got {q.device.type}"
     if q.dtype not in _DTYPES:
@@ -92,7 +102,8 @@ class _Siblings:
         i = torch.arange(self.R)
         own = (i[None, None, :] <= i[None, :, None]) & (i[None, None, :] < lens[:, None, None])  # [N, Rq, Rk]
         allowed = torch.cat([torch.ones(self.N, self.R, self.L, dtype=torch.bool), own], dim=2)
-        self.mask = torch.zeros(self.N, 1, self.R, self.L + self.R, dtype=dtype).masked_fill(~allowed[:, None], float("-inf"))
+        self.allowed = allowed[:, None]  # [N, 1, R, L + R]
+        self.mask = torch.zeros(self.N, 1, self.R, self.L + self.R, dtype=dtype).masked_fill(~self.allowed, float("-inf"))
 
     def rows(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """``[1, H, T, ...]`` -> ``[N, H, R_max, ...]``: each child's rows, padded with ``fill``."""
@@ -117,25 +128,50 @@ class _Siblings:
             dst[0, :, start : start + r] += grads[n, :, self.L : self.L + r]
 
 
-def forward(q, k, v, segs: Segments, scale: float):
+def _causal(n: int) -> torch.Tensor:
+    i = torch.arange(n)
+    return i[None, :] <= i[:, None]
+
+
+def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0):
+    Dv, D = v.shape[-1], common_head_dim(q, v)
+    if not softcap:
+        q, k, v = (pad_head_dim(t, D) for t in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     kr, vr = _repeat_heads(k, rep), _repeat_heads(v, rep)
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:3], v.shape[-1]))
     lse = torch.empty(q.shape[:3], dtype=_acc(q.dtype))
+    if softcap:  # explicit capped scores, the same batches
+
+        def root(sl, n):
+            return attention_with_mask(q[:, :, sl], kr[:, :, sl], vr[:, :, sl], _causal(n), scale, softcap)
+
+        def siblings(g):
+            return attention_with_mask(g.rows(q), g.keys(kr), g.keys(vr), g.allowed, scale, softcap)
+    else:
+
+        def root(sl, n):
+            return _fwd(q[:, :, sl], kr[:, :, sl], vr[:, :, sl], 0.0, True, scale=scale)
+
+        def siblings(g):
+            return _fwd(g.rows(q), g.keys(kr), g.keys(vr), 0.0, False, attn_mask=g.mask, scale=scale)
+
     roots, batches = _batches(segs)
     for s, n in roots:
         sl = slice(s, s + n)
-        o, l = _fwd(q[:, :, sl], kr[:, :, sl], vr[:, :, sl], 0.0, True, scale=scale)
-        out[:, :, sl], lse[:, :, sl] = o, l
+        out[:, :, sl], lse[:, :, sl] = root(sl, n)
     for chain, kids in batches:
         g = _Siblings(chain, kids, q.dtype)
-        o, l = _fwd(g.rows(q), g.keys(kr), g.keys(vr), 0.0, False, attn_mask=g.mask, scale=scale)
+        o, l = siblings(g)
         g.scatter_rows(out, o)
         g.scatter_rows(lse, l)
-    return out, lse
+    return out[..., :Dv], lse
 
 
-def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False):
+def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, softcap: float = 0.0):
+    Dqk, Dv, D = q.shape[-1], v.shape[-1], common_head_dim(q, v)
+    if not softcap:
+        q, k, v, dout, out = (pad_head_dim(t, D) for t in (q, k, v, dout, out))
     rep = q.shape[1] // k.shape[1]
     kr, vr = _repeat_heads(k, rep), _repeat_heads(v, rep)
     acc = _acc(q.dtype)
@@ -143,22 +179,34 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     dk = torch.zeros_like(kr, dtype=acc)
     dv = torch.zeros_like(vr, dtype=acc)
     lse = lse.to(acc)
+    if softcap:  # explicit capped scores, recomputed; padded query rows carry dO = 0: they add nothing
+
+        def root(sl, n):
+            return backward_with_mask(dout[:, :, sl], q[:, :, sl], kr[:, :, sl], vr[:, :, sl], _causal(n), scale, softcap)
+
+        def siblings(g):
+            return backward_with_mask(g.rows(dout), g.rows(q), g.keys(kr), g.keys(vr), g.allowed, scale, softcap)
+    else:
+
+        def root(sl, n):
+            return _bwd(dout[:, :, sl], q[:, :, sl], kr[:, :, sl], vr[:, :, sl], out[:, :, sl], lse[:, :, sl], 0.0, True,
+                        scale=scale)
+
+        def siblings(g):
+            # Padded query rows carry dO = 0 and lse = +inf (probabilities 0): they add nothing.
+            return _bwd(g.rows(dout), g.rows(q), g.keys(kr), g.keys(vr), g.rows(out), g.rows(lse, float("inf")),
+                        0.0, False, attn_mask=g.mask, scale=scale)
+
     roots, batches = _batches(segs)
     for s, n in roots:
         sl = slice(s, s + n)
-        gq, gk, gv = _bwd(
-            dout[:, :, sl], q[:, :, sl], kr[:, :, sl], vr[:, :, sl], out[:, :, sl], lse[:, :, sl], 0.0, True, scale=scale
-        )
+        gq, gk, gv = root(sl, n)
         dq[:, :, sl] += gq.to(acc)
         dk[:, :, sl] += gk.to(acc)
         dv[:, :, sl] += gv.to(acc)
     for chain, kids in batches:
         g = _Siblings(chain, kids, q.dtype)
-        # Padded query rows carry dO = 0 and lse = +inf (probabilities 0): they add nothing.
-        gq, gk, gv = _bwd(
-            g.rows(dout), g.rows(q), g.keys(kr), g.keys(vr), g.rows(out), g.rows(lse, float("inf")),
-            0.0, False, attn_mask=g.mask, scale=scale,
-        )
+        gq, gk, gv = siblings(g)
         g.scatter_rows(dq, gq.to(acc))
         g.add_keys(dk, gk.to(acc))
         g.add_keys(dv, gv.to(acc))
@@ -166,4 +214,4 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     def per_kv_head(t):
         return t.unflatten(1, (k.shape[1], rep)).sum(2)
 
-    return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
+    return dq[..., :Dqk].to(q.dtype), per_kv_head(dk)[..., :Dqk].to(k.dtype), per_kv_head(dv)[..., :Dv].to(v.dtype)

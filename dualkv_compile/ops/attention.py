@@ -14,15 +14,21 @@ choice:
     "auto"       CPU -> cpu_flash (reference for float64); CUDA -> triton where it
                  supports the input, else flex
 
-Tensor convention: q ``[1, Hq, T, D]``, k and v ``[1, Hkv, T, D]`` (the
-``scaled_dot_product_attention`` layout with batch 1), Hq a multiple of Hkv.
-The op returns the output in q's dtype; ``lse`` (float32, float64 for float64
-inputs, ``[1, Hq, T]``) is saved for the backward.
+Tensor convention: q ``[1, Hq, T, D]``, k ``[1, Hkv, T, D]``, v ``[1, Hkv, T, Dv]``
+(the ``scaled_dot_product_attention`` layout with batch 1), Hq a multiple of
+Hkv. Dv may differ from D (MLA: reference and flex take it as it is,
+cpu_flash and triton zero-pad to the larger head dim, exactly). The op
+returns the output ``[1, Hq, T, Dv]`` in q's dtype; ``lse`` (float32, float64
+for float64 inputs, ``[1, Hq, T]``) is saved for the backward.
+
+``softcap`` (a float, 0.0 for none): Gemma 2's logit softcap, the scaled score
+s becomes ``softcap * tanh(s / softcap)`` before the mask and the softmax.
+Every backend implements it (none drops it); the lse is over the capped scores.
 
 Each backend is a module with the same three functions:
-    supports(q) -> None, or why it cannot run q
-    forward(q, k, v, segs, scale) -> (out, lse)
-    backward(dout, q, k, v, out, lse, segs, scale, deterministic) -> (dq, dk, dv)
+    supports(q, v=None) -> None, or why it cannot run q (with v's head dim)
+    forward(q, k, v, segs, scale, softcap=0.0) -> (out, lse)
+    backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap=0.0) -> (dq, dk, dv)
 A request for a backend that cannot run the input raises ``ValueError``;
 nothing falls back silently.
 
@@ -76,8 +82,8 @@ def _impl(backend: str):
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """The concrete backend for ``backend`` on q's device, dtype and head dim; ``ValueError`` if it cannot run."""
+def resolve_backend(backend: str, q: torch.Tensor, v: Optional[torch.Tensor] = None) -> str:
+    """The concrete backend for ``backend`` on q's device, dtype and head dims (and v's); ``ValueError`` if it cannot run."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -85,10 +91,10 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
             from ..kernels import cpu_flash
 
             # float64 stays on the reference, the oracle (cpu_flash runs float64 too, when asked for by name).
-            return "cpu_flash" if q.dtype != torch.float64 and cpu_flash.supports(q) is None else "reference"
+            return "cpu_flash" if q.dtype != torch.float64 and cpu_flash.supports(q, v) is None else "reference"
         for name in ("triton", "flex"):
             try:
-                why = _impl(name).supports(q)
+                why = _impl(name).supports(q, v)
             except ValueError as e:  # the module is missing
                 why = str(e)
             if why is None:
@@ -97,18 +103,18 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
         return "reference"
     if backend == "reference":
         return backend
-    why = unsupported_reason(backend, q)
+    why = unsupported_reason(backend, q, v)
     if why is not None:
         raise ValueError(f"backend={backend!r} cannot run this input: {why}")
     return backend
 
 
-def unsupported_reason(backend: str, q: torch.Tensor) -> Optional[str]:
-    """None if the concrete ``backend`` can run q; else why not (its device first, then its dtype, then its head dim)."""
+def unsupported_reason(backend: str, q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]:
+    """None if the concrete ``backend`` can run q (and v); else why not (its device first, then its dtype, then its head dims)."""
     if backend == "auto":
         return None
     try:
-        return _impl(backend).supports(q)
+        return _impl(backend).supports(q, v)
     except ValueError as e:  # an unknown name, or the module is missing
         return str(e)
 
@@ -130,10 +136,11 @@ def attention_fwd(
     max_seg_len: int,
     max_prefix_len: int,
     scale: float,
+    softcap: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     segs = _segments(seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len)
-    out, lse = _impl(backend).forward(q, k, v, segs, scale)
+    out, lse = _impl(backend).forward(q, k, v, segs, scale, softcap=softcap)
     return out.contiguous(), lse.to(lse_dtype(q)).contiguous()
 
 
@@ -143,8 +150,8 @@ def lse_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 @attention_fwd.register_fake
-def _(q, k, v, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, scale, backend):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=lse_dtype(q))
+def _(q, k, v, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, scale, softcap, backend):
+    return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=lse_dtype(q))
 
 
 @torch.library.custom_op("dualkv::attention_bwd", mutates_args=())
@@ -163,16 +170,18 @@ def attention_bwd(
     max_seg_len: int,
     max_prefix_len: int,
     scale: float,
+    softcap: float,
     backend: str,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     segs = _segments(seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len)
-    dq, dk, dv = _impl(backend).backward(dout, q, k, v, out, lse, segs, scale, deterministic=deterministic)
+    dq, dk, dv = _impl(backend).backward(dout, q, k, v, out, lse, segs, scale, deterministic=deterministic, softcap=softcap)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, scale, backend, deterministic):
+def _(dout, q, k, v, out, lse, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, scale, softcap, backend,
+      deterministic):
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         torch.empty_like(k, memory_format=torch.contiguous_format),
@@ -181,11 +190,11 @@ def _(dout, q, k, v, out, lse, seg_start, seg_len, parent, prefix_len, subtree_e
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, scale, backend = inputs
+    q, k, v, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, scale, softcap, backend = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, seg_start, seg_len, parent, prefix_len, subtree_end)
     ctx.max_lens = (max_seg_len, max_prefix_len)
-    ctx.scale, ctx.backend = scale, backend
+    ctx.scale, ctx.softcap, ctx.backend = scale, softcap, backend
 
 
 def _backward(ctx, dout, dlse):
@@ -193,9 +202,9 @@ def _backward(ctx, dout, dlse):
     # lse is an internal output (saved for the backward); its gradient is never needed.
     dq, dk, dv = attention_bwd(
         dout, q, k, v, out, lse, seg_start, seg_len, parent, prefix_len, subtree_end,
-        *ctx.max_lens, ctx.scale, ctx.backend, torch.are_deterministic_algorithms_enabled(),
+        *ctx.max_lens, ctx.scale, ctx.softcap, ctx.backend, torch.are_deterministic_algorithms_enabled(),
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -208,26 +217,36 @@ def shared_prompt_attention(
     layout: SharedPromptLayout | Segments,
     scale: Optional[float] = None,
     backend: str = "auto",
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Attention over the packed stream: each token over its ancestor nodes fully and its own node causally, one softmax.
 
     ``layout`` is a ``SharedPromptLayout`` or its ``attention_segments``.
-    Returns ``[1, Hq, T, D]`` in q's dtype. Differentiable in q, k and v.
+    ``softcap`` (None or 0: none) caps the scaled scores to ``softcap * tanh(s / softcap)`` (Gemma 2).
+    Returns ``[1, Hq, T, Dv]`` (v's head dim) in q's dtype. Differentiable in q, k and v.
     Under ``torch.use_deterministic_algorithms(True)`` the backward avoids atomics.
     """
     segs = _check_inputs(q, k, v, layout)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0:
+    elif not _positive(scale):
         raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
-    scale = float(scale)
-    concrete = resolve_backend(backend, q)
+    if softcap is None or (isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap == 0):
+        softcap = 0.0
+    elif not _positive(softcap):
+        raise ValueError(f"softcap must be a positive finite number, 0 or None, got {softcap!r}")
+    scale, softcap = float(scale), float(softcap)
+    concrete = resolve_backend(backend, q, v)
     if concrete == "flex":
         from . import flex
 
-        return flex.attention(q, k, v, segs, scale)
-    out, _ = attention_fwd(q, k, v, *segs, scale, concrete)
+        return flex.attention(q, k, v, segs, scale, softcap)
+    out, _ = attention_fwd(q, k, v, *segs, scale, softcap, concrete)
     return out
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 def _check_inputs(q, k, v, layout) -> Segments:

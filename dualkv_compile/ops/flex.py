@@ -19,6 +19,11 @@ The module protocol's ``backward`` (used when the opaque custom op
 autograd graph to reuse: it re-enters autograd below the custom-op dispatch and
 recomputes the forward, so it costs one extra forward.
 
+Variants. A logit softcap (Gemma 2) is a ``score_mod``,
+``softcap * tanh(score / softcap)`` on the scaled score, so FlexAttention's
+own backward differentiates it; v's head dim may differ from q's and k's
+(MLA), which FlexAttention takes as it is.
+
 Compilation. FlexAttention only runs fused kernels when compiled; the compiled
 flex callable (dynamic shapes) is made once per process and cached at module
 level. The block tables come from one opaque custom op,
@@ -62,17 +67,18 @@ except ImportError as e:  # pragma: no cover - depends on the torch build
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def supports(q: torch.Tensor) -> Optional[str]:
-    """None if the flex backend can run ``q`` (forward and backward), else why not."""
+def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]:
+    """None if the flex backend can run ``q`` (and ``v``; forward and backward), else why not."""
     if _IMPORT_ERROR is not None:
         return _IMPORT_ERROR
     if q.device.type != "cuda":
         return f"FlexAttention needs a CUDA device (its backward has no CPU kernel); q is on {q.device.type}"
     if q.dtype not in _SUPPORTED_DTYPES:
         return f"dtype {q.dtype} is not supported (float16, bfloat16 or float32)"
-    D = q.shape[-1]
-    if D < 16 or D > 256 or D % 8:
-        return f"head dim {D} is not supported (a multiple of 8 in [16, 256])"
+    for name, t in (("head dim", q), ("v head dim", v)):
+        D = t.shape[-1] if t is not None else None
+        if D is not None and (D < 16 or D > 256 or D % 8):
+            return f"{name} {D} is not supported (a multiple of 8 in [16, 256])"
     return None
 
 
@@ -145,33 +151,47 @@ def block_mask(segs: Segments, num_tokens: int, *, builder: str = "op") -> "Bloc
 # --------------------------------------------------------------------------- attention
 
 
-def _flex(q, k, v, bm, scale: float, return_lse: bool):
+def softcap_score_mod(softcap: float):
+    """The ``score_mod`` of a logit softcap: ``softcap * tanh(score / softcap)`` (score already scaled)."""
+
+    def capped(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / softcap) * softcap
+
+    return capped
+
+
+def _flex(q, k, v, bm, scale: float, return_lse: bool, softcap: Optional[float] = None):
+    # softcap defaults to None, not 0.0: Dynamo reads a float default as an input (a symbolic float under
+    # dynamic=True), and a branch on it restarts the trace.
     fn = flex_attention if torch.compiler.is_compiling() else compiled_flex()
-    gqa = q.shape[1] != k.shape[1]
+    kw = dict(block_mask=bm, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if softcap:
+        kw["score_mod"] = softcap_score_mod(softcap)
     if not return_lse:
-        return fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=gqa), None
+        return fn(q, k, v, **kw), None
     if AuxRequest is not None:
-        out, aux = fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+        out, aux = fn(q, k, v, **kw, return_aux=AuxRequest(lse=True))
         return out, aux.lse
-    return fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=gqa, return_lse=True)  # pragma: no cover
+    return fn(q, k, v, **kw, return_lse=True)  # pragma: no cover
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs: Segments, scale: Optional[float] = None) -> torch.Tensor:
-    """Differentiable prefix-forest attention through FlexAttention; returns ``[1, Hq, T, D]``.
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs: Segments, scale: Optional[float] = None,
+              softcap: Optional[float] = None) -> torch.Tensor:
+    """Differentiable prefix-forest attention through FlexAttention; returns ``[1, Hq, T, Dv]``.
 
     The backward is FlexAttention's fused backward (no recomputed forward).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     bm = block_mask(segs, q.shape[2])
-    out, _ = _flex(q, k, v, bm, scale, return_lse=False)
+    out, _ = _flex(q, k, v, bm, scale, return_lse=False, softcap=softcap)
     return out
 
 
-def forward(q, k, v, segs: Segments, scale: float):
+def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0):
     """Module protocol: ``(out, lse)``, lse float32 ``[1, Hq, T]`` in natural log."""
     bm = block_mask(segs, q.shape[2])
     with torch.no_grad():
-        out, lse = _flex(q, k, v, bm, scale, return_lse=True)
+        out, lse = _flex(q, k, v, bm, scale, return_lse=True, softcap=softcap)
     return out, lse.float()
 
 
@@ -187,7 +207,7 @@ def _autograd_reentered():
         yield
 
 
-def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False):
+def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, softcap: float = 0.0):
     """Module protocol: ``(dq, dk, dv)`` by recomputing the forward under autograd.
 
     FlexAttention's backward is reachable only through autograd, and the opaque
@@ -199,6 +219,6 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     bm = block_mask(segs, q.shape[2])
     with _autograd_reentered():
         qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
-        o, _ = _flex(qg, kg, vg, bm, scale, return_lse=False)
+        o, _ = _flex(qg, kg, vg, bm, scale, return_lse=False, softcap=softcap)
         dq, dk, dv = torch.autograd.grad(o, (qg, kg, vg), dout)
     return dq, dk, dv

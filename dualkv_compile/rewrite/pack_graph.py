@@ -251,11 +251,17 @@ class _Packer:
         want = _ev(m.output).dtype
         q, k, v = (self._in_dtype(_unrepeated_kv(x, self.axes), want) for x in (m.q, m.k, m.v))
         scale = m.scale if m.scale is not None else default_scale(m.q)
+        # The backend was resolved from q alone: v's head dim (MLA) is checked here, on this attention.
+        qv, vv = _ev(m.q), _ev(m.v)
+        why = _attention_op.unsupported_reason(
+            self.backend, *(torch.empty((1, 1, 1, int(t.shape[-1])), dtype=want, device=t.device) for t in (qv, vv)))
+        if why is not None:
+            raise Refusal(f"{m.output.name}: attention_backend={self.backend!r} cannot run this attention: {why}")
         i = self.inp
         res = self.g.call_function(
             torch.ops.dualkv.attention_fwd.default,
             (q, k, v, i["seg_start"], i["seg_len"], i["parent"], i["prefix_len"], i["subtree_end"],
-             i["max_seg_len"], i["max_prefix_len"], float(scale), self.backend),
+             i["max_seg_len"], i["max_prefix_len"], float(scale), float(m.softcap), self.backend),
         )
         return self.g.call_function(operator.getitem, (res, 0), name=m.output.name + "_packed")
 

@@ -3,6 +3,12 @@
 The rewrite drops the masks a graph builds and attends by the layout instead, so a mask that is not the
 causal mask with the layout's key padding (sliding window, bidirectional, a bias, another batch's padding)
 must stop the packed path. Masks are evaluated by a copy of the graph (``side_graphs.mask_graph``).
+
+A check of evaluated masks sees only what its batch reaches: a sliding window (Gemma 2, Mistral) or
+chunks longer than every sequence of the checked batch look causal there, yet bind on a later batch
+of the same shape with longer sequences. Such windows are therefore refused from the graph itself,
+when they can bind at its sequence length (``analysis.attention_match.mask_window``); this check
+still catches a window, or any other non-causal pattern, that its own batch reaches.
 """
 
 from __future__ import annotations

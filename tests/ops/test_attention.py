@@ -145,7 +145,7 @@ def test_lse_is_natural_log_over_both_regions():
     groups = [(10, [4, 6])]
     segs, T = make_segments(groups)
     q, k, v = qkv(T, 2, 1)
-    out, lse = attention_fwd(q, k, v, *segs, 0.5, "reference")
+    out, lse = attention_fwd(q, k, v, *segs, 0.5, 0.0, "reference")
     assert lse.dtype == torch.float32 and lse.shape == (1, 2, T)
     scores = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) * 0.5
     expect = torch.logsumexp(scores.masked_fill(~loop_mask(groups), float("-inf")), dim=-1)
@@ -158,7 +158,7 @@ def test_lse_is_natural_log_over_both_regions():
 def _op_args(seed=0):
     segs, T = make_segments([(13, [3, 9]), (5, [2])])
     q, k, v = qkv(T, 4, 2, d=8, requires_grad=True, seed=seed)
-    return segs, (q, k, v, *segs, 0.35, "reference")
+    return segs, (q, k, v, *segs, 0.35, 0.0, "reference")
 
 
 def test_opcheck_attention_fwd():
@@ -169,10 +169,10 @@ def test_opcheck_attention_fwd():
 def test_opcheck_attention_bwd():
     segs, args = _op_args(seed=1)
     q, k, v = (t.detach() for t in args[:3])
-    out, lse = attention_fwd(q, k, v, *segs, 0.35, "reference")
+    out, lse = attention_fwd(q, k, v, *segs, 0.35, 0.0, "reference")
     dout = torch.randn_like(out)
-    torch.library.opcheck(attention_bwd, (dout, q, k, v, out, lse, *segs, 0.35, "reference", False))
-    torch.library.opcheck(attention_bwd, (dout, q, k, v, out, lse, *segs, 0.35, "reference", True))
+    torch.library.opcheck(attention_bwd, (dout, q, k, v, out, lse, *segs, 0.35, 0.0, "reference", False))
+    torch.library.opcheck(attention_bwd, (dout, q, k, v, out, lse, *segs, 0.35, 0.0, "reference", True))
 
 
 # --------------------------------------------------------------------------- torch.compile
@@ -260,7 +260,7 @@ def _bad(T):
         ("q 3-D", dict(q=q[0]), "q"),
         ("q batch 2", dict(q=q.expand(2, -1, -1, -1)), "q"),
         ("k wrong T", dict(k=k[:, :, :-1]), "k"),
-        ("v wrong head dim", dict(v=v[..., :4]), "v"),
+        ("v wrong heads", dict(v=v[:, :1]), "v"),  # v may have its own head dim (MLA), not its own heads
         ("k head dim", dict(k=k[..., :4], v=v[..., :4]), "head dim"),
         ("heads not multiple", dict(q=torch.randn(1, 3, T, 8)), "heads"),
         ("dtype mix", dict(k=k.double()), "dtype"),

@@ -139,7 +139,7 @@ def test_flex_opaque_op_forward_lse_and_recomputed_backward_cuda():
     segs, T = forest_segments([700, 129, 60, 300, 90, 45, 200, 3], [-1, 0, 1, 1, 0, -1, 5, 5], "cuda")
     q, k, v = _cuda_inputs(T, 8, 2, 128, torch.bfloat16, seed=7)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    out, lse = attention_fwd(qg, kg, vg, *segs, 0.1, "flex")
+    out, lse = attention_fwd(qg, kg, vg, *segs, 0.1, 0.0, "flex")
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (qg, kg, vg), dout)
     ro, rg = _ref_grads(q, k, v, dout, segs, 0.1)

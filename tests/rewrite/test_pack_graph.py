@@ -66,7 +66,7 @@ def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter
     q_packed = permute_packed[0]
     k_packed = permute_packed[1]
     v_packed = permute_packed[2]
-    attention_fwd_default = torch.ops.dualkv.attention_fwd.default(q_packed, k_packed, v_packed, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, 0.35355339059327373, 'reference')
+    attention_fwd_default = torch.ops.dualkv.attention_fwd.default(q_packed, k_packed, v_packed, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, 0.35355339059327373, 0.0, 'reference')
     a_packed = attention_fwd_default[0]
     transpose_packed = a_packed.transpose(1, 2)
     reshape_packed = transpose_packed.reshape(1, size, -1)

@@ -1,8 +1,8 @@
 """The hand-written Triton kernels of shared-prompt attention, behind the op's backend protocol.
 
-    supports(q) -> None, or why the kernels cannot run q
-    forward(q, k, v, segs, scale) -> (out, lse)
-    backward(dout, q, k, v, out, lse, segs, scale, deterministic) -> (dq, dk, dv)
+    supports(q, v=None) -> None, or why the kernels cannot run q (with v's head dim)
+    forward(q, k, v, segs, scale, softcap=0.0) -> (out, lse)
+    backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap=0.0) -> (dq, dk, dv)
 
 The launcher module of the package: the tuning tables (``Config``,
 ``KernelConfig``, ``config_for``) and the launches. The kernels (``fwd.py``,
@@ -50,6 +50,13 @@ segment enters a product. Operands whose strides have no 2-D descriptor view
 (``tma.tma_view``), GPUs before Hopper and padded head dims load through
 pointers throughout.
 
+Variants: a logit softcap (Gemma 2) is the kernels' compile-time ``SOFTCAP``
+(one more compiled variant per cap value; 0.0 compiles the kernels without
+it, unchanged). MLA head dims (v's differs from q's and k's) run on
+zero-padded operands (``head_dims``: the smaller ones padded to the larger
+dim; exact), so the kernels keep one head dim: a padded copy, the wider
+tiles and the tuning-table entry of the larger dim (performance unmeasured).
+
 Runs on CUDA (compute capability 8.0+; tuned for Hopper) and, for tests, on
 CPU under ``TRITON_INTERPRET=1``, which must be set before this package's
 kernel modules are first imported.
@@ -65,6 +72,7 @@ from typing import Optional
 import torch
 
 from ...layout.segments import Segments
+from ..head_dims import common_head_dim, pad_head_dim
 from .schedule import ancestor_walk, tile_schedule
 from .tma import block_d, descriptors, interpreting, row_stats_descriptor
 
@@ -169,8 +177,8 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def supports(q: torch.Tensor) -> Optional[str]:
-    """None if the kernels can run q; else the reason: the device first, then the dtype, then the head dim."""
+def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]:
+    """None if the kernels can run q (and v); else the reason: the device first, then the dtype, then the head dim."""
     needs = "it needs a CUDA tensor or the Triton interpreter (TRITON_INTERPRET=1 before importing dualkv_compile)"
     if q.device.type == "cuda":
         if torch.cuda.get_device_capability(q.device) < (8, 0):
@@ -192,14 +200,15 @@ def supports(q: torch.Tensor) -> Optional[str]:
     if q.dtype == torch.float64 and q.device.type == "cuda":
         # Untested on GPUs, and Python float arguments (the scales) reach compiled kernels as float32.
         return "dtype torch.float64 runs only under the Triton interpreter (TRITON_INTERPRET=1, CPU tensors)"
-    D = q.shape[-1]
+    D = q.shape[-1] if v is None else common_head_dim(q, v)
     if not 16 <= D <= 256:
-        return f"head dim {D} is not supported (16 to 256)"
+        mla = "" if v is None or v.shape[-1] == q.shape[-1] else f" (q/k {q.shape[-1]} and v {v.shape[-1]} run at the larger)"
+        return f"head dim {D} is not supported (16 to 256){mla}"
     return None
 
 
 def config_for(q: torch.Tensor) -> Config:
-    """The tuning-table entry for q's device and head dim."""
+    """The tuning-table entry for q's device and head dim (the padded common one for MLA)."""
     if q.device.type != "cuda":
         return _INTERPRET_CONFIG
     if q.dtype == torch.float32:
@@ -213,7 +222,7 @@ def config_for(q: torch.Tensor) -> Config:
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, segs: Segments) -> None:
-    why = supports(q)
+    why = supports(q)  # q and k here are already padded to the common head dim
     if why is not None:
         raise ValueError(f"triton attention cannot run this input: {why}")
     T = q.shape[2]
@@ -239,8 +248,12 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(1), t.stride(2), t.stride(3)
 
 
-def forward(q, k, v, segs: Segments, scale: float, *, config: Optional[Config] = None):
-    """``(out [1, Hq, T, D] in q's dtype, lse [1, Hq, T] float32, float64 for float64 inputs)``."""
+def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0, *, config: Optional[Config] = None):
+    """``(out [1, Hq, T, Dv] in q's dtype, lse [1, Hq, T] float32, float64 for float64 inputs)``."""
+    Dv, D = v.shape[-1], common_head_dim(q, v)
+    if Dv != q.shape[-1]:  # MLA: one head dim for the kernels, zero-padded (exact)
+        out, lse = forward(*(pad_head_dim(t, D) for t in (q, k, v)), segs, scale, softcap, config=config)
+        return out[..., :Dv], lse
     from .fwd import shared_prompt_fwd_kernel
 
     _check(q, k, segs)
@@ -259,14 +272,19 @@ def forward(q, k, v, segs: Segments, scale: float, *, config: Optional[Config] =
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), lse.stride(1),
         Hq // Hkv, scale * LOG2E,
         HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        **_dot_flags(q), TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_dot_flags(q), TMA=tma, SOFTCAP=float(softcap), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, *,
+def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, softcap: float = 0.0, *,
              config: Optional[Config] = None):
     """``(dq, dk, dv)``; dk and dv per kv head (summed over the query heads that share it)."""
+    Dqk, Dv, D = q.shape[-1], v.shape[-1], common_head_dim(q, v)
+    if Dv != Dqk:  # MLA: zero-padded, as in the forward
+        padded = (pad_head_dim(t, D) for t in (dout, q, k, v, out))
+        dq, dk, dv = backward(*padded, lse, segs, scale, deterministic, softcap, config=config)
+        return dq[..., :Dqk], dk[..., :Dqk], dv[..., :Dv]
     from .bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
 
     _check(q, k, segs)
@@ -309,7 +327,7 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv), *_strides(dq),
         lse.stride(1), G, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_SPLIT=head_split,
-        ATOMIC_DQ=dq_mode == "atomic", **flags, TMA=tma, STATS_TMA=stats_tma,
+        ATOMIC_DQ=dq_mode == "atomic", **flags, TMA=tma, STATS_TMA=stats_tma, SOFTCAP=float(softcap),
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if dq_mode == "recompute":
@@ -322,6 +340,6 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
             lse.stride(1), G, scale * LOG2E, scale,
             HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-            **flags, TMA=tma, num_warps=c.num_warps, num_stages=c.num_stages,
+            **flags, TMA=tma, SOFTCAP=float(softcap), num_warps=c.num_warps, num_stages=c.num_stages,
         )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

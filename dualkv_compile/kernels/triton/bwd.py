@@ -34,6 +34,10 @@ dQ = scale * dS K,  dK = scale * dS^T Q.  Three kernels:
     forward (every ancestor's blocks, through the same ``WALK`` table for its
     ``BLOCK_N``; own blocks causal) and writes dQ once.
 
+Logit softcap (``SOFTCAP``, a compile-time float; 0.0: none, and then the
+kernels are the ones without it): P comes from the capped scores and dS gets
+the cap's derivative ``1 - tanh^2`` before it reaches dQ and dK.
+
 Assumes what ``fwd.py`` assumes, plus (``Segments``): the segments are a
 forest in pre-order, so ``SUBTREE_END[s]`` ends the one run holding s and
 all its descendants, the readers of s's keys beyond s itself. With ``TMA``,
@@ -59,7 +63,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import acc_dtype, load_pair, load_tile
+from .tiles import acc_dtype, load_pair, load_tile, softcap_tanh
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -100,7 +104,7 @@ def _dkdv_q_block(
     stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, ROW_MASK: tl.constexpr,
     EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-    STATS_TMA: tl.constexpr,
+    STATS_TMA: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     rows = start_m + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
@@ -125,11 +129,17 @@ def _dkdv_q_block(
     # exp2s interleave with dP's matrix instructions instead of waiting between them).
     s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-    p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
+    if SOFTCAP != 0.0:
+        tanh_t = softcap_tanh(s_t, qk_scale, SOFTCAP, q.dtype == tl.float32, 1.0)
+        p_t = tl.math.exp2(tanh_t * (SOFTCAP * LOG2E) - lse2[None, :])
+    else:
+        p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
     if CAUSAL:
         p_t = tl.where(offs_n[:, None] <= rows[None, :], p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
     ds_t = p_t * (dp_t - delta[None, :])
+    if SOFTCAP != 0.0:
+        ds_t = ds_t * (1.0 - tanh_t * tanh_t)
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
     if ATOMIC_DQ:
         # Columns past the segment hold k = 0, but p can overflow there: zero them before dS reaches dQ.
@@ -145,7 +155,7 @@ def _dkdv_rows(
     dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, row_start, row_end, offs_n, col_ok, offs_d, d_ok,
     stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, TMA: tl.constexpr, STATS_TMA: tl.constexpr,
+    UPCAST: tl.constexpr, TMA: tl.constexpr, STATS_TMA: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # Query rows [row_start, row_end) that see every column of the tile: full
     # blocks, then the ragged tail with row masks on the loads only.
@@ -154,12 +164,12 @@ def _dkdv_rows(
         dk, dv = _dkdv_q_block(
             dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
             stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
-            BLOCK_M, False, False, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
+            BLOCK_M, False, False, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP)
     if full_end < row_end:
         dk, dv = _dkdv_q_block(
             dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, full_end, row_end, offs_n, col_ok, offs_d, d_ok,
             stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
-            BLOCK_M, False, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
+            BLOCK_M, False, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP)
     return dk, dv
 
 
@@ -180,7 +190,7 @@ def bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_SPLIT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-    STATS_TMA: tl.constexpr,
+    STATS_TMA: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):
     pid_h = tl.program_id(0)
     t = tl.program_id(1)
@@ -229,11 +239,11 @@ def bwd_dkdv_kernel(
             dk, dv = _dkdv_q_block(
                 dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, n0 + j * BLOCK_M, seg_end, offs_n, col_ok, offs_d,
                 d_ok, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
-                BLOCK_M, True, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
+                BLOCK_M, True, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP)
         dk, dv = _dkdv_rows(
             dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, after_diag, subtree_end, offs_n, col_ok, offs_d, d_ok,
             stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
-            BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA)
+            BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP)
 
     dk = dk * sm_scale
     dk_ptrs = DK + kv_head.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :] * stride_dkd
@@ -252,14 +262,18 @@ def _dq_kv_block(
     dq, q, do, lse2, delta, Kh, Vh, descs, start_n, col_end, rows, offs_n, offs_d, d_ok,
     stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
     MASK: tl.constexpr,  # 0: full block, 1: ragged columns (zero-loaded), 2: causal diagonal
-    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     cols = start_n + offs_n
     col_ok = cols < col_end
     k, v = load_pair(Kh, Vh, descs, start_n, cols, col_ok, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd,
                      MASK != 0, EVEN_D, UPCAST, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-    p = tl.math.exp2(s * qk_scale - lse2[:, None])
+    if SOFTCAP != 0.0:
+        tanh = softcap_tanh(s, qk_scale, SOFTCAP, q.dtype == tl.float32, 1.0)
+        p = tl.math.exp2(tanh * (SOFTCAP * LOG2E) - lse2[:, None])
+    else:
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
     if MASK == 1:
         # k = 0 past the ancestor's end, but p = exp2(0 - lse) can overflow there (and inf * 0 is NaN).
         p = tl.where(col_ok[None, :], p, 0.0)
@@ -267,6 +281,8 @@ def _dq_kv_block(
         p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP != 0.0:
+        ds = ds * (1.0 - tanh * tanh)
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
     return dq
 
@@ -285,7 +301,7 @@ def bwd_dq_kernel(
     heads_per_kv, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):
     head = tl.program_id(0)
     t = tl.program_id(1)
@@ -326,7 +342,8 @@ def bwd_dq_kernel(
     full_end = start_n + (tl.load(SEG_LEN + anc) // BLOCK_N) * BLOCK_N
     for _ in range(0, tl.load(walk)):
         dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, start_n, full_end, rows, offs_n, offs_d, d_ok,
-                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
+                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA,
+                          SOFTCAP)
         start_n += BLOCK_N
         moved = start_n >= full_end
         anc = tl.where(moved, tl.maximum(tl.load(WALK + anc * 4 + 2), 0), anc)
@@ -339,16 +356,18 @@ def bwd_dq_kernel(
         a_end = a_start + tl.load(SEG_LEN + anc)
         dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, a_start + ((a_end - a_start) // BLOCK_N) * BLOCK_N,
                           a_end, rows, offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 1,
-                          EVEN_D, DOT_PREC, UPCAST, TMA)
+                          EVEN_D, DOT_PREC, UPCAST, TMA, SOFTCAP)
         anc = tl.maximum(tl.load(WALK + anc * 4 + 3), 0)
     diag_start = seg_start + ((m0 - seg_start) // BLOCK_N) * BLOCK_N
     for start_n in range(seg_start, diag_start, BLOCK_N):
         dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, start_n, seg_end, rows, offs_n, offs_d, d_ok,
-                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
+                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA,
+                          SOFTCAP)
     diag_end = tl.minimum(m0 + BLOCK_M, seg_end)
     for start_n in range(diag_start, diag_end, BLOCK_N):
         dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, start_n, seg_end, rows, offs_n, offs_d, d_ok,
-                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 2, EVEN_D, DOT_PREC, UPCAST, TMA)
+                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 2, EVEN_D, DOT_PREC, UPCAST, TMA,
+                          SOFTCAP)
 
     dq = dq * sm_scale
     dq_ptrs = DQ + head.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqt + offs_d[None, :] * stride_dqd

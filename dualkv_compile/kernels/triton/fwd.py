@@ -11,7 +11,11 @@ query head. It walks two kinds of key/value regions with ONE online softmax:
        tile's diagonal are full; the diagonal blocks get the causal mask.
 
 It writes the output and the log-sum-exp (natural log of the sum of
-``exp(scale * q.k)``), which the backward reuses.
+``exp(scale * q.k)``), which the backward reuses. With ``SOFTCAP`` (a
+compile-time float, 0.0 for none) the scaled score s is capped to
+``SOFTCAP * tanh(s / SOFTCAP)`` before the masks (Gemma 2), and the lse is
+over the capped scores; the kernels compiled with ``SOFTCAP = 0.0`` are the
+ones without the cap, unchanged.
 
 Assumes
     * q ``[1, Hq, T, D]``, k and v ``[1, Hkv, T, D]``, o like q, any strides;
@@ -48,7 +52,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import acc_dtype, load_pair, load_tile
+from .tiles import acc_dtype, load_pair, load_tile, softcap_tanh
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -60,12 +64,16 @@ def _fwd_kv_block(
     offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
     MASK: tl.constexpr,  # 0: full block, 1: ragged columns (>= col_end hidden), 2: causal diagonal
     EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     cols = start_n + offs_n
     col_ok = cols < col_end
     k, v = load_pair(K, V, descs, start_n, cols, col_ok, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd,
                      MASK != 0, EVEN_D, UPCAST, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if SOFTCAP != 0.0:
+        # The capped score, scaled, in base 2 (the scale is inside: no qk_scale below); before the masks.
+        s = softcap_tanh(s, qk_scale, SOFTCAP, q.dtype == tl.float32, SOFTCAP * LOG2E)
     if MASK == 1:
         s = tl.where(col_ok[None, :], s, float("-inf"))
     if MASK == 2:
@@ -75,8 +83,12 @@ def _fwd_kv_block(
     # NaN appears: the walk's first block is an ancestor's full block, else (no ancestor has
     # one) an ancestor's ragged block, at least one column of it visible, else (no ancestor
     # has a token) the segment's own first block, whose column seg_start every row sees.
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    if SOFTCAP != 0.0:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -99,7 +111,7 @@ def shared_prompt_fwd_kernel(
     heads_per_kv, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):
     # Heads vary fastest so the query heads of one kv head (and of one tile) run
     # side by side and share the k/v blocks in L2.
@@ -146,7 +158,7 @@ def shared_prompt_fwd_kernel(
     for _ in range(0, tl.load(walk)):
         acc, l_i, m_i = _fwd_kv_block(
             acc, l_i, m_i, q, Kh, Vh, descs, start_n, full_end, rows, offs_n, offs_d, d_ok,
-            stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
+            stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA, SOFTCAP)
         start_n += BLOCK_N
         # Past this ancestor's full blocks: on to the next ancestor that has some.
         moved = start_n >= full_end
@@ -162,7 +174,7 @@ def shared_prompt_fwd_kernel(
         acc, l_i, m_i = _fwd_kv_block(
             acc, l_i, m_i, q, Kh, Vh, descs, a_start + ((a_end - a_start) // BLOCK_N) * BLOCK_N, a_end, rows,
             offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 1, EVEN_D, DOT_PREC, UPCAST,
-            TMA)
+            TMA, SOFTCAP)
         anc = tl.maximum(tl.load(WALK + anc * 4 + 3), 0)
 
     # Region 2: the segment's own tokens, causal. Blocks ending at or before the
@@ -171,12 +183,14 @@ def shared_prompt_fwd_kernel(
     for start_n in range(seg_start, diag_start, BLOCK_N):
         acc, l_i, m_i = _fwd_kv_block(
             acc, l_i, m_i, q, Kh, Vh, descs, start_n, seg_end, rows,
-            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA)
+            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA,
+            SOFTCAP)
     diag_end = tl.minimum(m0 + BLOCK_M, seg_end)
     for start_n in range(diag_start, diag_end, BLOCK_N):
         acc, l_i, m_i = _fwd_kv_block(
             acc, l_i, m_i, q, Kh, Vh, descs, start_n, seg_end, rows,
-            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 2, EVEN_D, DOT_PREC, UPCAST, TMA)
+            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 2, EVEN_D, DOT_PREC, UPCAST, TMA,
+            SOFTCAP)
 
     out = acc / l_i[:, None]
     Oh = O + head.to(tl.int64) * stride_oh

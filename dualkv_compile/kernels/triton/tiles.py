@@ -6,6 +6,10 @@ dQ kernels, q and dO in the dK/dV kernel), through tensor descriptors for
 full blocks when the launcher built them, else through ``load_tile``.
 ``acc_dtype`` (a compile-time function) is the kernels' accumulator dtype:
 float32, float64 for float64 inputs (which only the CPU interpreter gets).
+``softcap_tanh`` is the tanh of a logit softcap (``SOFTCAP * tanh(s / SOFTCAP)``)
+from ``exp2`` (and, for float32 inputs, a short odd polynomial near 0):
+libdevice's tanh has no interpreter implementation, and ``tanh.approx``
+(about 2^-11 relative) is too coarse once multiplied by the cap.
 
 Assumes
     * ``ptrs`` (and ``A`` / ``B`` with their token and dim strides) address
@@ -27,11 +31,35 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+LOG2E = tl.constexpr(1.4426950408889634)
+
 
 @triton.constexpr_function
 def acc_dtype(dtype):
     """The accumulators' dtype for inputs of ``dtype``: float64 for float64, else float32 (bf16, fp16, fp32)."""
     return tl.float64 if dtype == tl.float64 else tl.float32
+
+
+@triton.jit
+def softcap_tanh(s, qk_scale, SOFTCAP: tl.constexpr, POLY: tl.constexpr, OUT: tl.constexpr):
+    """``OUT * tanh(scale * s / SOFTCAP)`` for the raw scores ``s`` (``qk_scale = scale * log2(e)``).
+
+    With ``OUT = SOFTCAP * log2(e)`` that is the capped score in the kernels' base-2 units; the
+    cap's derivative with respect to the scaled score is ``1 - tanh^2``. Computed as
+    ``OUT - 2 OUT / (exp(2x) + 1)``: one exponential and one division, exactly +-OUT where exp2
+    overflows or underflows, an absolute error of about one ulp of OUT (far below bfloat16's and
+    float16's resolution; in float64, eps). With ``POLY`` (float32 inputs) |x| < 1/4 takes the
+    Taylor series to x^9 instead (first dropped term under 1e-8 relative there), so the result
+    is accurate to a few ulp relative everywhere.
+    """
+    t = OUT - (2.0 * OUT) / (tl.math.exp2(s * (qk_scale * (2.0 / SOFTCAP))) + 1.0)
+    if POLY:
+        x = s * (qk_scale / (SOFTCAP * LOG2E))
+        x2 = x * x
+        poly = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (-0.05396825396825397
+                                                                                        + x2 * 0.021869488536155203))))
+        t = tl.where(tl.abs(x) < 0.25, poly * OUT, t)
+    return t
 
 
 @triton.jit

@@ -1,0 +1,199 @@
+"""Whole-model GRPO step on an MoE (a Qwen3-30B-A3B shape, fewer layers): dualkv against Inductor on the duplicated batch.
+
+The model: Hugging Face ``Qwen3MoeForCausalLM`` from a config (random weights, bf16): hidden 2048, 32 query
+heads, 4 kv heads, head dim 128, 128 experts, top-8, expert width 768, vocab 151936, ``--layers`` layers
+(default 4), the router's load-balancing loss on (``output_router_logits``). The loss: the clipped GRPO
+objective, token-mean over response tokens, plus ``router_aux_loss_coef`` times the model's ``aux_loss``.
+The batch is veRL's remove-padding layout (``model_remove_padding.make_batch``: the shuffled sequences of
+``--groups`` prompts x ``--rollouts`` responses in one row, position ids restarting, no mask). With padding,
+the aux loss's reductions read padding positions and dualkv runs that graph unpacked (exact; issue 19 notes
+it). ``@policy_loss`` (dualkv) against ``torch.compile`` (Inductor) of the same function on the same batch,
+side by side in one process; median of CUDA-event timings after warm-up, peak memory, and the ideal speedup
+from a FLOP model that counts the active experts (top-k of them per token, plus the router).
+
+Accuracy, on a smaller batch (the float32 logits of the large one would not fit twice): the per-token
+log-probs of the response tokens and the aux loss, in bf16 through dualkv and through the plain model
+(eager), each against the plain model in float32. dualkv's bf16 error should be no worse than the plain
+model's.
+
+Writes ``model_moe.{json,md}`` to ``--out``.
+
+    python benchmarks/model_moe.py [--layers 4] [--groups 2] [--rollouts 8] [--prompt 1024] [--response 512]
+    python benchmarks/model_moe.py --device cpu --model tiny --groups 2 --rollouts 3 --prompt 24 --response 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dualkv_compile  # noqa: E402
+from model_gpu import log, time_step  # noqa: E402
+from model_remove_padding import make_batch  # noqa: E402
+
+MODELS = {
+    "30b-a3b": dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                    num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936),
+    "tiny": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128, vocab_size=512),
+}
+
+
+def moe_grpo_loss(model, batch):
+    """veRL's remove-padding step: the clipped objective, token-mean over response tokens, plus the router's aux loss."""
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], output_router_logits=True)
+    logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
+    logp = logp.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    ratio = torch.exp(logp - batch["old_logp"])
+    adv = batch["advantages"][:, 1:]
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    mask = batch["response_mask"][:, 1:].float()  # zero at each sequence's first token: no pair crosses sequences
+    return (per_token * mask).sum() / mask.sum() + model.config.router_aux_loss_coef * out.aux_loss
+
+
+def logp_and_aux(model, batch):
+    """Per-token log-probs of the next tokens (zero off the responses) and the aux loss."""
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], output_router_logits=True)
+    logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
+    logp = logp.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    return logp * batch["response_mask"][:, 1:], out.aux_loss.float()
+
+
+def flops(cfg: dict, layers: int, stats) -> tuple[float, float]:
+    """fwd+bwd FLOPs of the duplicated and the packed step: matmuls 3x forward (active experts only), attention 3.5x."""
+    h, hd, hq, hkv = cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    experts = cfg["num_experts_per_tok"] * 3 * h * cfg["moe_intermediate_size"] + h * cfg["num_experts"]
+    per_token = layers * (h * hq * hd + 2 * h * hkv * hd + hq * hd * h + experts) + h * cfg["vocab_size"]
+
+    def total(tokens, pairs):
+        return 3 * 2 * per_token * tokens + 3.5 * 4 * pairs * hd * hq * layers
+
+    return total(stats.tokens_before, stats.attention_pairs_before), total(stats.tokens_after, stats.attention_pairs_after)
+
+
+def accuracy(model32, model16, batch) -> dict:
+    """bf16 error of dualkv and of the plain model against the float32 plain model (log-probs, aux loss)."""
+    with torch.no_grad():
+        ref_lp, ref_aux = logp_and_aux(model32, batch)
+        plain_lp, plain_aux = logp_and_aux(model16, batch)
+        torch._dynamo.reset()
+        dk_lp, dk_aux = dualkv_compile.policy_loss(logp_and_aux)(model16, batch)
+    resp = batch["response_mask"][:, 1:].bool()
+
+    def err(lp, aux):
+        return dict(logp_max_abs=float((lp - ref_lp)[resp].abs().max()), aux_rel=float(abs(aux - ref_aux) / abs(ref_aux)))
+
+    return dict(dualkv=err(dk_lp, dk_aux), plain=err(plain_lp, plain_aux), aux_fp32=float(ref_aux))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="30b-a3b", choices=sorted(MODELS))
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--groups", type=int, default=2)
+    ap.add_argument("--rollouts", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--response", type=int, default=512, help="longest response; lengths are uniform in [R/2, R]")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")))
+    args = ap.parse_args(argv)
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = MODELS[args.model]
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    config = Qwen3MoeConfig(num_hidden_layers=args.layers, max_position_embeddings=32768, use_cache=False,
+                            attn_implementation="sdpa", router_aux_loss_coef=0.001, decoder_sparse_step=1,
+                            norm_topk_prob=True, **cfg)
+    torch.manual_seed(0)
+    model32 = Qwen3MoeForCausalLM(config).to(args.device).train()
+    model = copy.deepcopy(model32).to(dtype)
+    vocab = cfg["vocab_size"]
+    meta = dict(date=datetime.date.today().isoformat(),
+                device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
+                transformers=__import__("transformers").__version__, model=args.model, layers=args.layers,
+                experts_implementation=getattr(model.config, "_experts_implementation", None))
+    if args.device == "cuda":
+        meta["triton"] = __import__("triton").__version__
+    os.makedirs(args.out, exist_ok=True)
+
+    if not args.skip_accuracy:
+        small = make_batch(2, 4, max(args.prompt // 4, 8), max(args.response // 4, 4), args.device, vocab, seed=1)
+        log(f"accuracy on [{small['input_ids'].shape[0]}, {small['input_ids'].shape[1]}]")
+        meta["accuracy"] = accuracy(model32, model, small)
+        log(f"accuracy: {meta['accuracy']}")
+    del model32
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+
+    batch = make_batch(args.groups, args.rollouts, args.prompt, args.response, args.device, vocab)
+    stats = dualkv_compile.detect(batch["input_ids"], None, batch["position_ids"], same_columns=False).stats()
+    B, S = batch["input_ids"].shape
+    log(f"{args.model} x {args.layers} layers: batch [{B}, {S}], {stats}")
+    f_dup, f_packed = flops(cfg, args.layers, stats)
+    meta.update(batch=[B, S], tokens=stats.tokens_before, tokens_after=stats.tokens_after, rho=stats.rho,
+                ideal=f_dup / f_packed)
+    rows = []
+    for name, fn in (("baseline (Inductor, duplicated batch)", torch.compile(moe_grpo_loss, dynamic=False)),
+                     ("dualkv (@policy_loss)", dualkv_compile.policy_loss(moe_grpo_loss))):
+        torch._dynamo.reset()
+        start = len(dualkv_compile.reports())
+        log(f"{name}: compile + warm-up + {args.reps} steps")
+        try:
+            with torch.no_grad():
+                loss = float(fn(model, batch))
+            ms, peak, _ = time_step(fn, model, batch, args.reps, args.device)
+        except torch.OutOfMemoryError:
+            rows.append(dict(variant=name, error="OOM"))
+            log(f"{name}: OOM")
+            continue
+        reports = dualkv_compile.reports()[start:]
+        packed = sum(r.packed_calls for r in reports if r.rewritten)
+        refused = [r.reason for r in reports if not r.rewritten]
+        rows.append(dict(variant=name, ms=ms, peak_gb=peak, loss=loss, packed_calls=packed, refused=refused,
+                         tflops=f_dup / ms / 1e9))
+        log(f"{name}: {ms:.1f} ms, peak {peak:.1f} GB, loss {loss:.6f}, packed calls {packed}, refused {refused}")
+        with open(os.path.join(args.out, "model_moe.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    if all("ms" in r for r in rows):
+        meta["speedup"] = rows[0]["ms"] / rows[1]["ms"]
+    with open(os.path.join(args.out, "model_moe.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    lines = [
+        f"# MoE GRPO step, Qwen3-{args.model} shape with {args.layers} layers ({meta['device']}, torch {meta['torch']}, "
+        f"transformers {meta['transformers']}, triton {meta.get('triton', '-')}, {meta['date']})",
+        "",
+        f"Batch [{B}, {S}]: {args.groups} prompts of {args.prompt} tokens x {args.rollouts} responses of "
+        f"{args.response // 2}..{args.response} tokens, shuffled, in one row (veRL's remove-padding layout); {stats}. Experts: {meta['experts_implementation']}.",
+        "",
+        "| variant | step ms | peak GB | loss | packed calls | useful TFLOP/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ] + [f"| {r['variant']} | {r['ms']:.1f} | {r['peak_gb']:.1f} | {r['loss']:.6f} | {r['packed_calls']} | {r['tflops']:.0f} |"
+         if "ms" in r else f"| {r['variant']} | {r['error']} | | | | |" for r in rows]
+    if "speedup" in meta:
+        lines += ["", f"Speedup {meta['speedup']:.2f}x; FLOP ideal {meta['ideal']:.2f}x (active experts counted; "
+                      f"speedup / ideal {meta['speedup'] / meta['ideal']:.2f})."]
+    if "accuracy" in meta:
+        a = meta["accuracy"]
+        lines += ["", "bf16 error against the plain model in float32 (response-token log-probs, max abs; aux loss, relative):",
+                  "", "| | log-prob max abs err | aux loss rel err |", "| --- | ---: | ---: |",
+                  f"| dualkv bf16 | {a['dualkv']['logp_max_abs']:.3e} | {a['dualkv']['aux_rel']:.3e} |",
+                  f"| plain model bf16 | {a['plain']['logp_max_abs']:.3e} | {a['plain']['aux_rel']:.3e} |"]
+    with open(os.path.join(args.out, "model_moe.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    log("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
