@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dualkv_compile  # noqa: E402
 from model_gpu import log, time_step  # noqa: E402
-from model_remove_padding import make_batch  # noqa: E402
+from model_remove_padding import clipped_token_mean, make_batch, next_token_logp  # noqa: E402
 
 MODELS = {
     "30b-a3b": dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
@@ -47,24 +47,21 @@ MODELS = {
 }
 
 
+def _forward(model, batch):
+    return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], output_router_logits=True)
+
+
 def moe_grpo_loss(model, batch):
-    """veRL's remove-padding step: the clipped objective, token-mean over response tokens, plus the router's aux loss."""
-    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], output_router_logits=True)
-    logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
-    logp = logp.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
-    ratio = torch.exp(logp - batch["old_logp"])
-    adv = batch["advantages"][:, 1:]
-    per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
-    mask = batch["response_mask"][:, 1:].float()  # zero at each sequence's first token: no pair crosses sequences
-    return (per_token * mask).sum() / mask.sum() + model.config.router_aux_loss_coef * out.aux_loss
+    """veRL's remove-padding step (``model_remove_padding``'s objective) plus the router's aux loss."""
+    out = _forward(model, batch)
+    logp = next_token_logp(out.logits, batch["input_ids"])
+    return clipped_token_mean(logp, batch) + model.config.router_aux_loss_coef * out.aux_loss
 
 
 def logp_and_aux(model, batch):
     """Per-token log-probs of the next tokens (zero off the responses) and the aux loss."""
-    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], output_router_logits=True)
-    logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
-    logp = logp.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
-    return logp * batch["response_mask"][:, 1:], out.aux_loss.float()
+    out = _forward(model, batch)
+    return next_token_logp(out.logits, batch["input_ids"]) * batch["response_mask"][:, 1:], out.aux_loss.float()
 
 
 def flops(cfg: dict, layers: int, stats) -> tuple[float, float]:

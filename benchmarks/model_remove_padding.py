@@ -33,11 +33,14 @@ import dualkv_compile  # noqa: E402
 from model_gpu import MODELS, TINY_VOCAB, VOCAB, flops, log, time_step  # noqa: E402
 
 
-def remove_padding_loss(model, batch):
-    """The clipped GRPO objective, token-mean over response tokens, on one packed row (next token within the row)."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+def next_token_logp(logits, input_ids):
+    """Log-prob of each next token within the row, in float32: ``[1, T - 1]``."""
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    logp = logp.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def clipped_token_mean(logp, batch):
+    """The clipped GRPO objective, token-mean over response tokens (veRL's dual-clip off)."""
     ratio = torch.exp(logp - batch["old_logp"])
     adv = batch["advantages"][:, 1:]
     per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
@@ -45,6 +48,12 @@ def remove_padding_loss(model, batch):
     # cross from one packed sequence into the next never count.
     mask = batch["response_mask"][:, 1:].float()
     return (per_token * mask).sum() / mask.sum()
+
+
+def remove_padding_loss(model, batch):
+    """The clipped GRPO objective on one packed row (next token within the row)."""
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    return clipped_token_mean(next_token_logp(logits, batch["input_ids"]), batch)
 
 
 def make_batch(groups, rollouts, prompt, response, device, vocab, seed=0):
