@@ -46,10 +46,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["Mutation", "functionalize_mutations", "mutation_refusal"]
+__all__ = ["INPLACE_OPERATORS", "Mutation", "functionalize_mutations", "inplace_param", "mutation_refusal"]
 
 # ``x op= y`` on tensors: the out-of-place operator.
-_INPLACE_OPERATORS = {
+INPLACE_OPERATORS = {
     operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
     operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv, operator.ipow: operator.pow,
     operator.imod: operator.mod, operator.iand: operator.and_, operator.ior: operator.or_,
@@ -91,7 +91,7 @@ def _op_name(n: fx.Node) -> str:
     return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
 
 
-def _inplace_param(target) -> Optional[int]:
+def inplace_param(target) -> Optional[int]:
     """Position of an ``inplace`` parameter of ``target`` (``F.silu``, ``F.relu`` ...), else None."""
     try:
         params = list(inspect.signature(target).parameters)
@@ -113,7 +113,7 @@ def mutated_input(n: fx.Node) -> Optional[fx.Node]:
         return out
     target = n.target
     first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-    if target in _INPLACE_OPERATORS or target is operator.setitem:
+    if target in INPLACE_OPERATORS or target is operator.setitem:
         return first if isinstance(_ev(first), torch.Tensor) else None
     if isinstance(target, torch._ops.OpOverload):
         for i, arg in enumerate(target._schema.arguments):
@@ -124,7 +124,7 @@ def mutated_input(n: fx.Node) -> Optional[fx.Node]:
     name = getattr(target, "__name__", "")
     if name.endswith("_") and not name.endswith("__") and (getattr(torch, name, None) is target or getattr(F, name, None) is target):
         return first
-    i = _inplace_param(target) if callable(target) and getattr(target, "__module__", "") == F.__name__ else None
+    i = inplace_param(target) if callable(target) and getattr(target, "__module__", "") == F.__name__ else None
     if i is not None and (n.kwargs.get("inplace") is True or (len(n.args) > i and n.args[i] is True)):
         return first
     return None
@@ -150,13 +150,13 @@ def _functional_form(n: fx.Node) -> Optional[tuple[str, Any, tuple, dict]]:
         return None
     if "out" in kwargs or n.target is operator.setitem or isinstance(n.target, torch._ops.OpOverload):
         return None
-    if n.target in _INPLACE_OPERATORS:
-        return "call_function", _INPLACE_OPERATORS[n.target], args, kwargs
+    if n.target in INPLACE_OPERATORS:
+        return "call_function", INPLACE_OPERATORS[n.target], args, kwargs
     name = getattr(n.target, "__name__", "")
     for module in (torch, F):
         if name.endswith("_") and getattr(module, name, None) is n.target and callable(getattr(module, name[:-1], None)):
             return "call_function", getattr(module, name[:-1]), args, kwargs
-    i = _inplace_param(n.target)
+    i = inplace_param(n.target)
     if i is not None:
         if len(args) > i:
             args = (*args[:i], False, *args[i + 1:])

@@ -36,6 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from ..analysis.token_axes import TokenAxes
+from ..rewrite.functionalize import INPLACE_OPERATORS, inplace_param
 
 __all__ = ["factor_graph", "graph_returning", "mask_graph"]
 
@@ -44,10 +45,6 @@ _OPERATORS = {
     operator.matmul, operator.neg, operator.pos, operator.abs, operator.invert, operator.and_, operator.or_,
     operator.xor, operator.lshift, operator.rshift, operator.eq, operator.ne, operator.lt, operator.le,
     operator.gt, operator.ge, operator.not_, operator.truth,
-}
-_INPLACE_OPERATORS = {
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
-    operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
 }
 # Ops whose result never shares memory with their inputs. Not here (they may return an input or a view of
 # it): to, float, type_as, contiguous, reshape, detach, dropout (in eval mode), einsum, getitem ...
@@ -102,11 +99,7 @@ def _inplace_arg(n: fx.Node):
         return n.kwargs["inplace"]
     if not inspect.isfunction(n.target):
         return False
-    try:
-        params = list(inspect.signature(n.target).parameters)
-    except (TypeError, ValueError):
-        return False
-    i = params.index("inplace") if "inplace" in params else None
+    i = inplace_param(n.target)
     return n.args[i] if i is not None and len(n.args) > i else False
 
 
@@ -128,7 +121,7 @@ def writes(n: fx.Node) -> list[fx.Node]:
         return []
     target = n.target
     out = [a for a in tree_leaves(n.kwargs.get("out")) if isinstance(a, fx.Node)]
-    if target is operator.setitem or target in _INPLACE_OPERATORS:
+    if target is operator.setitem or target in INPLACE_OPERATORS:
         return out + first
     if target in _OPERATORS:  # operator.and_, or_, not_: out of place despite the name
         return out
