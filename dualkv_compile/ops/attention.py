@@ -8,8 +8,9 @@ argument, resolved before tracing so that the compiled graph holds a concrete
 choice:
 
     "reference"  exact PyTorch (dense mask, fp32 softmax); any device; the oracle
-    "cpu_flash"  PyTorch's CPU flash-attention kernels, one call per group; CPU
-    "flex"       FlexAttention with a two-region BlockMask; CUDA
+    "cpu_flash"  PyTorch's CPU flash-attention kernels, the siblings of one parent batched over their
+                 ancestor chain; CPU
+    "flex"       FlexAttention with the forest's block mask (kv <= q < reach[kv]); CUDA
     "triton"     the hand-written Triton kernel; CUDA (and CPU under TRITON_INTERPRET=1)
     "auto"       CPU -> cpu_flash (reference for float64); CUDA -> triton where it
                  supports the input, else flex
