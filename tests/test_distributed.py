@@ -219,7 +219,13 @@ def test_check_groups_single_process_and_bad_argument():
         check_groups_on_rank(ids, mask, response_mask=mask[:, 1:])
 
 
-@pytest.mark.parametrize("extra", [[], ["--checkpoint"], ["--per-layer"]], ids=["plain", "checkpoint", "per_layer"])
+# The example's three modes run under torchrun; `make test` runs the per-layer one (its graphs carry the layout
+# from graph to graph), `make test-slow` all three. test_ddp_and_fsdp2_parity checks the parity of each in-process.
+@pytest.mark.parametrize(
+    "extra",
+    [pytest.param([], marks=pytest.mark.slow), pytest.param(["--checkpoint"], marks=pytest.mark.slow), ["--per-layer"]],
+    ids=["plain", "checkpoint", "per_layer"],
+)
 def test_example_fsdp_grpo_torchrun(tmp_path, extra):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     cmd = [

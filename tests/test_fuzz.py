@@ -6,7 +6,8 @@ loss under ``@policy_loss`` comparing loss and gradients, with a random chain of
 on the logits), and a batch: 1-3 groups of 1-4 rows, prompts of 0-5 tokens, responses of 0-4
 tokens (at least one token per row), responses that share their first tokens, identical rows, B = 1, left and right padding.
 Compiled functions are cached per (model, path, statements) with dynamic shapes, so the examples
-exercise the no-recompile path too. ``make test`` runs 50 examples; ``make test-slow`` 1,000.
+exercise the no-recompile path too. ``make test`` runs 20 examples (derandomized: the same 20 each run);
+``make test-slow`` 1,000.
 
 Left padding is drawn for sdpa only: Hugging Face's eager attention turns a fully masked float64
 row into NaN that reaches valid positions through ``0 * NaN`` (README, "Supported, and refused").
@@ -201,7 +202,7 @@ def _fresh_dynamo():
 _SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@settings(max_examples=50, **_SETTINGS)
+@settings(max_examples=20, **_SETTINGS)
 @given(data=st.data())
 def test_fuzz_exact(data, one_thread):
     _example(data)
