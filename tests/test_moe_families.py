@@ -6,8 +6,10 @@ matmuls, inverse permutation; analysis/moe_rules.py). With
 ``output_router_logits=True`` transformers records the router logits with
 hooks, which split the forward in two graphs: the decoder (packed; the
 router logits leave it unpacked, ``[B*S, E]``, zeros at padding) and the
-lm_head with the load-balancing loss, which reads every router logit and the
-attention mask in the original layout. Logits at valid positions, the
+lm_head with the load-balancing loss (packed too: the loss reads the router
+logits and the attention mask, computed in the original layout from the
+inputs). Later layouts compile one graph, whose loss sums over tokens are
+weighted by multiplicity on the packed stream. Logits at valid positions, the
 ``aux_loss`` and every parameter gradient are compared with the unmodified
 model on the same batch (1e-5).
 """
@@ -99,8 +101,9 @@ def test_moe_family_packs_exactly(family):
     stats = decoder.last_stats
     # Prompts 6 and 4 once, responses 3+5+2 and 4+1: 25 packed tokens of 41.
     assert (stats.tokens_before, stats.tokens_after) == (41, 25)
-    # The lm_head and the load-balancing loss: its counts read the attention mask at every position.
-    assert tail.num_attention == 0 and tail.calls == 1
+    # The lm_head and the load-balancing loss: the lm_head packed on the carried layout, the loss from the
+    # router-logit inputs (zeros at padding) and the attention mask, an input, in the original layout.
+    assert tail.num_attention == 0 and tail.calls == 1 and tail.packed_calls == 1, tail.fallback_reasons
 
 
 def test_moe_without_router_logits_is_one_packed_graph():
@@ -142,9 +145,9 @@ def test_moe_one_packed_row_packs_the_loss_too():
 
 def test_moe_next_batch_with_the_loss_in_the_graph():
     """A second layout: Dynamo recompiles with dynamic sizes and no graph break, so the load-balancing loss
-    is in the decoder's graph. Its statistics read top-k ids (2 per token) in the original layout, which the
-    packed graph recomputes from the unpacked router logits; with padding in the batch that read is of
-    positions packing does not compute, so the runner runs the original program: exact either way."""
+    is in the decoder's graph. Its statistics (expert counts by ``scatter_add`` of the mask over top-k ids,
+    router probabilities summed over tokens) are weighted sums on the packed stream; the padded batch's
+    mask zeroes the terms packing does not compute, so the call packs (it ran unpacked before)."""
     torch._dynamo.reset()
     model = moe_model("mixtral")
     ref = copy.deepcopy(model)
@@ -154,3 +157,41 @@ def test_moe_next_batch_with_the_loss_in_the_graph():
     _run_and_compare(model, ref, compiled, [(5, [2, 6, 1, 3]), (7, [2, 2])], seed=1)
     (whole,) = dualkv_compile.reports()[before:]
     assert whole.num_attention == 2 and whole.rewritten, whole.reason
+    # The load-balancing loss's sums over tokens are taken on the packed stream, each token weighted by its
+    # multiplicity (the attention mask zeroes padding's terms): the whole forward runs packed.
+    assert whole.packed_calls == 1 and whole.last_stats.tokens_after == 27, whole.fallback_reasons
+
+
+def deepseek_v3_model():
+    """Tiny DeepSeek-V3: multi-head latent attention (q/k head dim 24, v head dim 8, key states assembled in a
+    ``new_empty`` buffer by two slice ``copy_``s), one dense layer then an MoE layer with a shared expert and
+    group-limited routing (8 experts in 4 groups, top-2 groups, sigmoid scores plus a correction bias, drawn
+    at random so the groups differ per token)."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, kv_lora_rank=16, q_lora_rank=12,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8, max_position_embeddings=128, use_cache=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg).train()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_()
+    return model
+
+
+def test_deepseek_v3_packs_exactly():
+    """It was refused ("no token-axis rule for new_empty", then the key-state slice copies touched a packed
+    value); now the buffer is a token value and its slice writes are made out of place as slice_scatter."""
+    torch._dynamo.reset()
+    model = deepseek_v3_model()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=functools.partial(dualkv_backend, options={"inner": "aot_eager"}))
+    before = len(dualkv_compile.reports())
+    _run_and_compare(model, ref, compiled, GROUPS)
+    (whole,) = dualkv_compile.reports()[before:]
+    assert whole.num_attention == 2 and whole.rewritten and whole.packed_calls == 1, (whole.reason, whole.fallback_reasons)
+    assert whole.last_stats.tokens_after == 25

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from .node_info import Coupling, Kind, NodeInfo, Route, RuleFailed, arg, ev as _ev, hint, kind_of, op_name, shape_of
 from .token_rules import rule_for, token_rule
+from .token_reductions import weighted_histc_rule
 
 __all__ = ["routed_rule"]
 
@@ -85,7 +86,28 @@ def _one_hot(node, info, B, S) -> NodeInfo:
 
 @token_rule(torch.histc, torch.bincount, methods=("histc", "bincount"))
 def _count(node, info, B, S) -> NodeInfo:
+    if op_name(node) == "histc":
+        return weighted_histc_rule(node, info, B, S)  # counts weighted by multiplicity, or RuleFailed
+    # bincount's length follows the largest entry, padding's included: not a weighted sum of the packed tokens.
     raise RuleFailed(f"{op_name(node)} counts entries over every token of the batch")
+
+
+@token_rule(torch.scatter, methods=("scatter",))
+def _scatter_within_token(node, info, B, S) -> NodeInfo:
+    """``mask.scatter(1, idx, 1)`` along a dim without a token axis, index (and source) per token: each token's
+    own entries (DeepSeek-V3's group-limited routing marks each token's top groups)."""
+    base, dim, index = node.args[:3]
+    src = arg(node, 3, "src", arg(node, 3, "value"))
+    t = info[base].tags
+    if not isinstance(dim, int) or t[dim % len(t)] is not None:
+        raise RuleFailed("scatter along a token axis")
+    if set(node.kwargs) - {"src", "value"} or len(node.args) > 4:
+        raise RuleFailed("scatter with a reduction")
+    ts = [t, info[index].tags] + ([info[src].tags] if isinstance(src, fx.Node) else [])
+    if any(x != t for x in ts) or any(hint(a) != hint(b) for d, tag in enumerate(t) if tag is not None
+                                      for a, b in [(_ev(index).shape[d], _ev(base).shape[d])]):
+        raise RuleFailed("scatter whose index does not follow its tensor's token axes")
+    return NodeInfo(kind_of(t), t)
 
 
 @token_rule(torch.repeat_interleave, methods=("repeat_interleave",))
@@ -93,6 +115,8 @@ def _repeat_interleave(node, info, B, S) -> NodeInfo:
     """Each entry repeated k times in place: along a merged or sequence axis, still token-major."""
     t = info[node.args[0]].tags
     repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
+    if dim is None and len(t) == 1:
+        dim = 0  # without a dim the input is flattened first: a 1-d value keeps its order
     if not isinstance(repeats, int) or not isinstance(dim, int):
         raise RuleFailed("repeat_interleave without an int count and dim")
     if t[dim % len(t)] not in (None, "bs", "s"):

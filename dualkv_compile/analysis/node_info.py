@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 __all__ = [
-    "Kind", "Tags", "NodeInfo", "Route", "Refusal", "RuleFailed", "Coupling",
+    "Kind", "Tags", "NodeInfo", "Route", "Weighted", "Refusal", "RuleFailed", "Coupling",
     "ev", "hint", "shape_of", "arg", "op_name", "kind_of", "untagged",
 ]
 
@@ -63,6 +63,27 @@ class NodeInfo:
     shift: int = 0
     slen: Optional[int] = None
     route: Optional[Route] = None  # ROUTED values only
+    # NONE values only: a reduction over every token axis of ``weighted.operand``, computed on the packed
+    # stream with each token weighted by its multiplicity (analysis.token_reductions).
+    weighted: Optional["Weighted"] = None
+    # Computed from the token ids, mask and positions (and constants) alone: no model value, no other
+    # input. The rewrite computes such a value in the original layout from the inputs (exact, even at
+    # padding) wherever the original layout needs it, rather than unpacking its packed form.
+    from_inputs: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Weighted:
+    """A reduction of ``op`` over every token axis of the TOKEN value ``operand`` (DESIGN.md semantics 12).
+
+    On the packed stream each entry is weighted by the number of positions of the original layout the
+    token stands for (``rewrite.packed_ops.token_weights``: the positions ``unpack`` fills from it), so the
+    result equals the reduction of the unpacked value, zeros at padding; the runner checks, per call, that
+    a factor zeroes every position packing does not compute (``runtime.padding_reads``).
+    """
+
+    op: str  # "sum", "mean", "scatter_add", "index_add", "histc"
+    operand: fx.Node
 
 
 class Refusal(Exception):

@@ -237,6 +237,18 @@ def _cat(node, info, B, S) -> NodeInfo:
     return _merge_tags(node, ts)
 
 
+@token_rule(torch.slice_scatter, methods=("slice_scatter",))
+def _slice_scatter(node, info, B, S) -> NodeInfo:
+    """``base.slice_scatter(src, dim, ...)`` along a dim without a token axis (a buffer filled slice by slice,
+    as ``rewrite.functionalize`` writes ``buf[..., a:b].copy_(src)``): each token's entries from its own."""
+    base, src = node.args[0], arg(node, 1, "src")
+    dim = arg(node, 2, "dim", 0)
+    t = info[base].tags
+    if not isinstance(dim, int) or t[dim % len(t)] is not None:
+        raise RuleFailed("slice_scatter along a token axis")
+    return _merge_tags(node, [t, info[src].tags])
+
+
 @token_rule(torch.stack)
 def _stack(node, info, B, S) -> NodeInfo:
     ts = [info[x].tags for x in node.args[0]]

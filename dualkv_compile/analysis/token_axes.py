@@ -128,6 +128,7 @@ def analyze_token_axes(
         except Coupling as e:
             refusals.append(f"{node.name}: {e}")
             info[node] = NodeInfo(Kind.ORIG, cause=f"{node.name}: {e}")
+        info[node].from_inputs = _from_inputs(node, info, token_inputs)
     for out in graph.find_nodes(op="output"):
         for a in out.all_input_nodes:
             if info[a].kind is Kind.ROUTED:
@@ -138,6 +139,27 @@ def analyze_token_axes(
         elif info[m.output].kind is not Kind.TOKEN:
             refusals.append(f"{m.output.name}: attention cannot run on the packed stream: {info[m.output].cause}")
     return TokenAxes(B, S, info, matches, token_inputs, tuple(refusals))
+
+
+# Inputs a value may be computed from and still count as the inputs' alone (NodeInfo.from_inputs).
+_PLAIN_INPUT_ROLES = (Role.INPUT_IDS, Role.ATTENTION_MASK, Role.POSITION_IDS)
+_RANDOM = ("rand", "bernoulli", "dropout", "multinomial", "normal", "uniform", "exponential", "poisson")
+
+
+def _from_inputs(node: fx.Node, info, token_inputs: TokenInputs) -> bool:
+    """Whether ``node`` is computed from the token ids, mask and positions, sizes and constants alone."""
+    if node.op == "placeholder":
+        if not isinstance(_ev(node), torch.Tensor):
+            return True  # a size (SymInt) or a Python scalar
+        # A carried integer or boolean input is a mask or ids handed from graph to graph; a carried float may be
+        # a model state (hidden states), whose values the original layout would recompute at full cost.
+        plain = _ev(node).dtype in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+        return any(t.node is node and (t.role in _PLAIN_INPUT_ROLES or (t.role is Role.CARRIED and plain)) for t in token_inputs)
+    if node.op != "call_function" and node.op != "call_method":
+        return False  # get_attr (a module's buffer), call_module
+    if any(word in op_name(node) for word in _RANDOM):
+        return False  # computed twice (packed and original), it would draw twice
+    return all(info[a].from_inputs for a in node.all_input_nodes)
 
 
 def _attention_info(m: AttentionMatch, info) -> NodeInfo:

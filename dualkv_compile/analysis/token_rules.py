@@ -13,6 +13,7 @@ operands where the rule leaves them unset.
 Here: pointwise ops broadcast tags; ``*_like`` and dropout keep them;
 linear, embedding and matmul keep the token axes of their token operand;
 reductions, softmax and norms over feature dimensions drop or keep them;
+sums over every token axis are weighted by multiplicity (``token_reductions``);
 ops that couple tokens (batch_norm, instance_norm, dropout in training,
 cumsum along the sequence) refuse the graph. The rules that move dimensions
 are in ``shape_rules``; those of MoE routing and expert dispatch in ``moe_rules``.
@@ -29,6 +30,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .node_info import Coupling, Kind, NodeInfo, RuleFailed, arg, ev as _ev, hint, kind_of, shape_of
+from .token_reductions import weighted_reduction, weighted_scatter
 
 __all__ = [
     "RULES", "Rule", "token_rule", "rule_for",
@@ -122,6 +124,17 @@ def _same(node, info) -> NodeInfo:
 @token_rule(*_LIKE_FUNCS)
 def _like(node, info, B, S) -> NodeInfo:
     return _same(node, info)
+
+
+@token_rule(methods=("new_empty", "new_zeros", "new_ones", "new_full"))
+def _new_like(node, info, B, S) -> NodeInfo:
+    """``x.new_empty(*sizes)``: a buffer whose sizes repeat ``x``'s at its token axes (DeepSeek's key states,
+    ``kv.new_empty(*kv.shape[:-1], d)``) has those axes; its other dims may differ."""
+    t = info[node.args[0]].tags
+    src, out = _ev(node.args[0]), _ev(node)
+    if out.dim() != src.dim() or any(tag is not None and hint(out.shape[d]) != hint(src.shape[d]) for d, tag in enumerate(t)):
+        raise RuleFailed(f"{node.target} whose sizes do not repeat the token axes of its tensor")
+    return NodeInfo(kind_of(t), t)
 
 
 @token_rule(*POINTWISE_FUNCS, methods=POINTWISE_METHODS)
@@ -224,13 +237,16 @@ def _reduce(node, info, B, S) -> NodeInfo:
     first = 2 if node.target in ("norm", torch.norm) else 1
     dim = arg(node, first, "dim")
     keepdim = arg(node, first + 1, "keepdim", False)
-    if dim is None:
-        raise RuleFailed("reduction over all axes, token axes included")
-    dims = {d % n for d in (dim if isinstance(dim, (tuple, list)) else (dim,))}
+    dims = set(range(n)) if dim is None else {d % n for d in (dim if isinstance(dim, (tuple, list)) else (dim,))}
     if any(t[d] is not None for d in dims):
-        raise RuleFailed("reduction along a token axis")
+        return weighted_reduction(node, info, B, S)  # over tokens: a weighted sum on the packed stream, or RuleFailed
     out = tuple(None if d in dims else tag for d, tag in enumerate(t)) if keepdim else tuple(tag for d, tag in enumerate(t) if d not in dims)
     return NodeInfo(kind_of(out), out)
+
+
+@token_rule(torch.scatter_add, torch.index_add, methods=("scatter_add", "index_add"))
+def _scatter_add(node, info, B, S) -> NodeInfo:
+    return weighted_scatter(node, info, B, S)  # expert counts summed over tokens, or RuleFailed
 
 
 @token_rule(*SOFTMAX_LIKE, methods=SOFTMAX_METHODS)

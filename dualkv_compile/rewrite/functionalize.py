@@ -184,6 +184,40 @@ def _full_alias(n: fx.Node, base: fx.Node) -> bool:
     )
 
 
+def _slice_of(m: fx.Node, base: fx.Node, *also: fx.Node) -> Optional[tuple[int, Any, Any, Any]]:
+    """``(dim, start, end, step)`` if ``m`` is ``base[..., a:b]``-style basic slicing along one dim, else None.
+    ``also``: nodes standing for ``base`` (its value after an earlier write, once reads are remapped to it)."""
+    if not (m.op == "call_function" and m.target is operator.getitem and (m.args[0] is base or m.args[0] in also)):
+        return None
+    idx = m.args[1] if isinstance(m.args[1], tuple) else (m.args[1],)
+    if any(not (isinstance(i, slice) or i is Ellipsis) for i in idx) or sum(i is Ellipsis for i in idx) > 1:
+        return None
+    if any(isinstance(x, fx.Node) for i in idx if isinstance(i, slice) for x in (i.start, i.stop, i.step)):
+        return None
+    cut = [k for k, i in enumerate(idx) if isinstance(i, slice) and i != slice(None)]
+    if len(cut) != 1:
+        return None
+    k = cut[0]
+    e = idx.index(Ellipsis) if Ellipsis in idx else len(idx)
+    dim = k if k < e else k - len(idx)  # after an Ellipsis, counted from the end
+    sl = idx[k]
+    return dim, sl.start if sl.start is not None else 0, sl.stop, sl.step if sl.step is not None else 1
+
+
+def _written_slice(m: fx.Node, base: fx.Node, mutations: dict, *also: fx.Node) -> bool:
+    """``m`` is a slice of ``base`` read only by ``copy_`` into it of a value of its shape: ``buf[..., :d].copy_(x)``,
+    as DeepSeek-V3 assembles its key states in a ``new_empty`` buffer (made out of place as ``slice_scatter``)."""
+    if _slice_of(m, base, *also) is None or not m.users:
+        return False
+    for u in m.users:
+        src = u.args[1] if len(u.args) > 1 else None
+        if not (mutations.get(u) is m and u.op == "call_method" and u.target == "copy_" and u.args[0] is m):
+            return False
+        if not isinstance(_ev(src), torch.Tensor) or _ev(src).shape != _ev(m).shape or _ev(src).device != _ev(m).device:
+            return False
+    return True
+
+
 def functionalize_mutations(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Mutation]]:
     """See the module docstring."""
     if not any(mutated_input(n) is not None for n in gm.graph.nodes):
@@ -213,7 +247,8 @@ def functionalize_mutations(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Mu
         base = group[0]
         # A view made after the last mutation reads only the final value: remapped, it views the new node.
         private[key] = base.op not in ("placeholder", "get_attr") and all(
-            m is base or m in mutations or _full_alias(m, base) or order[m] > last for m in group
+            m is base or m in mutations or _full_alias(m, base) or order[m] > last or _written_slice(m, base, mutations)
+            for m in group
         )
 
     # The mode the example values were made in (the tracing context's may be another one by now).
@@ -242,6 +277,15 @@ def functionalize_mutations(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Mu
         target = mutations[n]
         key = keys.get(target)
         form = _functional_form(n) if key is not None and private.get(key) and fake_mode is not None else None
+        base = members[key][0] if key is not None else None
+        if form is not None and target is not base and _written_slice(target, base, mutations, *latest.values()):
+            # A write into a slice of the buffer (``_written_slice``): the buffer with that slice replaced.
+            dim, start, end, step = _slice_of(target, base, *latest.values())
+            src = graph.call_method("to", (n.args[1], _ev(base).dtype))
+            src.meta["example_value"] = _fake_run("call_method", "to", src.args, {}, fake_mode)
+            n.prepend(src)
+            form = "call_function", torch.slice_scatter, (latest.get(key, base), src, dim, start, end, step), {}
+            target = base
         if form is None:
             group = members.get(key, [target])
             if key is not None and private.get(key):

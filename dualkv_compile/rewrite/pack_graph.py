@@ -17,7 +17,10 @@ How
     ids) are gathered at each token's column. The *original* one is the node
     copied unchanged; a TOKEN node's original value is ``unpack`` of its packed
     one, emitted just before the first node that needs it (graph outputs, and
-    ops that leave the token-local region such as a shift along the sequence).
+    ops that leave the token-local region such as a shift along the sequence),
+    or, for a value of the ids, mask and positions alone, the op itself on the
+    original inputs. A sum over every token axis is taken on the packed stream,
+    each token weighted by its multiplicity (``weighted_reductions``).
     Dead-code elimination then drops what nothing reads, the attention masks
     among it, so ``[B, S, ...]`` values are built only where an original-layout
     consumer reads them.
@@ -37,6 +40,7 @@ from ..analysis.attention_match import AttentionMatch, default_scale
 from .inline_checkpoint import RECOMPUTE_META, TAGGED_OPS
 from .packed_inputs import PackedInputs
 from .packed_ops import gather_columns, gather_previous, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
+from .weighted_reductions import emit_weighted
 from ..analysis.node_info import Kind, Refusal, shape_of
 from ..analysis.token_axes import TokenAxes
 from ..analysis.token_inputs import Role
@@ -92,6 +96,11 @@ class _Packer:
         info = self.axes.info[n]
         if info.kind is not Kind.TOKEN:
             raise AssertionError(f"{n.name} has no original translation yet")
+        if info.from_inputs:
+            # Of the ids, mask and positions alone: the original op on the original inputs (exact at padding
+            # too, where unpack would give zeros), e.g. a loss mask that a reduction in the original layout reads.
+            self.orig[n] = self.copy(n, self.orig_of)
+            return self.orig[n]
         tags, shape = info.tags, shape_of(n)
         p = self.packed[n]
         slen = info.slen
@@ -142,6 +151,7 @@ class _Packer:
                 if info.kind is Kind.TOKEN:
                     b, s = info.tags.index("b"), info.tags.index("s")
                     self.packed[n] = self.g.call_function(pack_tokens, (self.orig[n], self.inp["pack_index"], b, s))
+                    self.packed[n].meta["dualkv_original"] = n.name  # a mask input as a factor (runtime.padding_reads)
                 continue
             if n.op == "output":
                 out = fx.map_arg(n.args[0], self.orig_of)
@@ -153,6 +163,8 @@ class _Packer:
                 self.packed[n] = self.emit_packed(n)
                 if n in self.recomputed:
                     self.emit_original(n)
+            elif info.weighted is not None:  # a sum over tokens: weighted on the packed stream, never unpacked
+                self.orig[n] = emit_weighted(self, n)
             else:
                 self.orig[n] = self.copy(n, self.orig_of)
                 if info.kind is Kind.BCAST:  # both forms; DCE keeps what is read
@@ -293,6 +305,13 @@ class _Packer:
                 elif sizes[d] != -1:
                     sizes[d] = self.token_size(tag, out_shape[d], self.axes.info[n].slen)
             args = (args[0], tuple(sizes)) if sizes_in_tuple else (args[0], *sizes)
+        elif target in ("new_empty", "new_zeros", "new_ones", "new_full"):
+            sizes_in_tuple = len(args) >= 2 and isinstance(args[1], (tuple, list))
+            sizes = list(args[1] if sizes_in_tuple else args[1:])
+            for d, tag in enumerate(tags):
+                if tag is not None:
+                    sizes[d] = self.token_size(tag, out_shape[d], self.axes.info[n].slen)
+            args = (args[0], tuple(sizes), *args[2:]) if sizes_in_tuple else (args[0], *sizes)
         elif target == "unflatten":
             dim, sizes = args[1], list(args[2])
             dim %= len(_ev(n.args[0]).shape)

@@ -14,7 +14,10 @@ import torch
 
 from ..layout import gather_valid
 
-__all__ = ["pack_tokens", "gather_columns", "unpack_tokens", "previous_tokens", "gather_previous", "unpack_merged"]
+__all__ = [
+    "pack_tokens", "gather_columns", "unpack_tokens", "previous_tokens", "gather_previous", "unpack_merged",
+    "token_weights", "weighted_histc",
+]
 
 
 def pack_tokens(x: torch.Tensor, pack_index: torch.Tensor, b_dim: int, s_dim: int) -> torch.Tensor:
@@ -95,3 +98,42 @@ def unpack_merged(
     ``shift``/``truncate``: TRL's fused lm_head flattens ``last_hidden_state[:, :-1]``)."""
     y = unpack_tokens(x.unsqueeze(bs_dim), unpack_index, valid, input_ids, bs_dim, bs_dim + 1, shift, truncate)
     return y.flatten(bs_dim, bs_dim + 1)
+
+
+def token_weights(
+    num_tokens: int,
+    unpack_index: torch.Tensor,
+    valid: torch.Tensor,
+    input_ids: torch.Tensor,
+    shift: int = 0,
+    truncate: bool = False,
+) -> torch.Tensor:
+    """int64 ``[T]``: how many positions of the original layout ``unpack_tokens`` (same ``shift``/``truncate``)
+    fills from each packed token. A sum over the token axes of the unpacked value is the sum of the packed
+    one weighted by these (DESIGN.md semantics 12); positions ``unpack`` zeroes count for nothing.
+
+    ``index_add`` of integers: exact in any order, and deterministic on CUDA under
+    ``torch.use_deterministic_algorithms``."""
+    B, S = input_ids.shape[0], input_ids.shape[1]
+    index, keep = unpack_index.view(B, S), valid.view(B, S)
+    if shift:
+        index, keep = index[:, 1:], keep[:, 1:] & keep[:, :-1]
+    elif truncate:
+        index, keep = index[:, : S - 1], keep[:, : S - 1]
+    counts = torch.zeros(num_tokens, dtype=torch.long, device=unpack_index.device)
+    return counts.index_add(0, index.reshape(-1), keep.reshape(-1).long())
+
+
+def weighted_histc(x: torch.Tensor, weights: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:
+    """``torch.histc(x, bins, lo, hi)`` with each entry counted ``weights`` times (``weights`` broadcast to ``x``).
+
+    The bin of an entry is ``floor((x - lo) * bins / (hi - lo))``, ``hi`` itself in the last bin, entries
+    outside ``[lo, hi]`` (and NaN) in none: the formula of torch's CUDA kernel. For integer entries with
+    ``hi - lo == bins`` (expert ids: ``histc(ids, E, 0, E)``) it is exact and agrees with the CPU kernel.
+    Requires ``lo < hi`` (the analysis refuses a range taken from the data)."""
+    w = weights.expand_as(x).reshape(-1)
+    x = x.reshape(-1)
+    inside = (x >= lo) & (x <= hi)
+    pos = ((x - lo) * bins / (hi - lo)).nan_to_num(0.0).clamp(0, bins - 1).long()
+    counts = torch.zeros(bins, dtype=x.dtype, device=x.device)
+    return counts.index_add(0, pos, torch.where(inside, w.to(x.dtype), torch.zeros((), dtype=x.dtype, device=x.device)))

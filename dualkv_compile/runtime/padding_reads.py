@@ -21,6 +21,10 @@ graph's inputs alone (a loss mask, an advantage), until it is
       ``Read``. Per call the runner evaluates the noted factors and packs only
       if, at every position packing zeroed, one of them is zero.
 
+A sum over the token axes taken on the packed stream (``rewrite.weighted_reductions``)
+is a ``Read`` of every position too, with the factors applied to its operand
+before it (``(routing_weights * mask[:, None]).sum(0)``).
+
 Contract
     Input: the packed ``GraphModule`` (``pack_graph``'s output, after any
     fusion), whose last ``num_packed_inputs`` placeholders are the layout's,
@@ -43,6 +47,7 @@ import torch
 import torch.fx as fx
 
 from ..rewrite.packed_ops import unpack_merged, unpack_tokens
+from ..rewrite.weighted_reductions import WEIGHTED_META
 from ..analysis.token_rules import POINTWISE_FUNCS, POINTWISE_METHODS, REDUCE_FUNCS, REDUCE_METHODS, SOFTMAX_LIKE, SOFTMAX_METHODS
 
 __all__ = ["Read", "find_padding_reads", "tainted"]
@@ -70,6 +75,7 @@ class Read:
     truncate: bool
     slices: tuple[tuple, ...] = ()  # (start, stop) of each slice
     factors: tuple[tuple[fx.Node, tuple[tuple, ...], Optional[int]], ...] = ()
+    merged: bool = False  # rows and columns merged into one axis (``x.reshape(-1, H)``), token-major
 
 
 def _arg(n: fx.Node, i: int, name: str, default=None):
@@ -165,9 +171,17 @@ def find_padding_reads(gm: fx.GraphModule, num_packed_inputs: int, original: Opt
 
     reads: list[Read] = []
     for u in gm.graph.nodes:
+        if WEIGHTED_META in u.meta:
+            # A sum over the token axes on the packed stream reads every position of the original layout,
+            # as the same sum of the unpacked value would; factors applied before it are credited.
+            # Factors are credited where the token axes lead, as they are laid out in the check below.
+            shift, truncate, merged, leading = u.meta[WEIGHTED_META]
+            factors = _packed_factors(u.args[0], cheap, originals) if leading else ()
+            reads.append(Read(u, u, shift, truncate, factors=factors, merged=merged))
+            continue
         if u.op == "call_function" and u.target is unpack_merged:
             shift, truncate = u.args[5:7]
-            reads.extend(Read(u, user, shift, truncate) for user in u.users if user.op != "output")
+            reads.extend(Read(u, user, shift, truncate, merged=True) for user in u.users if user.op != "output")
             continue
         if not (u.op == "call_function" and u.target is unpack_tokens):
             continue
@@ -224,10 +238,16 @@ def tainted(
         taint = ~valid[:, :-1]
     else:
         taint = ~valid
-    if read.source.target is unpack_merged:
-        return taint.any()  # rows and columns merged: no slice or factor is followed
     B, C = taint.shape
     taint = taint.clone()
+    if read.merged:
+        # No slice is followed along a merged axis; a factor counts if its first dim is that axis,
+        # token-major (``mask.reshape(-1)``, its ``repeat_interleave(k)``, ``[:, None]``).
+        for node, _, _ in read.factors:
+            f = factors[node]
+            if isinstance(f, torch.Tensor) and f.dim() >= 1 and f.shape[0] % (B * C) == 0 and f.shape[0] > 0:
+                taint &= (f != 0).reshape(B, C, -1).any(-1).to(taint.device)
+        return taint.any()
     for node, slices, rank in read.factors:
         f = factors[node]
         if not isinstance(f, torch.Tensor) or rank is None or f.dim() > rank:

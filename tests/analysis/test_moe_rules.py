@@ -27,7 +27,7 @@ from dualkv_compile.rewrite.pack_graph import pack_graph
 from dualkv_compile.rewrite.packed_inputs import PackedInputs
 
 from ..helpers import capture, grpo_batch, rel
-from .test_token_rules import B, S, D, TOKEN, In, X0, apply_rule, fails, fn, meth, out
+from .test_token_rules import B, S, D, NONE, TOKEN, In, X0, X1, X2, apply_rule, fails, fn, meth, out, weighs
 from .test_token_rules import test_rule as check_row  # one row's check (not collected again under this name)
 
 transformers = pytest.importorskip("transformers")
@@ -62,10 +62,26 @@ MOE_TABLES = {
         ("classes-from-data", fn(F.one_hot, X0), [top_i], fails("one_hot with num_classes inferred from the largest id")),
     ],
     "count": [
-        ("histc", fn(torch.histc, X0, bins=4, min=0, max=3), [In((B * S * 2,), "bs", TOKEN)], fails("histc counts entries over every token")),
-        ("histc-method", meth("histc", X0, 4, 0, 3), [In((B * S * 2,), "bs", TOKEN)], fails("histc counts")),
+        # Expert counts over the batch: weighted by multiplicity on the packed stream (analysis/token_reductions.py).
+        ("histc", fn(torch.histc, X0, bins=4, min=0, max=3), [In((B * S * 2,), "bs", TOKEN)], weighs("-", "histc")),
+        ("histc-method", meth("histc", X0, 4, 0, 3), [In((B * S * 2,), "bs", TOKEN)], weighs("-", "histc")),
+        ("histc-range-of-data", fn(torch.histc, X0, bins=4), [In((B * S * 2,), "bs", TOKEN)], fails("histc whose range is taken from the data")),
+        ("histc-of-ids", fn(torch.histc, X0, 4, 0, 4), [In((B * S * 2,), "bs", TOKEN, from_inputs=True)], fails("of the inputs alone")),
         ("bincount", fn(torch.bincount, X0), [ids2], fails("bincount counts entries over every token")),
         ("bincount-method", meth("bincount", X0, minlength=4), [ids2], fails("bincount counts")),
+    ],
+    # DeepSeek-V3's group-limited routing: each token's top groups marked in a zeros_like of its group scores.
+    "scatter": [
+        ("groups-method", meth("scatter", X0, 1, X1, 1), [In((B * S, 4), "bs -", TOKEN), In((B * S, 2), "bs -", TOKEN, value=torch.randint(0, 4, (B * S, 2)))],
+         out("bs -", TOKEN)),
+        ("torch-src", fn(torch.scatter, X0, -1, X1, X2), [x, In((B, S, 2), "b s -", TOKEN, value=torch.randint(0, D, (B, S, 2))), In((B, S, 2), "b s -", TOKEN)],
+         out("b s -", TOKEN)),
+        ("along-bs", meth("scatter", X0, 0, X1, 1), [In((B * S, 4), "bs -", TOKEN), In((B * S, 4), "bs -", TOKEN, value=torch.randint(0, B * S, (B * S, 4)))],
+         fails("scatter along a token axis")),
+        ("reduce", meth("scatter", X0, 1, X1, 1, reduce="add"), [In((B * S, 4), "bs -", TOKEN), In((B * S, 2), "bs -", TOKEN, value=torch.randint(0, 4, (B * S, 2)))],
+         fails("scatter with a reduction")),
+        ("constant-index", meth("scatter", X0, 1, X1, 1), [In((B * S, 4), "bs -", TOKEN), In((1, 2), "- -", NONE, value=torch.zeros(1, 2, dtype=torch.long))],
+         fails("does not follow its tensor's token axes")),
     ],
     "repeat_interleave": [
         # batched_mm: each token's row top-k times, token-major (k entries per token of the merged axis).
@@ -74,6 +90,8 @@ MOE_TABLES = {
         ("features", meth("repeat_interleave", X0, 2, -1), [x], out("b s -", TOKEN)),
         ("along-b", meth("repeat_interleave", X0, 2, 0), [x], fails("repeat_interleave along the b axis")),
         ("flattened", meth("repeat_interleave", X0, 2), [merged], fails("without an int count and dim")),
+        # HF's load-balancing loss: the flat mask, k entries per token (a 1-d value keeps its order).
+        ("flat-mask", meth("repeat_interleave", X0, 2), [In((B * S,), "bs", TOKEN)], out("bs", TOKEN)),
     ],
 }
 
@@ -233,7 +251,7 @@ REFUSED = [
     ("counts-as-data", "reads the MoE routing's counts as data"),
     ("bins", "does not give expert id 1 a bin of its own"),
     ("floordiv-3", "floordiv of a sort permutation by 3"),
-    ("sum-sorted", "sum of expert-sorted values: reduction along a token axis"),
+    ("sum-sorted", "sum of expert-sorted values: sum of a routed value over the token axes"),
     ("cumsum-sorted", "cumulative sum along the sequence axis"),
     ("not-arange", "setitem does not write arange(n)"),
     ("two-sorts", "combines the values of two expert sorts"),

@@ -44,6 +44,7 @@ class In:
     value: Any = None
     shift: int = 0
     slen: Optional[int] = None
+    from_inputs: bool = False
 
     def example(self):
         if self.value is None:
@@ -98,6 +99,19 @@ def couples(match: str) -> Fails:
     return Fails(Coupling, match)
 
 
+@dataclasses.dataclass(frozen=True)
+class Weighs:
+    """A reduction over every token axis of input ``operand``, weighted on the packed stream: NONE, ``spec`` tags."""
+
+    spec: str
+    op: str
+    operand: int = 0
+
+
+def weighs(spec: str, op: str, operand: int = 0) -> Weighs:
+    return Weighs(spec, op, operand)
+
+
 def apply_rule(op: Op, inputs: list[In]):
     """Build ``op`` over placeholders of ``inputs``, set its example value, and run its registered rule."""
     graph = fx.Graph()
@@ -105,7 +119,7 @@ def apply_rule(op: Op, inputs: list[In]):
     for k, x in enumerate(inputs):
         node = graph.placeholder(f"x{k}")
         node.meta["example_value"] = x.example()
-        info[node] = NodeInfo(x.kind, tags(x.tags), shift=x.shift, slen=x.slen)
+        info[node] = NodeInfo(x.kind, tags(x.tags), shift=x.shift, slen=x.slen, from_inputs=x.from_inputs)
         nodes.append(node)
         values.append(node.meta["example_value"])
 
@@ -256,14 +270,71 @@ REDUCTIONS = [
 ] + [
     ("keepdim", meth("sum", X0, -1, True), [x], out("b s -", TOKEN)),
     ("dims-tuple", fn(torch.mean, X0, (2, 3)), [In((B, S, 2, D), "b s - -", TOKEN)], out("b s", TOKEN)),
-    ("along-s", meth("mean", X0, 1), [x], fails("reduction along a token axis")),
-    ("along-b-keepdim", fn(torch.sum, X0, 0, keepdim=True), [x], fails("reduction along a token axis")),
-    ("all-axes", meth("sum", X0), [x], fails("reduction over all axes, token axes included")),
+    # Over some token axes only (per row, per column): not a sum of per-token terms; the original layout.
+    ("along-s", meth("mean", X0, 1), [x], fails("mean along some token axes only")),
+    ("along-b-keepdim", fn(torch.sum, X0, 0, keepdim=True), [x], fails("sum along some token axes only")),
+    # Over every token axis: weighted by multiplicity on the packed stream (analysis/token_reductions.py).
+    ("all-axes", meth("sum", X0), [x], weighs("", "sum")),
+    ("token-axes", fn(torch.sum, X0, (0, 1)), [x], weighs("-", "sum")),
+    ("mean-token-axes-keepdim", meth("mean", X0, (1, 0), True), [x], weighs("- - -", "mean")),
+    ("merged-axis", meth("sum", X0, 0), [merged], weighs("-", "sum")),
+    ("torch.mean-merged", fn(torch.mean, X0, dim=0), [merged], weighs("-", "mean")),
+    ("next-token-values", meth("sum", X0), [In((B, S - 1), "b s", TOKEN, shift=1, slen=S - 1)], weighs("", "sum")),
+    ("mean-of-ints", meth("sum", X0), [In((B, S), "b s", TOKEN, value=torch.ones(B, S, dtype=torch.long))], weighs("", "sum")),
+    ("amax-all-axes", fn(torch.amax, X0, (0, 1)), [x], fails("amax along a token axis")),
+    ("logsumexp-merged", meth("logsumexp", X0, 0), [merged], fails("logsumexp along a token axis")),
+    ("var-method-all", meth("var", X0), [x], fails("var along a token axis")),
+    ("sum-column", meth("sum", X0), [col], fails("sum of a column value over the token axes")),
+    ("sum-of-inputs", meth("sum", X0), [In((B, S), "b s", TOKEN, from_inputs=True)],
+     fails("sum over the token axes of a value of the inputs alone")),
     # norm takes p first: x.norm(2, 1) reduces the sequence axis (dim 1), not dim 2.
-    ("norm-p-then-dim-along-s", meth("norm", X0, 2, 1), [x], fails("reduction along a token axis")),
-    ("torch.norm-p-then-dim-along-s", fn(torch.norm, X0, 2, 1), [x], fails("reduction along a token axis")),
+    ("norm-p-then-dim-along-s", meth("norm", X0, 2, 1), [x], fails("norm along a token axis")),
+    ("torch.norm-p-then-dim-along-s", fn(torch.norm, X0, 2, 1), [x], fails("norm along a token axis")),
     ("norm-p-then-dim", meth("norm", X0, 2, -1), [x], out("b s", TOKEN)),
     ("norm-p-dim-keepdim", meth("norm", X0, 2, -1, True), [x], out("b s -", TOKEN)),
+]
+
+# Expert counts: a constant ``zeros(E)`` gathers each token's entries (top-k ids, a mask repeated k times).
+_E_IDS = In((B * S * 2,), "bs", TOKEN, value=torch.randint(0, 4, (B * S * 2,)))
+_E_SRC = In((B * S * 2,), "bs", TOKEN)
+_E_BASE = In((4,), "-", NONE, value=torch.zeros(4))
+SCATTER = [
+    ("scatter_add-method", meth("scatter_add", X0, 0, X1, X2), [_E_BASE, _E_IDS, _E_SRC], weighs("-", "scatter_add", 2)),
+    ("torch.scatter_add", fn(torch.scatter_add, X0, 0, X1, X2), [_E_BASE, _E_IDS, _E_SRC], weighs("-", "scatter_add", 2)),
+    ("index_add-method", meth("index_add", X0, 0, X1, X2), [_E_BASE, _E_IDS, _E_SRC], weighs("-", "index_add", 2)),
+    ("torch.index_add", fn(torch.index_add, X0, 0, X1, X2), [_E_BASE, _E_IDS, _E_SRC], weighs("-", "index_add", 2)),
+    # The mask's counts alone (no model value): computed in the original layout from the inputs.
+    ("of-inputs-alone", meth("scatter_add", X0, 0, X1, X2),
+     [_E_BASE, In((B * S * 2,), "bs", TOKEN, value=torch.randint(0, 4, (B * S * 2,)), from_inputs=True), In((B * S * 2,), "bs", TOKEN, from_inputs=True)],
+     fails("of the inputs alone")),
+    ("into-token-value", meth("scatter_add", X0, 0, X1, X2), [In((B * S * 2,), "bs", TOKEN), _E_IDS, _E_SRC],
+     fails("into a value with token axes")),
+    ("index-without-token-axes", meth("index_add", X0, 0, X1, X2), [In((B * S * 2, 3), "bs -", TOKEN), In((4,), "-", NONE, value=torch.arange(4)), In((4, 3), "- -", NONE)],
+     fails("into a value with token axes")),
+    ("along-features", meth("scatter_add", X0, 1, X1, X2),
+     [In((B * S, 4), "bs -", TOKEN), In((B * S, 2), "bs -", TOKEN, value=torch.randint(0, 4, (B * S, 2))), In((B * S, 2), "bs -", TOKEN)],
+     fails("into a value with token axes")),
+    ("split-token-axes", meth("scatter_add", X0, 0, X1, X2),
+     [In((4, S), "- -", NONE, value=torch.zeros(4, S)), In((B, S), "b s", TOKEN, value=torch.randint(0, 4, (B, S))), In((B, S), "b s", TOKEN)],
+     fails("one merged token axis at dim 0 expected")),
+]
+
+NEW_LIKE = [
+    # DeepSeek-V3's key states: kv.new_empty(*kv.shape[:-1], d), filled slice by slice.
+    ("new_empty-sizes", meth("new_empty", X0, B, S, 24), [x], out("b s -", TOKEN)),
+    ("new_zeros-tuple", meth("new_zeros", X0, (B, S, 2)), [x], out("b s -", TOKEN)),
+    ("new_ones-merged", meth("new_ones", X0, (B * S, 3)), [merged], out("bs -", TOKEN)),
+    ("new_full", meth("new_full", X0, (B, S, D), 1.0), [x], out("b s -", TOKEN)),
+    ("new_empty-other-length", meth("new_empty", X0, B, S + 1, D), [x], fails("do not repeat the token axes")),
+    ("new_zeros-other-rank", meth("new_zeros", X0, (B * S, D)), [x], fails("do not repeat the token axes")),
+]
+
+SLICE_SCATTER = [
+    ("features", fn(torch.slice_scatter, X0, X1, -1, 0, 2), [x, In((B, S, 2), "b s -", TOKEN)], out("b s -", TOKEN)),
+    ("method", meth("slice_scatter", X0, X1, 2, 2, None), [x, In((B, S, D - 2), "b s -", TOKEN)], out("b s -", TOKEN)),
+    ("along-s", fn(torch.slice_scatter, X0, X1, 1, 0, 2), [x, In((B, 2, D), "b - -", TOKEN)], fails("slice_scatter along a token axis")),
+    ("constant-src", fn(torch.slice_scatter, X0, X1, -1, 0, 2), [x, In((B, S, 2), "- - -", NONE)],
+     fails("combines token and non-token values")),
 ]
 
 SOFTMAX = [
@@ -437,6 +508,9 @@ TABLES = {
     "embedding": EMBEDDING,
     "matmul": MATMUL,
     "reductions": REDUCTIONS,
+    "scatter": SCATTER,
+    "new_like": NEW_LIKE,
+    "slice_scatter": SLICE_SCATTER,
     "softmax": SOFTMAX,
     "norms": NORMS,
     "coupling": COUPLING,
@@ -469,6 +543,10 @@ def test_rule(op, inputs, expected):
         with pytest.raises(expected.exc) as e:
             apply_rule(op, inputs)
         assert expected.match in str(e.value)
+    elif isinstance(expected, Weighs):
+        got = apply_rule(op, inputs)
+        assert (got.kind, got.tags) == (NONE, tags(expected.spec)) and got.weighted is not None, got
+        assert (got.weighted.op, got.weighted.operand.name) == (expected.op, f"x{expected.operand}")
     else:
         assert apply_rule(op, inputs) == expected
 
@@ -534,6 +612,7 @@ def test_driver_coupling_refuses_and_shift_is_inherited():
         return (f, d)
 
     axes, (f, d) = _analyze(build)
-    assert axes.info[f] == NodeInfo(Kind.TOKEN, ("b", "s"), shift=1, slen=S - 1)
-    assert axes.info[d].kind is Kind.ORIG
+    # Of the ids alone: the rewrite computes it in the original layout where that layout needs it.
+    assert axes.info[f] == NodeInfo(Kind.TOKEN, ("b", "s"), shift=1, slen=S - 1, from_inputs=True)
+    assert axes.info[d].kind is Kind.ORIG and not axes.info[d].from_inputs  # a random draw is never computed twice
     assert axes.refusals == (f"{d.name}: dropout p=0.1 in training mode draws different masks for the copies of a shared prompt",)

@@ -155,3 +155,39 @@ def test_functionalize_leaves_shared_storage_alone():
     new, leftover = functionalize_mutations(gm)
     assert [(m.node.target, m.target.op) for m in leftover] == [("mul_", "placeholder"), ("add_", "call_function")]
     assert "input" in leftover[0].why and "view" in leftover[1].why
+
+
+def test_buffer_filled_by_slice_copies_becomes_slice_scatter():
+    """DeepSeek-V3 assembles its key states in a ``new_empty`` buffer, ``buf[..., :d].copy_(a)`` then
+    ``buf[..., d:].copy_(b)``: out of place as two ``slice_scatter``s (values and dtype kept). A slice read as well
+    as written, or written with broadcasting, still makes the buffer not private (left, and reported)."""
+
+    def fill(a, b):
+        buf = a.new_empty(*a.shape[:-1], a.shape[-1] + b.shape[-1])
+        buf[..., : a.shape[-1]].copy_(a)
+        buf[..., a.shape[-1]:].copy_(b)
+        return buf * 2
+
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 3, 2, dtype=torch.float64)  # copy_ casts b to a's dtype
+    gm = _capture(fill, a, b)
+    new, leftover = functionalize_mutations(gm)
+    assert leftover == []
+    assert [n.target for n in new.graph.nodes if n.op == "call_function" and n.target is torch.slice_scatter] == [torch.slice_scatter] * 2
+    got, want = new(a, b)[0], fill(a, b)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    def read_too(a):
+        buf = a.new_zeros(*a.shape)
+        v = buf[..., :2]
+        v.copy_(a[..., :2])
+        return buf + v.sum()
+
+    def broadcast(a):
+        buf = a.new_zeros(*a.shape)
+        buf[..., :2].copy_(a[:1, ..., :2])
+        return buf
+
+    for fn in (read_too, broadcast):
+        new, leftover = functionalize_mutations(_capture(fn, a))
+        assert [m.why for m in leftover] == ["a view aliases it"], fn.__name__
