@@ -84,17 +84,19 @@ def _mean_loss(model, ids, mask):
     return torch.logsumexp(model(input_ids=ids, attention_mask=mask).logits, dim=-1).mean()
 
 
-def _compiled(fn):
+def _compiled(fn, inner):
     torch._dynamo.reset()
-    return torch.compile(fn, backend=functools.partial(dualkv_backend, options={"inner": "aot_eager"}))
+    return torch.compile(fn, backend=functools.partial(dualkv_backend, options={"inner": inner}))
 
 
-def _check(fn, ids, mask, packed_calls):
+def _check(fn, ids, mask, packed_calls, device="cpu"):
     torch.manual_seed(0)
-    model, ref = hf_model("llama", "sdpa"), hf_model("llama", "sdpa")
+    model, ref = hf_model("llama", "sdpa").to(device), hf_model("llama", "sdpa").to(device)
     ref.load_state_dict(model.state_dict())
+    ids, mask = ids.to(device), mask.to(device)
     before = len(dualkv_compile.reports())
-    got, want = _compiled(fn)(model, ids, mask), fn(ref, ids, mask)
+    inner = "inductor" if device == "cuda" else "aot_eager"  # on a GPU: token_weights and the sums through Inductor
+    got, want = _compiled(fn, inner)(model, ids, mask), fn(ref, ids, mask)
     assert rel(got.detach(), want.detach()) <= 1e-5
     got.backward()
     want.backward()
@@ -105,12 +107,15 @@ def _check(fn, ids, mask, packed_calls):
     return report
 
 
-def test_masked_token_sum_of_model_values_packs_exactly():
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+)
+def test_masked_token_sum_of_model_values_packs_exactly(device):
     """The z-loss's numerator is weighted on the packed stream and the mask (an input, multiplied in on the
     packed stream) is credited as zeroing padding, so the left- and right-padded batch packs. Before, the
     sum read the unpacked ``[B, S]`` values and the mask's packed copy was not seen as a factor: unpacked."""
     ids, mask, _ = grpo_batch([(6, [3, 4, 1]), (4, [2, 5])], VOCAB)
-    _check(_z_loss, ids, mask, packed_calls=1)
+    _check(_z_loss, ids, mask, packed_calls=1, device=device)
 
 
 def test_mean_over_padding_runs_unpacked_and_exact():
