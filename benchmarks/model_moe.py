@@ -106,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--accuracy-seeds", type=int, default=1, help="accuracy batches (seeds 1..N); errors averaged")
+    ap.add_argument("--skip-timing", action="store_true", help="the accuracy comparison only")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")))
     args = ap.parse_args(argv)
 
@@ -129,14 +131,22 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
 
     if not args.skip_accuracy:
-        small = make_batch(2, 4, max(args.prompt // 4, 8), max(args.response // 4, 4), args.device, vocab, seed=1)
-        log(f"accuracy on [{small['input_ids'].shape[0]}, {small['input_ids'].shape[1]}]")
-        meta["accuracy"] = accuracy(model32, model, small)
-        log(f"accuracy: {meta['accuracy']}")
+        runs = []
+        for seed in range(1, args.accuracy_seeds + 1):
+            small = make_batch(2, 4, max(args.prompt // 4, 8), max(args.response // 4, 4), args.device, vocab, seed=seed)
+            log(f"accuracy, seed {seed}, on [{small['input_ids'].shape[0]}, {small['input_ids'].shape[1]}]")
+            runs.append(accuracy(model32, model, small))
+            log(f"accuracy: {runs[-1]}")
+        # Routing flips in bf16 make one batch's errors noisy: the mean over the batches is reported.
+        errors = {name: {k: sum(r["errors"][name][k] for r in runs) / len(runs) for k in e} for name, e in runs[0]["errors"].items()}
+        meta["accuracy"] = dict(errors=errors, seeds=len(runs), per_seed=runs)
     del model32
     if args.device == "cuda":
         torch.cuda.empty_cache()
 
+    if args.skip_timing:
+        _write(args, meta, rows=[], B=None, S=None, stats=None)
+        return 0
     batch = make_batch(args.groups, args.rollouts, args.prompt, args.response, args.device, vocab)
     stats = dualkv_compile.detect(batch["input_ids"], None, batch["position_ids"], same_columns=False).stats()
     B, S = batch["input_ids"].shape
@@ -168,31 +178,44 @@ def main(argv=None) -> int:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
     if all("ms" in r for r in rows):
         meta["speedup"] = rows[0]["ms"] / rows[1]["ms"]
+    _write(args, meta, rows, B, S, stats)
+    return 0
+
+
+def _write(args, meta: dict, rows: list, B, S, stats) -> None:
+    """``model_moe.{json,md}`` under ``--out``: the timing rows (if any) and the accuracy table (if measured)."""
     with open(os.path.join(args.out, "model_moe.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     lines = [
         f"# MoE GRPO step, Qwen3-{args.model} shape with {args.layers} layers ({meta['device']}, torch {meta['torch']}, "
         f"transformers {meta['transformers']}, triton {meta.get('triton', '-')}, {meta['date']})",
-        "",
-        f"Batch [{B}, {S}]: {args.groups} prompts of {args.prompt} tokens x {args.rollouts} responses of "
-        f"{args.response // 2}..{args.response} tokens, shuffled, in one row (veRL's remove-padding layout); {stats}. Experts: {meta['experts_implementation']}.",
-        "",
-        "| variant | step ms | peak GB | loss | packed calls | useful TFLOP/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
-    ] + [f"| {r['variant']} | {r['ms']:.1f} | {r['peak_gb']:.1f} | {r['loss']:.6f} | {r['packed_calls']} | {r['tflops']:.0f} |"
-         if "ms" in r else f"| {r['variant']} | {r['error']} | | | | |" for r in rows]
+    ]
+    if rows:
+        lines += [
+            "",
+            f"Batch [{B}, {S}]: {args.groups} prompts of {args.prompt} tokens x {args.rollouts} responses of "
+            f"{args.response // 2}..{args.response} tokens, shuffled, in one row (veRL's remove-padding layout); {stats}. Experts: {meta['experts_implementation']}.",
+            "",
+            "| variant | step ms | peak GB | loss | packed calls | useful TFLOP/s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ] + [f"| {r['variant']} | {r['ms']:.1f} | {r['peak_gb']:.1f} | {r['loss']:.6f} | {r['packed_calls']} | {r['tflops']:.0f} |"
+             if "ms" in r else f"| {r['variant']} | {r['error']} | | | | |" for r in rows]
     if "speedup" in meta:
         lines += ["", f"Speedup {meta['speedup']:.2f}x; FLOP ideal {meta['ideal']:.2f}x (active experts counted; "
                       f"speedup / ideal {meta['speedup'] / meta['ideal']:.2f})."]
     if "accuracy" in meta:
         a = meta["accuracy"]
-        lines += ["", "bf16 error against the plain model in float32 (response-token log-probs; aux loss, relative):",
+        lines += ["", f"bf16 error against the plain model in float32 (response-token log-probs; aux loss, relative), "
+                      f"mean over {a['seeds']} accuracy batch(es):",
                   "", "| bf16 run | log-prob max abs err | log-prob mean abs err | aux loss rel err |", "| --- | ---: | ---: | ---: |"]
         lines += [f"| {name} | {e['logp_max_abs']:.3e} | {e['logp_mean_abs']:.3e} | {e['aux_rel']:.3e} |" for name, e in a["errors"].items()]
+        if a["seeds"] > 1:
+            lines += ["", "Per batch (aux loss rel err): " + "; ".join(
+                f"seed {i + 1}: " + ", ".join(f"{name} {e['aux_rel']:.2e}" for name, e in r["errors"].items())
+                for i, r in enumerate(a["per_seed"]))]
     with open(os.path.join(args.out, "model_moe.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     log("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":
