@@ -195,3 +195,25 @@ def test_deepseek_v3_packs_exactly():
     (whole,) = dualkv_compile.reports()[before:]
     assert whole.num_attention == 2 and whole.rewritten and whole.packed_calls == 1, (whole.reason, whole.fallback_reasons)
     assert whole.last_stats.tokens_after == 25
+
+
+def test_grpo_loss_with_aux_loss_under_policy_loss_packs_exactly():
+    """``@policy_loss`` on a GRPO token-mean plus the router's load-balancing loss, padded batch: every graph of the
+    step runs packed (the aux loss's sums over tokens weighted by multiplicity), loss and gradients exact."""
+    from .helpers import assert_loss_and_grads_match, make_batch
+
+    def loss_fn(model, batch):
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        logp = torch.log_softmax(out.logits[:, :-1].float(), -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+        m = batch["response_mask"][:, 1:].float()
+        return -(logp * batch["advantages"][:, None] * m).sum() / m.sum() + 0.01 * out.aux_loss
+
+    torch._dynamo.reset()
+    model = moe_model("qwen3_moe")
+    ref = copy.deepcopy(model)
+    batch = make_batch(GROUPS)
+    before = len(dualkv_compile.reports())
+    got = dualkv_compile.policy_loss(loss_fn)(model, batch)
+    assert_loss_and_grads_match(got, loss_fn(ref, batch), model, ref)
+    reports = dualkv_compile.reports()[before:]
+    assert reports and all(r.rewritten and r.packed_calls == r.calls == 1 for r in reports), [str(r) for r in reports]
