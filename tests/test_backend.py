@@ -56,6 +56,7 @@ def _tiny_forward(m, ids, mask, pos):
         ("cumsum", "cumulative sum along the sequence"),
         ("bidirectional", "bidirectional"),
         ("dropout", "dropout"),
+        ("noise", "randn_like draws different values for the copies of a shared prompt"),
         ("batchnorm", "batch_norm mixes values across the batch"),
     ],
 )
@@ -66,7 +67,7 @@ def test_refusals_report_reason_and_stay_correct(coupling, reason):
     torch.manual_seed(0)
     model = TinyDecoder(coupling=coupling).train()
     ids, mask, pos = grpo_batch(BATCHES["one_group"], 61, left_pad=0)
-    if coupling == "dropout":
+    if coupling in ("dropout", "noise"):
         # Random masks: compare against the same graph run eagerly with the same seed.
         compiled = torch.compile(model, backend=functools.partial(dualkv_backend, options={"inner": "eager"}))
         torch.manual_seed(5)

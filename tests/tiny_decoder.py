@@ -13,8 +13,9 @@ class TinyDecoder(nn.Module):
     coupling: None, "dropout" (attention dropout in training), "cumsum" (a
     running sum along the sequence feeding the block), "bidirectional"
     (attention without the causal flag), "batchnorm" (batch norm over the
-    hidden states in training), "graph_break" (a graph break between the
-    attention block and the head).
+    hidden states in training), "noise" (multiplicative noise per token, as
+    router jitter draws), "graph_break" (a graph break between the attention
+    block and the head).
     """
 
     def __init__(self, vocab=61, dim=16, heads=2, coupling=None):
@@ -35,6 +36,8 @@ class TinyDecoder(nn.Module):
             h = h.cumsum(1)
         if self.coupling == "batchnorm":
             h = self.bn(h.reshape(B * S, -1)).reshape(B, S, -1)
+        if self.coupling == "noise":
+            h = h * (1 + 0.01 * torch.randn_like(h))
         q, k, v = self.qkv(self.norm(h)).view(B, S, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         p = 0.1 if self.coupling == "dropout" and self.training else 0.0
         a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.coupling != "bidirectional")

@@ -85,7 +85,8 @@ REDUCE_METHODS = {"mean", "sum", "amax", "amin", "norm", "var", "std", "logsumex
 REDUCE_FUNCS = {torch.mean, torch.sum, torch.amax, torch.amin, torch.norm, torch.var, torch.std, torch.logsumexp}
 SOFTMAX_LIKE = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax}
 SOFTMAX_METHODS = {"softmax", "log_softmax"}
-_LIKE_FUNCS = {torch.ones_like, torch.zeros_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like}
+_LIKE_FUNCS = {torch.ones_like, torch.zeros_like, torch.empty_like, torch.full_like}
+_RANDOM_LIKE = {torch.rand_like, torch.randn_like, torch.randint_like}
 _COUPLING_FUNCS = {
     F.batch_norm: "batch_norm mixes values across the batch",
     torch.batch_norm: "batch_norm mixes values across the batch",
@@ -123,6 +124,16 @@ def _same(node, info) -> NodeInfo:
 
 @token_rule(*_LIKE_FUNCS)
 def _like(node, info, B, S) -> NodeInfo:
+    return _same(node, info)
+
+
+@token_rule(*_RANDOM_LIKE)
+def _random_like(node, info, B, S) -> NodeInfo:
+    """Noise shaped like a token value (router jitter, noise injection): the original draws for every copy of a
+    shared prompt, the packed stream once for all of them, as with dropout. A column value's noise is drawn in
+    the original layout and gathered, as the original reads it."""
+    if info[node.args[0]].kind is Kind.TOKEN:
+        raise Coupling(f"{node.target.__name__} draws different values for the copies of a shared prompt")
     return _same(node, info)
 
 

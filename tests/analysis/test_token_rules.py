@@ -220,10 +220,14 @@ LIKE = [
     # The result has its operand's axes, shift and sequence length.
     (f.__name__, fn(f, X0, *a), [In((B, S - 1, D), "b s -", TOKEN, shift=1, slen=S - 1)],
      out("b s -", TOKEN, shift=1, slen=S - 1))
-    for f, a in [(torch.ones_like, ()), (torch.zeros_like, ()), (torch.empty_like, ()), (torch.full_like, (1.0,)),
-                 (torch.rand_like, ()), (torch.randn_like, ())]
+    for f, a in [(torch.ones_like, ()), (torch.zeros_like, ()), (torch.empty_like, ()), (torch.full_like, (1.0,))]
 ] + [
     ("zeros_like-column", fn(torch.zeros_like, X0), [col], out("- s -", COLUMN)),
+    # Noise per token: the original draws for each copy of a shared prompt (as dropout does): refused.
+    ("rand_like", fn(torch.rand_like, X0), [x], couples("rand_like draws different values for the copies")),
+    ("randn_like-merged", fn(torch.randn_like, X0), [merged], couples("randn_like draws different values")),
+    ("randint_like", fn(torch.randint_like, X0, 5), [x], couples("randint_like draws different values")),
+    ("randn_like-column", fn(torch.randn_like, X0), [col], out("- s -", COLUMN)),
 ]
 
 LINEAR = [
