@@ -132,6 +132,26 @@ def test_mean_without_padding_packs_with_the_original_count():
     _check(_mean_loss, ids, mask, packed_calls=1)
 
 
+def _next_token_nll(model, ids, mask):
+    """A token-mean negative log-likelihood of the next tokens, masked by ``attention_mask[:, 1:]``: a sum of
+    next-token (shift 1) values over both token axes."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    m = mask[:, 1:].float()
+    return -(logp * m).sum() / m.sum()
+
+
+@pytest.mark.parametrize("left_pad, packed_calls", [(0, 1), (2, 0)], ids=["right_padded", "left_padded"])
+def test_next_token_sum_weights_targets(left_pad, packed_calls):
+    """Each packed token weighs as many next-token positions as read it. Right-padded rows pack; with left
+    padding the mask is 1 at a row's first token, whose log-prob reads the padding column before it, which
+    packing does not compute: that call runs unpacked (exact either way)."""
+    ids, mask, _ = grpo_batch([(6, [3, 4, 1]), (6, [2, 5])], VOCAB, left_pad=left_pad)  # prompts of one length
+    report = _check(_next_token_nll, ids, mask, packed_calls=packed_calls)
+    if not packed_calls:
+        assert "reads a position packing does not compute" in report.fallback_reasons[-1]
+
+
 class ZLossDecoder(torch.nn.Module):
     def __init__(self):
         super().__init__()
