@@ -47,7 +47,7 @@ def test_verl_style_batch_summary():
     assert "rewritten" in out and "position_ids" in out
 
 
-@pytest.mark.parametrize("form", ["roll", "slice-masked"])
+@pytest.mark.parametrize("form", ["roll", pytest.param("slice-masked", marks=pytest.mark.slow)])
 def test_verl_style_batch_remove_padding(form):
     """veRL's use_remove_padding: the shuffled rows' valid tokens in one row, packed by the backend."""
     out = run("verl_style_batch.py", "--remove-padding", "--rmpad-form", form, "--layers", "1",

@@ -52,7 +52,8 @@ from ..analysis.token_rules import POINTWISE_FUNCS, POINTWISE_METHODS, REDUCE_FU
 
 __all__ = ["Read", "find_padding_reads", "tainted"]
 
-_MUL = {operator.mul, torch.mul, "mul"}
+# Products, and the bitwise and of booleans (``picked & mask``): zero wherever the factor is.
+_MUL = {operator.mul, torch.mul, "mul", operator.and_, torch.logical_and, "__and__", "logical_and"}
 # Ops along dims past the token axes ([B, L, ...]: their positions stay apart).
 _TRAILING_FUNCS = SOFTMAX_LIKE | REDUCE_FUNCS | {torch.gather, torch.squeeze, torch.unsqueeze}
 _TRAILING_METHODS = SOFTMAX_METHODS | REDUCE_METHODS | {"gather", "squeeze", "unsqueeze"}
