@@ -103,9 +103,9 @@ def _scatter_within_token(node, info, B, S) -> NodeInfo:
         raise RuleFailed("scatter along a token axis")
     if set(node.kwargs) - {"src", "value"} or len(node.args) > 4:
         raise RuleFailed("scatter with a reduction")
-    ts = [t, info[index].tags] + ([info[src].tags] if isinstance(src, fx.Node) else [])
-    if any(x != t for x in ts) or any(hint(a) != hint(b) for d, tag in enumerate(t) if tag is not None
-                                      for a, b in [(_ev(index).shape[d], _ev(base).shape[d])]):
+    ts = [info[index].tags] + ([info[src].tags] if isinstance(src, fx.Node) else [])
+    token_dims = [d for d, tag in enumerate(t) if tag is not None]
+    if any(x != t for x in ts) or any(hint(_ev(index).shape[d]) != hint(_ev(base).shape[d]) for d in token_dims):
         raise RuleFailed("scatter whose index does not follow its tensor's token axes")
     return NodeInfo(kind_of(t), t)
 

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 __all__ = [
     "Kind", "Tags", "NodeInfo", "Route", "Weighted", "Refusal", "RuleFailed", "Coupling",
-    "ev", "hint", "shape_of", "arg", "op_name", "kind_of", "untagged",
+    "ev", "hint", "shape_of", "arg", "reduced_dims", "op_name", "kind_of", "untagged",
 ]
 
 
@@ -124,6 +124,13 @@ def arg(node: fx.Node, index: int, name: str, default=None):
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
+
+
+def reduced_dims(dim, rank: int) -> set[int]:
+    """The dims a reduction's ``dim`` argument names, non-negative (all of them for None)."""
+    if dim is None:
+        return set(range(rank))
+    return {d % rank for d in (dim if isinstance(dim, (tuple, list)) else (dim,))}
 
 
 def op_name(node: fx.Node) -> str:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .node_info import Kind, NodeInfo, RuleFailed, Weighted, arg, ev as _ev, op_name
+from .node_info import Kind, NodeInfo, RuleFailed, Weighted, arg, ev as _ev, op_name, reduced_dims
 
 __all__ = ["weighted_reduction", "weighted_scatter", "weighted_histc_rule"]
 
@@ -62,12 +62,7 @@ def weighted_reduction(node: fx.Node, info, B: int, S: int) -> NodeInfo:
     x = node.args[0]
     _check_operand(x, info, op)
     tags = info[x].tags
-    dim = arg(node, 1, "dim")
-    if dim is None:
-        dims = set(range(len(tags)))
-    else:
-        dims = {d % len(tags) for d in (dim if isinstance(dim, (tuple, list)) else (dim,))}
-    if not set(_token_dims(tags)) <= dims:
+    if not set(_token_dims(tags)) <= reduced_dims(arg(node, 1, "dim"), len(tags)):
         raise RuleFailed(f"{op} along some token axes only (per row or per column)")
     if op == "mean" and not _ev(node).dtype.is_floating_point:
         raise RuleFailed("mean of an integer value")
@@ -80,8 +75,8 @@ def weighted_scatter(node: fx.Node, info, B: int, S: int) -> NodeInfo:
     name = op_name(node)
     if name not in ("scatter_add", "index_add"):
         raise RuleFailed(f"{name} over a token axis")
-    base, dim, index, src = node.args[:4] if len(node.args) >= 4 else (*node.args, *[None] * (4 - len(node.args)))
-    src = src if src is not None else node.kwargs.get("src", node.kwargs.get("source"))
+    base, dim, index = node.args[0], arg(node, 1, "dim"), arg(node, 2, "index")
+    src = arg(node, 3, "src", node.kwargs.get("source"))
     if set(node.kwargs) - {"src", "source"} or not isinstance(dim, int):
         raise RuleFailed(f"{name} with arguments this rule does not read")
     if not isinstance(base, fx.Node) or info[base].kind is not Kind.NONE or not isinstance(src, fx.Node):
@@ -95,9 +90,9 @@ def weighted_scatter(node: fx.Node, info, B: int, S: int) -> NodeInfo:
     if s_info.tags[d] != "bs" or [t for t in s_info.tags if t is not None] != ["bs"]:
         raise RuleFailed(f"{name} whose source has token axes {s_info.tags} (one merged token axis at dim {dim} expected)")
     if name == "scatter_add":
-        same = i_info.kind is Kind.TOKEN and i_info.tags == s_info.tags and _ev(index).shape == _ev(src).shape
+        same = i_info.tags == s_info.tags and _ev(index).shape == _ev(src).shape
     else:
-        same = i_info.kind is Kind.TOKEN and i_info.tags == ("bs",) and _ev(index).shape[0] == _ev(src).shape[d]
+        same = i_info.tags == ("bs",) and _ev(index).shape[0] == _ev(src).shape[d]
     if not same or (i_info.shift, i_info.slen) != (s_info.shift, s_info.slen):
         raise RuleFailed(f"{name} whose index and source lie along different token axes")
     return _none(node, Weighted(name, src))

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .node_info import Coupling, Kind, NodeInfo, RuleFailed, arg, ev as _ev, hint, kind_of, shape_of
+from .node_info import Coupling, Kind, NodeInfo, RuleFailed, arg, ev as _ev, hint, kind_of, reduced_dims, shape_of
 from .token_reductions import weighted_reduction, weighted_scatter
 
 __all__ = [
@@ -248,7 +248,7 @@ def _reduce(node, info, B, S) -> NodeInfo:
     first = 2 if node.target in ("norm", torch.norm) else 1
     dim = arg(node, first, "dim")
     keepdim = arg(node, first + 1, "keepdim", False)
-    dims = set(range(n)) if dim is None else {d % n for d in (dim if isinstance(dim, (tuple, list)) else (dim,))}
+    dims = reduced_dims(dim, n)
     if any(t[d] is not None for d in dims):
         return weighted_reduction(node, info, B, S)  # over tokens: a weighted sum on the packed stream, or RuleFailed
     out = tuple(None if d in dims else tag for d, tag in enumerate(t)) if keepdim else tuple(tag for d, tag in enumerate(t) if d not in dims)

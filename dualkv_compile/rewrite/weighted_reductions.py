@@ -26,7 +26,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..analysis.node_info import ev, shape_of
+from ..analysis.node_info import arg, ev, reduced_dims, shape_of
 from .packed_ops import token_weights, weighted_histc
 
 __all__ = ["emit_weighted", "WEIGHTED_META"]
@@ -58,7 +58,7 @@ def emit_weighted(p, n: fx.Node) -> fx.Node:
     xp = p.packed_of(x)
 
     if weighted.op == "histc":
-        bins, lo, hi = (_arg(n, i, name, default) for i, name, default in ((1, "bins", 100), (2, "min", 0), (3, "max", 0)))
+        bins, lo, hi = arg(n, 1, "bins", 100), arg(n, 2, "min", 0), arg(n, 3, "max", 0)
         res = g.call_function(weighted_histc, (xp, w, bins, lo, hi))
         res.meta[WEIGHTED_META] = (xi.shift, truncate, merged, leading)
         return _cast(g, res, ev(n).dtype, x_dtype)
@@ -85,8 +85,7 @@ def _original_count(p, n: fx.Node, x: fx.Node, xp: fx.Node, ids: fx.Node, short:
     """The number of entries a mean over ``n``'s dims averages in the original layout (a graph value)."""
     g, xi = p.g, p.axes.info[x]
     tags, shape = xi.tags, shape_of(x)
-    dim = _arg(n, 1, "dim", None)
-    dims = range(len(tags)) if dim is None else sorted({d % len(tags) for d in (dim if isinstance(dim, (tuple, list)) else (dim,))})
+    dims = sorted(reduced_dims(arg(n, 1, "dim"), len(tags)))
     B = g.call_method("size", (ids, 0))
     cols = g.call_method("size", (ids, 1))
     if short:  # x[:, 1:] or x[:, :-1]: S - 1 columns
@@ -108,7 +107,3 @@ def _original_count(p, n: fx.Node, x: fx.Node, xp: fx.Node, ids: fx.Node, short:
 
 def _cast(g: fx.Graph, node: fx.Node, dtype: torch.dtype, have: torch.dtype) -> fx.Node:
     return node if dtype == have else g.call_method("to", (node, dtype))
-
-
-def _arg(n: fx.Node, i: int, name: str, default):
-    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
