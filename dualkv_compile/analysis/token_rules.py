@@ -10,11 +10,12 @@ registers its propagation rules; ``rule_for(node)`` finds it. The driver
 and no ORIG input, and sets a result's shift and sequence length from its
 operands where the rule leaves them unset.
 
-Here: pointwise ops broadcast tags; ``*_like`` and dropout keep them;
-linear, embedding and matmul keep the token axes of their token operand;
-reductions, softmax and norms over feature dimensions drop or keep them;
-sums over every token axis are weighted by multiplicity (``token_reductions``);
-ops that couple tokens (batch_norm, instance_norm, dropout in training,
+Here: pointwise ops broadcast tags; ``*_like`` (not random), dropout off and
+``new_empty``-style buffers keep them; linear, embedding and matmul keep the
+token axes of their token operand; reductions, softmax and norms over feature
+dimensions drop or keep them; sums over every token axis are weighted by
+multiplicity (``token_reductions``); ops that couple tokens (batch_norm,
+instance_norm, dropout in training, random draws shaped like a token value,
 cumsum along the sequence) refuse the graph. The rules that move dimensions
 are in ``shape_rules``; those of MoE routing and expert dispatch in ``moe_rules``.
 """
