@@ -310,14 +310,15 @@ def methods_for(cfg: Cfg) -> dict[str, Callable]:
     }
     if triton_attention is not None:
         m["dualkv_triton"] = lambda c, g: setup_dualkv(c, g, "triton")
+        m["dualkv_gluon"] = lambda c, g: setup_dualkv(c, g, "gluon")
     return m
 
 
-def triton_skip_reason(cfg: Cfg) -> Optional[str]:
+def triton_skip_reason(cfg: Cfg, backend: str = "triton") -> Optional[str]:
     if triton_attention is None:
         return f"dualkv_compile.kernels.triton.attention not importable ({_TRITON_IMPORT_ERROR})"
     probe = torch.empty(1, cfg.hq, 256, cfg.d, device=cfg.device, dtype=cfg.dtype)
-    return triton_attention.supports(probe)
+    return dk_op.unsupported_reason(backend, probe)
 
 
 # --------------------------------------------------------------------------- timing
@@ -654,10 +655,11 @@ def main(argv=None) -> int:
     methods = methods_for(cfg)
     skipped = {}
     if device.type == "cuda":
-        why = triton_skip_reason(cfg)
-        if why is not None:
-            skipped["dualkv_triton"] = why
-            methods.pop("dualkv_triton", None)
+        for backend in ("triton", "gluon"):
+            why = triton_skip_reason(cfg, backend)
+            if why is not None:
+                skipped[f"dualkv_{backend}"] = why
+                methods.pop(f"dualkv_{backend}", None)
     if args.methods:
         keep = set(args.methods.split(","))
         methods = {k: v for k, v in methods.items() if k in keep}

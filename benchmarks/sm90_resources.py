@@ -2,6 +2,7 @@
 
     python benchmarks/sm90_resources.py                       # the Hopper table, D=128
     python benchmarks/sm90_resources.py --head-dim 64
+    python benchmarks/sm90_resources.py --gluon               # the warp-specialised Gluon forward
     python benchmarks/sm90_resources.py --config "Config(KC(128, 128, 8, 3, tma=True), \\
         KC(32, 64, 4, 3, tma=True, stats_tma=True), KC(128, 64, 8, 3))"
 
@@ -111,11 +112,13 @@ def resources(name: str, kernel) -> dict:
         sass = subprocess.run([str(CUOBJDUMP), "--dump-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    setmaxnreg = len(re.findall(r"USETMAXREG", sass))  # register reallocation between warp-specialised partitions
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     smem, warps = kernel.metadata.shared, kernel.metadata.num_warps
     per_sm = min(REGISTERS_PER_SM // (regs * 32 * warps), SHARED_PER_SM // max(smem, 1))
     return dict(kernel=name, registers=regs, stack_bytes=stack, shared_kb=round(smem / 1024, 1), warps=warps,
-                stages=kernel.metadata.num_stages, programs_per_sm=per_sm, loops=inner_loops(sass))
+                stages=kernel.metadata.num_stages, programs_per_sm=per_sm, setmaxnreg=setmaxnreg,
+                loops=inner_loops(sass))
 
 
 def compile_kernels(config, head_dim: int = 128, q_heads: int = 32, kv_heads: int = 8, tokens: int = 4096) -> list:
@@ -145,19 +148,46 @@ def compile_kernels(config, head_dim: int = 128, q_heads: int = 32, kv_heads: in
     return [resources(name, kernel) for name, kernel in compiled if kernel is not None]
 
 
+def compile_gluon_forward(head_dim: int = 128, q_heads: int = 32, kv_heads: int = 8, tokens: int = 4096) -> list:
+    """Compile the Gluon forward (``kernels/gluon``) for sm_90; the resource record of its kernel."""
+    from dualkv_compile.kernels.gluon import attention as ga
+    from dualkv_compile.kernels.triton import attention as ta
+    from dualkv_compile.layout import tree_segments
+
+    compiled: list = []
+    driver.set_active(_Sm90Driver())
+    _compile_only(compiled)
+    ga.supports = lambda *a: None
+    ta._check = lambda *a: None
+    P, R = tokens // 2, tokens // 4
+    segs = tree_segments([P, R, R], [-1, 0, 0])
+    make = lambda h: torch.randn(1, tokens, h, head_dim).bfloat16().transpose(1, 2)  # noqa: E731  token-major
+    ga.forward(make(q_heads), make(kv_heads), make(kv_heads), segs, 1 / math.sqrt(head_dim))
+    return [resources(name, kernel) for name, kernel in compiled if kernel is not None]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--config", default=None, help="a Config(...) expression (KC = KernelConfig); default: the table")
+    ap.add_argument("--gluon", action="store_true", help="the Gluon forward instead of the Triton kernels")
     args = ap.parse_args()
     from dualkv_compile.kernels.triton.attention import HOPPER_CONFIGS, Config, KernelConfig
 
     cfg = (eval(args.config, {"Config": Config, "KernelConfig": KernelConfig, "KC": KernelConfig}) if args.config
            else HOPPER_CONFIGS[max(64, 1 << (args.head_dim - 1).bit_length())])
-    print(f"triton {triton.__version__}, sm_90, D={args.head_dim}: {cfg}")
-    for r in compile_kernels(cfg, args.head_dim):
+    if args.gluon:
+        from dualkv_compile.kernels.gluon.attention import FWD_CONFIGS
+
+        print(f"triton {triton.__version__}, sm_90, D={args.head_dim}: Gluon forward {FWD_CONFIGS[args.head_dim]}")
+        records = compile_gluon_forward(args.head_dim)
+    else:
+        print(f"triton {triton.__version__}, sm_90, D={args.head_dim}: {cfg}")
+        records = compile_kernels(cfg, args.head_dim)
+    for r in records:
         print(f"{r['kernel']:26s} {r['registers']:3d} registers, {r['stack_bytes']:5d} B stack, "
-              f"{r['shared_kb']:6.1f} KB shared, {r['warps']} warps, {r['programs_per_sm']} per SM")
+              f"{r['shared_kb']:6.1f} KB shared, {r['warps']} warps, {r['programs_per_sm']} per SM, "
+              f"{r['setmaxnreg']} setmaxnreg")
         for loop in r["loops"]:
             print(f"    loop {loop}")
 

@@ -12,6 +12,8 @@ choice:
                  ancestor chain; CPU
     "flex"       FlexAttention with the forest's block mask (kv <= q < reach[kv]); CUDA
     "triton"     the hand-written Triton kernel; CUDA (and CPU under TRITON_INTERPRET=1)
+    "gluon"      the warp-specialised Hopper forward (Gluon; sm_90, bf16/fp16, head dim 64 or 128)
+                 with the Triton backward
     "auto"       CPU -> cpu_flash (reference for float64); CUDA -> triton where it
                  supports the input, else flex
 
@@ -59,7 +61,7 @@ log = logging.getLogger("dualkv_compile")
 
 __all__ = ["shared_prompt_attention", "BACKENDS", "resolve_backend"]
 
-BACKENDS = ("auto", "reference", "cpu_flash", "flex", "triton")
+BACKENDS = ("auto", "reference", "cpu_flash", "flex", "triton", "gluon")
 
 
 def _impl(backend: str):
@@ -80,6 +82,13 @@ def _impl(backend: str):
             raise ValueError(f"backend='triton' is unavailable: {e}") from e
 
         return triton_attention
+    if backend == "gluon":
+        try:
+            from ..kernels.gluon import attention as gluon_attention
+        except ImportError as e:
+            raise ValueError(f"backend='gluon' is unavailable: {e}") from e
+
+        return gluon_attention
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 

@@ -1,5 +1,6 @@
 """Hopper tensor descriptors (TMA) over the kernels' operands, where the hardware and the strides allow.
 
+    tma_geometry(t)                     -> (shape, strides, row_h, col_h) of a 2-D view, or None
     tma_view(t, block_rows)             -> (descriptor, row_h, col_h) or None
     descriptors(cfg, block_rows, a, b)  -> (kernel arguments, TMA flag)
     row_stats_descriptor(stats, rows)   -> descriptor over the packed row statistics
@@ -22,7 +23,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["interpreting", "block_d", "tma_view", "descriptors", "row_stats_descriptor"]
+__all__ = ["interpreting", "block_d", "tma_geometry", "tma_view", "descriptors", "row_stats_descriptor"]
 
 
 def interpreting() -> bool:
@@ -35,9 +36,9 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def tma_view(t: torch.Tensor, block_rows: int) -> Optional[tuple]:
-    """``(descriptor, row_h, col_h)``: a 2-D tensor descriptor over ``t`` [1, H, T, D] in
-    which the ``block_rows`` x D tile of head h at token r is ``load([h * row_h + r, h * col_h])``.
+def tma_geometry(t: torch.Tensor) -> Optional[tuple]:
+    """``(shape, strides, row_h, col_h)`` of a 2-D view over ``t`` [1, H, T, D] in which head h's
+    token r starts at ``[h * row_h + r, h * col_h]``; None where no such view exists.
 
     Two layouts have such a view: head-major (the head stride a multiple of the
     token stride, e.g. contiguous [1, H, T, D]) and token-major (the token
@@ -45,22 +46,32 @@ def tma_view(t: torch.Tensor, block_rows: int) -> Optional[tuple]:
     [1, H, T, D]). None for anything else, or where the copy engine's
     alignment rules (16-byte base and row stride) do not hold.
     """
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     _, H, T, D = t.shape
     sh, st, sd = t.stride(1), t.stride(2), t.stride(3)
     es = t.element_size()
     if T < 2 or sd != 1 or t.data_ptr() % 16 or (st * es) % 16 or (D * es) % 16:
         return None
     if H == 1:
-        shape, row_h, col_h = [T, D], 0, 0
-    elif sh % st == 0:
-        shape, row_h, col_h = [(H - 1) * (sh // st) + T, D], sh // st, 0
-    elif st % sh == 0 and sh >= D and (sh * es) % 16 == 0:
-        shape, row_h, col_h = [T, (H - 1) * sh + D], 0, sh
-    else:
+        return [T, D], [st, 1], 0, 0
+    if sh % st == 0:
+        return [(H - 1) * (sh // st) + T, D], [st, 1], sh // st, 0
+    if st % sh == 0 and sh >= D and (sh * es) % 16 == 0:
+        return [T, (H - 1) * sh + D], [st, 1], 0, sh
+    return None
+
+
+def tma_view(t: torch.Tensor, block_rows: int) -> Optional[tuple]:
+    """``(descriptor, row_h, col_h)``: a 2-D tensor descriptor over ``t`` [1, H, T, D] (``tma_geometry``'s
+    view) in which the ``block_rows`` x D tile of head h at token r is ``load([h * row_h + r, h * col_h])``;
+    None where the view does not exist.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    geometry = tma_geometry(t)
+    if geometry is None:
         return None
-    return TensorDescriptor(t, shape, [st, 1], [block_rows, D]), row_h, col_h
+    shape, strides, row_h, col_h = geometry
+    return TensorDescriptor(t, shape, strides, [block_rows, t.shape[3]]), row_h, col_h
 
 
 def descriptors(cfg, block_rows: int, a: torch.Tensor, b: torch.Tensor) -> tuple[list, bool]:

@@ -1,0 +1,151 @@
+"""The warp-specialised Hopper kernels of shared-prompt attention (Gluon), behind the op's backend protocol.
+
+    supports(q, v=None) -> None, or why the Gluon kernels cannot run q (with v's head dim)
+    forward(q, k, v, segs, scale, softcap=0.0) -> (out, lse)
+    backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap=0.0) -> (dq, dk, dv)
+
+What runs where: the forward is ``fwd.py`` (a TMA loader warp, two consumer
+warpgroups on wgmma); the backward is, for now, the Triton kernels' (it
+reads the same ``out`` and ``lse``: the natural-log lse over
+``exp(scale * q.k)``, float32). Inputs the Gluon forward does not take but
+the Triton kernels do (a logit softcap; operands without a 2-D tensor
+descriptor view) run the Triton forward, logged at debug level: same
+contract, same results to rounding, no error.
+
+Assumes ``Segments`` as the Triton kernels do (``triton/schedule.py``): the
+schedules and ancestor walks are theirs, built on the device and cached
+across the layers of a step, so lengths and the forest's shape reach the
+kernel as data and never recompile it.
+
+Guarantees: ``supports`` is None only on an sm_90 GPU (H100, H200) with a
+Triton whose Gluon has Hopper's wgmma, TMA and warp specialisation, for
+bfloat16 or float16 q, k, v with one head dim of 64 or 128. Anything else
+gets the reason (the device first, then Triton, the dtype, the head dims),
+and the op's "auto" choice moves on to the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+import torch
+
+from ...layout.segments import Segments
+from ..triton import attention as triton_attention
+from ..triton.schedule import ancestor_walk, tile_schedule
+from ..triton.tma import tma_geometry
+
+log = logging.getLogger("dualkv_compile")
+
+__all__ = ["supports", "forward", "backward", "FwdConfig", "FWD_CONFIGS"]
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    """Tiles of the forward: ``block_m`` query rows per program (two warpgroups of half each),
+    ``block_n`` keys per block, a ring of ``stages`` K and V blocks, and the partitions'
+    register budgets (``setmaxnreg``; the loader needs few)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    stages: int = 2
+    consumer_regs: int = 240
+    loader_regs: int = 24
+
+
+# Shared memory at D=128: Q 32 KB + stages x (K 32 KB + V 32 KB).
+FWD_CONFIGS: dict[int, FwdConfig] = {
+    64: FwdConfig(128, 128, 3),
+    128: FwdConfig(128, 128, 2),
+}
+
+
+def _gluon_missing() -> Optional[str]:
+    try:
+        from triton.experimental import gluon  # noqa: F401
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia import hopper
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+    except ImportError as e:
+        return f"this Triton has no Gluon for Hopper ({e})"
+    for name, mod in (("warp_specialize", gl), ("warpgroup_mma", hopper), ("warpgroup_mma_wait", hopper)):
+        if not hasattr(mod, name):
+            return f"this Triton's Gluon lacks {name}"
+    return None
+
+
+def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]:
+    """None if the Gluon kernels can run q (and v); else the reason."""
+    if q.device.type != "cuda":
+        return f"the Gluon kernels need a CUDA GPU of compute capability 9.0 (H100, H200); this input is on {q.device.type}"
+    cc = torch.cuda.get_device_capability(q.device)
+    if cc != (9, 0):
+        return f"the Gluon kernels need compute capability 9.0 (wgmma); this GPU has {cc[0]}.{cc[1]}"
+    missing = _gluon_missing()
+    if missing is not None:
+        return missing
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} is not supported (bfloat16, float16)"
+    D = q.shape[-1]
+    if v is not None and v.shape[-1] != D:
+        return f"q/k head dim {D} and v head dim {v.shape[-1]} differ (MLA runs on the Triton kernels)"
+    if D not in HEAD_DIMS:
+        return f"head dim {D} is not supported ({', '.join(map(str, HEAD_DIMS))}; others run on the Triton kernels)"
+    return None
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    """A Gluon tensor descriptor over ``t``'s 2-D view with ``rows`` x D blocks, and (row_h, col_h); None without a view."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    geometry = tma_geometry(t)
+    if geometry is None:
+        return None
+    shape, strides, row_h, col_h = geometry
+    block = [rows, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
+    return TensorDescriptor(t, shape, strides, block, layout), row_h, col_h
+
+
+def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0, *, config: Optional[FwdConfig] = None):
+    """``(out [1, Hq, T, D] in q's dtype, lse [1, Hq, T] float32)``."""
+    why = supports(q, v)
+    if why is not None:
+        raise ValueError(f"gluon attention cannot run this input: {why}")
+    _, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    cfg = config or FWD_CONFIGS[D]
+    descs = None if softcap else [_descriptor(t, r) for t, r in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))]
+    if descs is None or any(d is None for d in descs):
+        log.debug("gluon attention: %s; the Triton forward runs it",
+                  "softcap" if softcap else "an operand has no 2-D tensor-descriptor view")
+        return triton_attention.forward(q, k, v, segs, scale, softcap)
+    triton_attention._check(q, k, segs)
+    out = torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((1, Hq, T), dtype=torch.float32, device=q.device)
+    if T == 0 or Hq == 0:
+        return out, lse
+    from .fwd import shared_prompt_fwd_kernel
+
+    tiles = tile_schedule(segs, T, cfg.block_m, "q")
+    (qd, q_row, q_col), (kd, k_row, k_col), (vd, v_row, v_col) = descs
+    shared_prompt_fwd_kernel[(Hq, tiles.shape[1])](
+        qd, kd, vd, out, lse, tiles, tiles.shape[1], q_row, q_col, k_row, k_col, v_row, v_col,
+        segs.seg_start, segs.seg_len, ancestor_walk(segs, cfg.block_n),
+        out.stride(1), out.stride(2), out.stride(3), lse.stride(1),
+        Hq // Hkv, scale * LOG2E,
+        HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        LOADER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
+    )
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, softcap: float = 0.0):
+    """``(dq, dk, dv)``: the Triton kernels' backward (a Gluon one is not written yet)."""
+    return triton_attention.backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap)

@@ -1,0 +1,331 @@
+"""Warp-specialised Hopper (sm_90) forward kernel of shared-prompt attention, in Gluon.
+
+One program computes one tile of ``BLOCK_M`` query rows of one segment for
+one query head, the work of the Triton kernel's program (``triton/fwd.py``),
+split between two partitions that meet at shared-memory rings:
+
+    loader    (1 warp)   TMA copies: the query tile once, then the K and V
+                         blocks of the tile's walk into ``STAGES``-deep
+                         rings, each slot guarded by a ready and an empty
+                         mbarrier;
+    consumer  (8 warps, the default partition; two warpgroups of 64 rows)
+                         S = Q K^T and O += P V on wgmma, the online softmax
+                         in registers. The product of block i is issued
+                         before the P V of block i-1, and block i's softmax
+                         runs while that P V is still on the tensor cores.
+
+The walk (``_walk_start`` / ``_walk_step``, run by both partitions so no
+block list crosses between them): first every full block of every ancestor
+(nearest first, through the ancestor walk's full-block chain), then the
+segment's own blocks left of the tile, then each ancestor's ragged last
+block, then the diagonal blocks. The order is free (the online softmax is one
+sum); this one puts the blocks that need a mask last. One mask serves every
+block: key column c is visible to row r iff ``c < min(r + 1, limit)``, with
+``limit`` the end of the segment the block belongs to. For an ancestor's
+block that keeps the columns inside the ancestor; for the segment's own
+blocks it is the causal mask; full blocks pass it whole.
+
+Assumes
+    * q ``[1, Hq, T, D]``, k and v ``[1, Hkv, T, D]``, bf16 or fp16, each with
+      a 2-D TMA view (``attention.tma_view``): the ``rows`` x D tile of head h
+      at token t is at ``[h * row_h + t, h * col_h]`` of the descriptor.
+    * ``TILES``, ``SEG_START``, ``SEG_LEN`` and ``WALK`` as for the Triton
+      kernel (``triton/schedule.py``), the walk built for ``BLOCK_N``.
+    * The walk's first block has a column every row of the tile sees: a full
+      ancestor block, else an ancestor's ragged block (at least one column),
+      else the tile's first diagonal block (column seg_start + ... <= every row).
+      So the running maximum is finite before any row meets a block it cannot
+      see, and no NaN arises.
+Guarantees
+    * Every valid row of the tile is written once (O by masked pointer stores,
+      the lse in natural log); rows of other segments are never written.
+    * A block whose rows run past its segment (ragged, diagonal) is copied
+      whole by the copy engine, so it holds other segments' keys and values:
+      their scores are replaced by -inf before the softmax, and the value
+      rows past the segment are zeroed in shared memory before P V, so no
+      value of another segment (not even an inf or a NaN) reaches a product.
+    * Softmax statistics and O accumulate in float32.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LN2 = gl.constexpr(0.6931471805599453)
+# A barrier of the calling partition's warps: ``thread_barrier`` up to triton 3.8, ``barrier`` from 3.9.
+_partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+# The copy engine's global-to-shared load: ``async_copy_global_to_shared`` up to 3.8, ``async_load`` from 3.9.
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
+
+# --------------------------------------------------------------------------- the walk
+
+
+@gluon.jit
+def _walk_start(seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Per-tile counts of the four runs and the state of both ancestor chains."""
+    walk = WALK + seg * 4
+    n_af = gl.load(walk)
+    diag_start = seg_start + ((m0 - seg_start) // BLOCK_N) * BLOCK_N
+    n_of = (diag_start - seg_start) // BLOCK_N
+    n_ar = gl.load(walk + 1)
+    diag_end = gl.minimum(m0 + BLOCK_M, seg_end)
+    n_d = (diag_end - diag_start + BLOCK_N - 1) // BLOCK_N
+    # Chains: -1 (none) only appears once no block of that run is left; clamped to 0, it loads in bounds, unused.
+    fa = gl.maximum(gl.load(walk + 2), 0)
+    f_start = gl.load(SEG_START + fa)
+    f_end = f_start + gl.load(SEG_LEN + fa)
+    ra = gl.maximum(gl.load(walk + 3), 0)
+    return n_af, n_of, n_ar, n_d, diag_start, fa, f_start, f_end, ra
+
+
+@gluon.jit
+def _walk_step(i, n_af, n_of, n_ar, seg_start, seg_end, diag_start, fa, f_start, f_end, ra,
+               SEG_START, SEG_LEN, WALK, BLOCK_N: gl.constexpr):
+    """Block i of the tile's walk: ``(start, limit)`` and the chains' state for block i + 1.
+
+    Written with selects, not branches: a branch around the consumer's wgmma accumulators
+    makes ptxas serialise them (see ``triton/fwd.py``).
+    """
+    in_af = i < n_af
+    b1 = n_af + n_of
+    b2 = b1 + n_ar
+    in_of = (i >= n_af) & (i < b1)
+    in_ar = (i >= b1) & (i < b2)
+    r_start = gl.load(SEG_START + ra)
+    r_end = r_start + gl.load(SEG_LEN + ra)
+    r_block = r_start + ((r_end - r_start) // BLOCK_N) * BLOCK_N
+    start = gl.where(in_af, f_start,
+                     gl.where(in_of, seg_start + (i - n_af) * BLOCK_N,
+                              gl.where(in_ar, r_block, diag_start + (i - b2) * BLOCK_N)))
+    limit = gl.where(in_af, f_end, gl.where(in_ar, r_end, seg_end))
+    # Full-block chain: the next block of this ancestor if it is full, else the first block of
+    # the nearest ancestor further up that has a full block.
+    f_next = f_start + BLOCK_N
+    moved = in_af & (f_next + BLOCK_N > f_end)
+    fa = gl.where(moved, gl.maximum(gl.load(WALK + fa * 4 + 2), 0), fa)
+    n_start = gl.load(SEG_START + fa)
+    f_start = gl.where(moved, n_start, gl.where(in_af, f_next, f_start))
+    f_end = gl.where(moved, n_start + gl.load(SEG_LEN + fa), f_end)
+    ra = gl.where(in_ar, gl.maximum(gl.load(WALK + ra * 4 + 3), 0), ra)
+    return start, limit, fa, f_start, f_end, ra
+
+
+# --------------------------------------------------------------------------- the loader partition
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+            q_row, q_col, k_row, k_col, v_row, v_col, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    _tma_load(q_desc, [q_row + m0, q_col], q_bar, q_smem)
+    n_af, n_of, n_ar, n_d, diag_start, fa, f_start, f_end, ra = _walk_start(
+        seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK, BLOCK_M, BLOCK_N)
+    for i in range(n_af + n_of + n_ar + n_d):
+        start, limit, fa, f_start, f_end, ra = _walk_step(
+            i, n_af, n_of, n_ar, seg_start, seg_end, diag_start, fa, f_start, f_end, ra, SEG_START, SEG_LEN, WALK,
+            BLOCK_N)
+        st = i % STAGES
+        ph = (i // STAGES) & 1
+        # A slot is free once both consumers released it (a fresh barrier passes the parity-1 wait).
+        mbarrier.wait(k_empty.index(st), ph ^ 1)
+        mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [k_row + start, k_col], k_ready.index(st), k_smem.index(st))
+        mbarrier.wait(v_empty.index(st), ph ^ 1)
+        mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [v_row + start, v_col], v_ready.index(st), v_smem.index(st))
+
+
+# --------------------------------------------------------------------------- the consumer partitions
+
+
+@gluon.jit
+def _zero_values_past(v_view, start, limit, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Zero the rows of a value block at or past ``limit`` (another segment's), in shared memory.
+
+    Both consumers do it (the same zeros), each fenced for the tensor cores and behind a barrier
+    of its own warps before its P V reads the block.
+    """
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    v = v_view.load(layout)
+    r = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    v = gl.where((r < limit)[:, None], v, gl.zeros_like(v))
+    v_view.store(v)
+    fence_async_shared()
+    _partition_barrier()
+
+
+@gluon.jit
+def _softmax_block(s, m_i, l_i, rows, offs_n, start, limit, qk_scale):
+    """Mask (column c visible iff c < min(row + 1, limit)), then one online-softmax step: (p, alpha, m, l)."""
+    lim = gl.minimum(rows + 1, limit)
+    s = gl.where((start + offs_n)[None, :] < lim[:, None], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
+              head, seg, seg_start, seg_end, m0, row_off, SEG_START, SEG_LEN, WALK,
+              stride_oh, stride_ot, stride_od, stride_lh, qk_scale,
+              ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              STAGES: gl.constexpr):
+    # One warpgroup, ROWS query rows from row_off of the tile.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    q = q_smem.slice(row_off, ROWS)
+    rows = m0 + row_off + gl.arange(0, ROWS, layout=s_rows)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    n_af, n_of, n_ar, n_d, diag_start, fa, f_start, f_end, ra = _walk_start(
+        seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK, BLOCK_M, BLOCK_N)
+    n = n_af + n_of + n_ar + n_d
+
+    # Block 0 (every tile has one: its first diagonal block at least).
+    start, limit, fa, f_start, f_end, ra = _walk_step(
+        0, n_af, n_of, n_ar, seg_start, seg_end, diag_start, fa, f_start, f_end, ra, SEG_START, SEG_LEN, WALK, BLOCK_N)
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
+    mbarrier.arrive(k_empty.index(0), count=1)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
+    l_i = gl.zeros([ROWS], gl.float32, s_rows)
+    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, offs_n, start, limit, qk_scale)
+    p = gl.convert_layout(p.to(dtype), p_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    if start + BLOCK_N > limit:
+        mbarrier.wait(v_ready.index(0), 0)
+        _zero_values_past(v_smem.index(0), start, limit, BLOCK_N, HEAD_DIM)
+
+    # Block i's Q K^T is issued before block i-1's P V, so block i's softmax runs while that P V
+    # is on the tensor cores; only then is the accumulator rescaled.
+    for i in range(1, n):
+        st = i % STAGES
+        prev = (i - 1) % STAGES
+        start, limit, fa, f_start, f_end, ra = _walk_step(
+            i, n_af, n_of, n_ar, seg_start, seg_end, diag_start, fa, f_start, f_end, ra, SEG_START, SEG_LEN, WALK,
+            BLOCK_N)
+        mbarrier.wait(k_ready.index(st), (i // STAGES) & 1)
+        s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        mbarrier.arrive(k_empty.index(st), count=1)
+        p_new, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, offs_n, start, limit, qk_scale)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        p = gl.convert_layout(p_new.to(dtype), p_layout)
+        if start + BLOCK_N > limit:
+            mbarrier.wait(v_ready.index(st), (i // STAGES) & 1)
+            _zero_values_past(v_smem.index(st), start, limit, BLOCK_N, HEAD_DIM)
+
+    last = (n - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p, v_smem.index(last), acc)
+    mbarrier.arrive(v_empty.index(last), count=1)
+
+    l_o = gl.convert_layout(l_i, o_rows)
+    out = acc / l_o[:, None]
+    rows_o = m0 + row_off + gl.arange(0, ROWS, layout=o_rows)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = O + head.to(gl.int64) * stride_oh + rows_o[:, None] * stride_ot + offs_d[None, :] * stride_od
+    gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(rows_o < seg_end)[:, None])
+    # m_i is in base-2 units of the scaled score: lse = ln(2) * (m + log2(l)).
+    lse = (m_i + gl.log2(l_i)) * LN2
+    gl.store(LSE + head.to(gl.int64) * stride_lh + rows, lse, mask=rows < seg_end)
+
+
+@gluon.jit
+def _consumer_upper(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                    head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
+                    stride_oh, stride_ot, stride_od, stride_lh, qk_scale,
+                    ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    STAGES: gl.constexpr):
+    # The second warpgroup: the tile's rows from ROWS on.
+    _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
+              head, seg, seg_start, seg_end, m0, ROWS, SEG_START, SEG_LEN, WALK,
+              stride_oh, stride_ot, stride_od, stride_lh, qk_scale, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+
+
+# --------------------------------------------------------------------------- the kernel
+
+
+# Arguments that follow T get no value specialisation, so a new length never compiles a second variant.
+@gluon.jit(do_not_specialize=["num_tiles", "q_row_h", "q_col_h", "k_row_h", "k_col_h", "v_row_h", "v_col_h",
+                              "stride_lh"])
+def shared_prompt_fwd_kernel(
+    q_desc, k_desc, v_desc, O, LSE, TILES, num_tiles,
+    q_row_h, q_col_h, k_row_h, k_col_h, v_row_h, v_col_h,
+    SEG_START, SEG_LEN, WALK,
+    stride_oh, stride_ot, stride_od, stride_lh,
+    heads_per_kv, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    # Heads vary fastest: the query heads of one kv head run side by side and share K/V in L2.
+    head = gl.program_id(0)
+    t = gl.program_id(1)
+    seg = gl.load(TILES + t)
+    if seg < 0:
+        return
+    tile = gl.load(TILES + num_tiles + t)
+    seg_start = gl.load(SEG_START + seg)
+    seg_end = seg_start + gl.load(SEG_LEN + seg)
+    m0 = seg_start + tile * BLOCK_M
+    kv_head = head // heads_per_kv
+    ROWS: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = q_desc.dtype
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(v_empty.index(s), count=2)
+
+    gl.warp_specialize(
+        [
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                         head, seg, seg_start, seg_end, m0, 0, SEG_START, SEG_LEN, WALK,
+                         stride_oh, stride_ot, stride_od, stride_lh, qk_scale,
+                         ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer_upper, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                               head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
+                               stride_oh, stride_ot, stride_od, stride_lh, qk_scale,
+                               ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                       head * q_row_h, head * q_col_h, kv_head * k_row_h, kv_head * k_col_h,
+                       kv_head * v_row_h, kv_head * v_col_h, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
+                       BLOCK_M, BLOCK_N, STAGES)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
+    )

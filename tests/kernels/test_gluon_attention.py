@@ -1,0 +1,233 @@
+"""The warp-specialised Hopper forward (Gluon) against the exact reference.
+
+The kernel needs an sm_90 GPU: those tests carry the ``cuda`` marker and
+skip elsewhere. On a CPU the suite checks what does not need one: the
+backend's refusals, and (``test_compiles_for_sm90``) that the kernel
+compiles for sm_90 under the installed Triton with Hopper's instructions in
+its machine code, which catches Gluon API changes between Triton versions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dualkv_compile.kernels import reference
+from dualkv_compile.ops.attention import resolve_backend, shared_prompt_attention
+from segments import forest_segments, make_segments, random_forest  # noqa: E402  tests/kernels is on sys.path
+
+ROOT = Path(__file__).resolve().parents[2]
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100, H200)")
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def qkv(T, Hq, Hkv, D, dtype, seed=0, token_major=False):
+    g = torch.Generator().manual_seed(seed)
+    if token_major:  # [T, H, D] projections seen as [1, H, T, D], as models hand them over
+        make = lambda h: torch.randn(1, T, h, D, generator=g).to("cuda", dtype).transpose(1, 2)  # noqa: E731
+    else:
+        make = lambda h: torch.randn(1, h, T, D, generator=g).to("cuda", dtype)  # noqa: E731
+    return make(Hq), make(Hkv), make(Hkv)
+
+
+def check_forward(segs, T, Hq, Hkv, D, dtype, seed=0, token_major=False):
+    from dualkv_compile.kernels.gluon import attention as ga
+    from dualkv_compile.kernels.triton import attention as ta
+
+    q, k, v = qkv(T, Hq, Hkv, D, dtype, seed, token_major)
+    scale = 1 / math.sqrt(D)
+    out, lse = ga.forward(q, k, v, segs, scale)
+    ref_out, ref_lse = reference.reference_forward(q.double(), k.double(), v.double(), segs, scale)
+    assert out.dtype == dtype and out.shape == (1, Hq, T, D) and lse.dtype == torch.float32
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    # P is rounded to the inputs' dtype before P V, as in every flash kernel.
+    assert rel(out, ref_out) < 1e-2, rel(out, ref_out)
+    assert rel(lse, ref_lse) < 1e-5, rel(lse, ref_lse)
+    # No worse than the Triton kernel on the same inputs (both round P the same way).
+    t_out, _ = ta.forward(q, k, v, segs, scale)
+    assert rel(out, ref_out) < 1.5 * rel(t_out, ref_out) + 1e-4, (rel(out, ref_out), rel(t_out, ref_out))
+
+
+# --------------------------------------------------------------------------- on any machine
+
+
+def test_refuses_cpu_tensors_with_the_reason():
+    from dualkv_compile.kernels.gluon import attention as ga
+
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    assert "compute capability 9.0" in ga.supports(q) and "on cpu" in ga.supports(q)
+    with pytest.raises(ValueError, match=r"backend='gluon' cannot run this input: .*on cpu"):
+        resolve_backend("gluon", q)
+    with pytest.raises(ValueError, match="gluon attention cannot run this input"):
+        ga.forward(q, q, q, make_segments([(4, [4])])[0], 0.125)
+
+
+@pytest.mark.skipif(HOPPER, reason="the refusals of other GPUs")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_refuses_other_gpus():
+    from dualkv_compile.kernels.gluon import attention as ga
+
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16, device="cuda")
+    assert "compute capability 9.0" in ga.supports(q)
+
+
+def test_compiles_for_sm90():
+    """The forward compiles for sm_90 with the installed Triton (no GPU needed): wgmma, bulk tensor
+    copies and register reallocation between the partitions in its SASS."""
+    pytest.importorskip("triton.experimental.gluon")
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sm90_resources.py"), "--gluon", "--head-dim", "128"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [ln for ln in run.stdout.splitlines() if "loop" in ln]
+    assert any("'HGMMA': 16" in ln for ln in lines), run.stdout  # 64x128 S and P V, K = 128: 8 + 8 per block
+    assert any("UTMALDG" in ln for ln in lines), run.stdout
+    setmaxnreg = re.search(r"(\d+) setmaxnreg", run.stdout)
+    assert setmaxnreg and int(setmaxnreg.group(1)) > 0, run.stdout
+
+
+# --------------------------------------------------------------------------- on an H100 / H200
+
+
+def small_forest(seed, max_tokens=600):
+    rng = random.Random(seed)
+    while True:
+        lens, parents = random_forest(rng, max_depth=3, max_len=200, max_children=3, max_roots=3)
+        if sum(lens) <= max_tokens and len(lens) > 1:
+            return lens, parents
+
+
+@pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_forests(seed, dtype, D):
+    segs, T = forest_segments(*small_forest(seed), "cuda")
+    Hq, Hkv = [(4, 1), (8, 2), (4, 4), (6, 2)][seed]
+    check_forward(segs, T, Hq, Hkv, D, dtype, seed, token_major=seed % 2 == 1)
+
+
+@pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_edge_segments(D):
+    # One-token prompts and responses, a prompt of several blocks beside one shorter than a block,
+    # roots alone, empty segments (an empty root, an empty middle node), lengths at block edges.
+    lens = [1, 1, 3, 129, 1, 500, 17, 1, 2, 5, 400, 23, 0, 6, 0, 1, 1, 128, 256, 127]
+    parents = [-1, 0, 0, -1, 3, -1, 5, 5, 5, -1, 9, -1, -1, 12, 13, 14, -1, -1, 17, 18]
+    segs, T = forest_segments(lens, parents, "cuda")
+    check_forward(segs, T, 4, 2, D, torch.bfloat16, seed=3)
+
+
+@pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_realistic_trees(D):
+    """Several trees at realistic sizes, ragged lengths down to 1, GQA: a 2-level tree (a system
+    prompt over two prompts), a one-level group, a one-token prompt, single-token responses."""
+    lens, parents = [], []
+
+    def add(n, parent):
+        lens.append(n)
+        parents.append(parent)
+        return len(lens) - 1
+
+    rng = random.Random(D)
+    system = add(1100, -1)
+    for P in (900, 257):
+        p = add(P, system)
+        for _ in range(6):
+            add(rng.choice([1, 2, rng.randint(3, 1200)]), p)
+    p = add(2049, -1)
+    for _ in range(5):
+        add(rng.randint(1, 700), p)
+    p = add(1, -1)
+    for R in (1, 300, 64):
+        add(R, p)
+    segs, T = forest_segments(lens, parents, "cuda")
+    check_forward(segs, T, 8, 2, D, torch.bfloat16, seed=D, token_major=True)
+
+
+@pytest.mark.cuda
+@hopper
+def test_other_segments_values_never_reach_a_product():
+    """Blocks that run past a segment are copied whole; a NaN or inf in another segment's keys or
+    values must not reach any row that cannot see it."""
+    from dualkv_compile.kernels.gluon import attention as ga
+
+    lens, parents = [300, 77, 130, 1, 200], [-1, 0, 0, 0, -1]
+    segs, T = forest_segments(lens, parents, "cuda")
+    q, k, v = qkv(T, 4, 2, 128, torch.bfloat16, seed=5)
+    clean, _ = ga.forward(q, k, v, segs, 0.088)
+    k[:, :, 300:377] = float("nan")  # the first response: only its own rows see it
+    v[:, :, 300:377] = float("inf")
+    out, _ = ga.forward(q, k, v, segs, 0.088)
+    others = torch.ones(T, dtype=torch.bool, device="cuda")
+    others[300:377] = False
+    assert torch.equal(out[:, :, others], clean[:, :, others])
+
+
+@pytest.mark.cuda
+@hopper
+def test_backward_through_the_op():
+    """backend='gluon' through the op: the Gluon forward's out and lse feed the Triton backward."""
+    segs, T = make_segments([(1000, [300, 17, 1]), (5, [700])], "cuda")
+    q, k, v = (t.requires_grad_() for t in qkv(T, 8, 2, 128, torch.bfloat16, seed=2))
+    out = shared_prompt_attention(q, k, v, segs, backend="gluon")
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+    ref_out, ref_lse = reference.reference_forward(q64, k64, v64, segs, 1 / math.sqrt(128))
+    ref = reference.reference_backward(do.double(), q64, k64, v64, ref_out, ref_lse, segs, 1 / math.sqrt(128))
+    assert rel(out, ref_out) < 1e-2
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert rel(g, r) < 2e-2, (name, rel(g, r))
+
+
+@pytest.mark.cuda
+@hopper
+def test_new_lengths_do_not_recompile():
+    from dualkv_compile.kernels.gluon import attention as ga
+    from dualkv_compile.kernels.gluon.fwd import shared_prompt_fwd_kernel
+
+    def compiled():
+        return sum(len(cache[0]) for cache in shared_prompt_fwd_kernel.device_caches.values())
+
+    counts = []
+    layouts = [make_segments(groups, "cuda") for groups in (
+        [(1000, [300, 17])], [(4096, [1024] * 4)], [(777, [5, 1, 333]), (129, [1000])])]
+    layouts.append(forest_segments([1000, 300, 17, 1, 500, 64], [-1, 0, 1, 2, 0, -1], "cuda"))
+    for segs, T in layouts:
+        q, k, v = qkv(T, 32, 8, 128, torch.bfloat16, seed=1, token_major=True)
+        ga.forward(q, k, v, segs, 0.0883)
+        counts.append(compiled())
+    assert counts[1:] == counts[:1] * 3, counts
+
+
+@pytest.mark.cuda
+@hopper
+def test_softcap_and_untileable_operands_run_the_triton_forward():
+    from dualkv_compile.kernels.gluon import attention as ga
+    from dualkv_compile.kernels.triton import attention as ta
+
+    segs, T = make_segments([(300, [100, 7])], "cuda")
+    q, k, v = qkv(T, 4, 2, 64, torch.bfloat16, seed=4)
+    for softcap in (0.0, 30.0):
+        out, lse = ga.forward(q, k, v, segs, 0.125, softcap)
+        ref, _ = reference.reference_forward(q.double(), k.double(), v.double(), segs, 0.125, softcap)
+        assert rel(out, ref) < 1e-2
+    assert torch.equal(ga.forward(q, k, v, segs, 0.125, 30.0)[0], ta.forward(q, k, v, segs, 0.125, 30.0)[0])
