@@ -56,6 +56,7 @@ class FwdConfig:
     stages: int = 2
     consumer_regs: int = 240
     loader_regs: int = 24
+    pingpong: bool = True
 
 
 # Shared memory at D=128: Q 32 KB + stages x (K 32 KB + V 32 KB).
@@ -141,7 +142,7 @@ def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0, *, conf
         out.stride(1), out.stride(2), out.stride(3), lse.stride(1),
         Hq // Hkv, scale * LOG2E,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-        LOADER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
+        LOADER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong, num_warps=4,
     )
     return out, lse
 

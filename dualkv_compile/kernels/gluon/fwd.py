@@ -165,10 +165,12 @@ def _zero_values_past(v_view, start, limit, BLOCK_N: gl.constexpr, HEAD_DIM: gl.
 
 
 @gluon.jit
-def _softmax_block(s, m_i, l_i, rows, offs_n, start, limit, qk_scale):
-    """Mask (column c visible iff c < min(row + 1, limit)), then one online-softmax step: (p, alpha, m, l)."""
-    lim = gl.minimum(rows + 1, limit)
-    s = gl.where((start + offs_n)[None, :] < lim[:, None], s, float("-inf"))
+def _softmax_block(s, m_i, l_i, rows, offs_n, start, limit, qk_scale, MASK: gl.constexpr):
+    """One online-softmax step, after the mask when ``MASK`` (column c visible iff c < min(row + 1, limit)):
+    ``(p, alpha, m, l)``, all float32."""
+    if MASK:
+        lim = gl.minimum(rows + 1, limit)
+        s = gl.where((start + offs_n)[None, :] < lim[:, None], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     p = gl.exp2(s * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
@@ -177,12 +179,58 @@ def _softmax_block(s, m_i, l_i, rows, offs_n, start, limit, qk_scale):
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
-              head, seg, seg_start, seg_end, m0, row_off, SEG_START, SEG_LEN, WALK,
+def _my_turn(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong (FA3): the two consumer warpgroups issue their products in turns, so one's softmax
+    runs while the other's products hold the tensor cores. Warpgroup 0 goes first (a fresh
+    barrier passes the parity-1 wait); each turn ends with an arrive on the other's barrier."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _their_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _step(i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, acc, p, alpha, m_i, l_i, s_zero,
+          rows, offs_n, start, limit, qk_scale, MASK: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+          HEAD_DIM: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Block i of the steady state: issue Q K_i^T, rescale and issue P_{i-1} V_{i-1}, block i's softmax
+    while that P V runs, then P_i in the operand layout of the next P V."""
+    o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    st = i % STAGES
+    prev = (i - 1) % STAGES
+    mbarrier.wait(k_ready.index(st), (i // STAGES) & 1)
+    _my_turn(turn, i, WG, PINGPONG)
+    s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+    _their_turn(turn, WG, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+    mbarrier.arrive(k_empty.index(st), count=1)
+    p_new, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, offs_n, start, limit, qk_scale, MASK)
+    p_new = gl.convert_layout(p_new.to(p.dtype), p.type.layout)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(v_empty.index(prev), count=1)
+    p = p_new
+    if MASK:
+        if start + BLOCK_N > limit:
+            mbarrier.wait(v_ready.index(st), (i // STAGES) & 1)
+            _zero_values_past(v_smem.index(st), start, limit, BLOCK_N, HEAD_DIM)
+    return acc, p, alpha, m_i, l_i
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE,
+              head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
               stride_oh, stride_ot, stride_od, stride_lh, qk_scale,
               ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr):
-    # One warpgroup, ROWS query rows from row_off of the tile.
+              STAGES: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    # One warpgroup: the ROWS query rows of the tile from WG * ROWS on.
+    row_off: gl.constexpr = WG * ROWS
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -198,50 +246,49 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     n_af, n_of, n_ar, n_d, diag_start, fa, f_start, f_end, ra = _walk_start(
         seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK, BLOCK_M, BLOCK_N)
-    n = n_af + n_of + n_ar + n_d
+    n_full = n_af + n_of  # blocks [0, n_full) need no mask, [n_full, n) do
+    n = n_full + n_ar + n_d
 
-    # Block 0 (every tile has one: its first diagonal block at least).
+    # Block 0 (every tile has one: its first diagonal block at least), masked whatever its kind.
     start, limit, fa, f_start, f_end, ra = _walk_step(
         0, n_af, n_of, n_ar, seg_start, seg_end, diag_start, fa, f_start, f_end, ra, SEG_START, SEG_LEN, WALK, BLOCK_N)
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
+    _my_turn(turn, 0, WG, PINGPONG)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    _their_turn(turn, WG, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     mbarrier.arrive(k_empty.index(0), count=1)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
     l_i = gl.zeros([ROWS], gl.float32, s_rows)
-    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, offs_n, start, limit, qk_scale)
+    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, offs_n, start, limit, qk_scale, True)
     p = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
     if start + BLOCK_N > limit:
         mbarrier.wait(v_ready.index(0), 0)
         _zero_values_past(v_smem.index(0), start, limit, BLOCK_N, HEAD_DIM)
 
-    # Block i's Q K^T is issued before block i-1's P V, so block i's softmax runs while that P V
-    # is on the tensor cores; only then is the accumulator rescaled.
-    for i in range(1, n):
-        st = i % STAGES
-        prev = (i - 1) % STAGES
+    # The steady state (``_step``): the full blocks without a mask or a walk, then the masked ones.
+    # The accumulator takes block i-1's rescale just before its P V is issued (as FA3 does).
+    for i in range(1, n_full):
+        acc, p, alpha, m_i, l_i = _step(i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, acc, p, alpha,
+                                        m_i, l_i, s_zero, rows, offs_n, 0, 0, qk_scale, False, STAGES, BLOCK_N,
+                                        HEAD_DIM, WG, PINGPONG)
+    for i in range(gl.maximum(n_full, 1), n):
         start, limit, fa, f_start, f_end, ra = _walk_step(
             i, n_af, n_of, n_ar, seg_start, seg_end, diag_start, fa, f_start, f_end, ra, SEG_START, SEG_LEN, WALK,
             BLOCK_N)
-        mbarrier.wait(k_ready.index(st), (i // STAGES) & 1)
-        s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-        mbarrier.arrive(k_empty.index(st), count=1)
-        p_new, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, offs_n, start, limit, qk_scale)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        p = gl.convert_layout(p_new.to(dtype), p_layout)
-        if start + BLOCK_N > limit:
-            mbarrier.wait(v_ready.index(st), (i // STAGES) & 1)
-            _zero_values_past(v_smem.index(st), start, limit, BLOCK_N, HEAD_DIM)
+        acc, p, alpha, m_i, l_i = _step(i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, acc, p, alpha,
+                                        m_i, l_i, s_zero, rows, offs_n, start, limit, qk_scale, True, STAGES, BLOCK_N,
+                                        HEAD_DIM, WG, PINGPONG)
 
     last = (n - 1) % STAGES
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
     mbarrier.wait(v_ready.index(last), ((n - 1) // STAGES) & 1)
-    acc = warpgroup_mma(p, v_smem.index(last), acc)
+    _my_turn(turn, n, WG, PINGPONG)
+    acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+    _their_turn(turn, WG, PINGPONG)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(last), count=1)
 
     l_o = gl.convert_layout(l_i, o_rows)
@@ -256,15 +303,16 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
 
 
 @gluon.jit
-def _consumer_upper(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
+def _consumer_upper(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE,
                     head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
                     stride_oh, stride_ot, stride_od, stride_lh, qk_scale,
                     ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    STAGES: gl.constexpr):
-    # The second warpgroup: the tile's rows from ROWS on.
-    _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
-              head, seg, seg_start, seg_end, m0, ROWS, SEG_START, SEG_LEN, WALK,
-              stride_oh, stride_ot, stride_od, stride_lh, qk_scale, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+                    STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    # The second warpgroup (a worker partition): the tile's rows from ROWS on.
+    _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE,
+              head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
+              stride_oh, stride_ot, stride_od, stride_lh, qk_scale, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 1,
+              PINGPONG)
 
 
 # --------------------------------------------------------------------------- the kernel
@@ -280,7 +328,7 @@ def shared_prompt_fwd_kernel(
     stride_oh, stride_ot, stride_od, stride_lh,
     heads_per_kv, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     # Heads vary fastest: the query heads of one kv head run side by side and share K/V in L2.
     head = gl.program_id(0)
@@ -304,7 +352,10 @@ def shared_prompt_fwd_kernel(
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
@@ -313,14 +364,14 @@ def shared_prompt_fwd_kernel(
 
     gl.warp_specialize(
         [
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                         head, seg, seg_start, seg_end, m0, 0, SEG_START, SEG_LEN, WALK,
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE,
+                         head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
                          stride_oh, stride_ot, stride_od, stride_lh, qk_scale,
-                         ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-            (_consumer_upper, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                         ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 0, PINGPONG)),
+            (_consumer_upper, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE,
                                head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
                                stride_oh, stride_ot, stride_od, stride_lh, qk_scale,
-                               ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+                               ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                        head * q_row_h, head * q_col_h, kv_head * k_row_h, kv_head * k_col_h,
                        kv_head * v_row_h, kv_head * v_col_h, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
