@@ -22,7 +22,7 @@ class DualKVConfig:
     min_shared        shortest shared prefix (tokens) that makes rows a group
     inner             "inductor" or "aot_eager": compiles both the fallback and the packed graph
     verify            check the graph's attention masks against the layout on the first rewritten call
-    attention_backend "auto", "reference", "cpu_flash", "flex" or "triton" (see ops.attention); one that
+    attention_backend "auto", "reference", "cpu_flash", "flex", "triton" or "gluon" (see ops.attention); one that
                       cannot run a graph's attention (device, dtype, head dim) refuses the graph
     verify_max_elements  skip the mask check when a mask would hold more elements than this
     chunked_log_probs    fuse a loss's lm_head -> log_softmax -> next-token gather into

@@ -203,7 +203,7 @@ GOOD_OPTIONS = [
     ("group_size", None), ("group_size", 1), ("group_size", 8),
     ("min_shared", 1), ("min_shared", 32),
     *[("inner", v) for v in ("inductor", "aot_eager", "eager")], ("verify", False),
-    *[("attention_backend", v) for v in ("auto", "reference", "cpu_flash", "flex", "triton")],
+    *[("attention_backend", v) for v in ("auto", "reference", "cpu_flash", "flex", "triton", "gluon")],
     ("verify_max_elements", 0), ("chunked_log_probs", False), ("log_prob_chunk_bytes", 1),
 ]
 

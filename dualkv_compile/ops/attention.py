@@ -14,8 +14,8 @@ choice:
     "triton"     the hand-written Triton kernel; CUDA (and CPU under TRITON_INTERPRET=1)
     "gluon"      the warp-specialised Hopper forward (Gluon; sm_90, bf16/fp16, head dim 64 or 128)
                  with the Triton backward
-    "auto"       CPU -> cpu_flash (reference for float64); CUDA -> triton where it
-                 supports the input, else flex
+    "auto"       CPU -> cpu_flash (reference for float64); CUDA -> gluon where it supports the
+                 input (sm_90), else triton where it does, else flex
 
 Tensor convention: q ``[1, Hq, T, D]``, k ``[1, Hkv, T, D]``, v ``[1, Hkv, T, Dv]``
 (the ``scaled_dot_product_attention`` layout with batch 1), Hq a multiple of
@@ -102,7 +102,7 @@ def resolve_backend(backend: str, q: torch.Tensor, v: Optional[torch.Tensor] = N
 
             # float64 stays on the reference, the oracle (cpu_flash runs float64 too, when asked for by name).
             return "cpu_flash" if q.dtype != torch.float64 and cpu_flash.supports(q, v) is None else "reference"
-        for name in ("triton", "flex"):
+        for name in ("gluon", "triton", "flex"):
             try:
                 why = _impl(name).supports(q, v)
             except ValueError as e:  # the module is missing

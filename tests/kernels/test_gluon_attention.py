@@ -231,3 +231,15 @@ def test_softcap_and_untileable_operands_run_the_triton_forward():
         ref, _ = reference.reference_forward(q.double(), k.double(), v.double(), segs, 0.125, softcap)
         assert rel(out, ref) < 1e-2
     assert torch.equal(ga.forward(q, k, v, segs, 0.125, 30.0)[0], ta.forward(q, k, v, segs, 0.125, 30.0)[0])
+
+
+@pytest.mark.cuda
+@hopper
+def test_auto_picks_gluon_where_it_runs():
+    q = torch.zeros(1, 4, 256, 128, dtype=torch.bfloat16, device="cuda")
+    assert resolve_backend("auto", q) == "gluon"
+    assert resolve_backend("auto", q.half()) == "gluon"
+    assert resolve_backend("auto", torch.zeros(1, 4, 256, 96, dtype=torch.bfloat16, device="cuda")) == "triton"
+    assert resolve_backend("auto", q.float()) == "triton"
+    v = torch.zeros(1, 4, 256, 64, dtype=torch.bfloat16, device="cuda")  # MLA: v's head dim differs
+    assert resolve_backend("auto", q, v) == "triton"

@@ -303,4 +303,4 @@ def test_segments_dtype_and_device_checked():
 
 
 def test_backend_names_are_exported():
-    assert set(op_mod.BACKENDS) == {"auto", "reference", "cpu_flash", "flex", "triton"}
+    assert set(op_mod.BACKENDS) == {"auto", "reference", "cpu_flash", "flex", "triton", "gluon"}

@@ -48,15 +48,17 @@ HEAD_DIMS = (64, 128)
 @dataclasses.dataclass(frozen=True)
 class FwdConfig:
     """Tiles of the forward: ``block_m`` query rows per program (two warpgroups of half each),
-    ``block_n`` keys per block, a ring of ``stages`` K and V blocks, and the partitions'
-    register budgets (``setmaxnreg``; the loader needs few)."""
+    ``block_n`` keys per block, a ring of ``stages`` K and V blocks, the partitions' register
+    budgets (``setmaxnreg``; the loader needs few), and whether the two consumer warpgroups
+    issue their products in turns (FA3's ping-pong, ordered by mbarriers; slower on the H200
+    so far: benchmarks/results/gluon_fwd_tuning_h200.md)."""
 
     block_m: int = 128
     block_n: int = 128
     stages: int = 2
     consumer_regs: int = 240
     loader_regs: int = 24
-    pingpong: bool = True
+    pingpong: bool = False
 
 
 # Shared memory at D=128: Q 32 KB + stages x (K 32 KB + V 32 KB).
