@@ -5,7 +5,8 @@
     backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap=0.0) -> (dq, dk, dv)
 
 What runs where: the forward is ``fwd.py`` (a TMA loader warp, two consumer
-warpgroups on wgmma); the backward is, for now, the Triton kernels' (it
+warpgroups on wgmma; on an H200 at head dim 128 about 1.1-1.2x the Triton
+forward's speed, at 64 within a few percent either way); the backward is, for now, the Triton kernels' (it
 reads the same ``out`` and ``lse``: the natural-log lse over
 ``exp(scale * q.k)``, float32). Inputs the Gluon forward does not take but
 the Triton kernels do (a logit softcap; operands without a 2-D tensor
@@ -61,9 +62,10 @@ class FwdConfig:
     pingpong: bool = False
 
 
-# Shared memory at D=128: Q 32 KB + stages x (K 32 KB + V 32 KB).
+# Measured on an H200 (benchmarks/results/gluon_fwd_tuning_h200.md): two stages beat three, and
+# 64-key blocks, at both head dims. Shared memory at D=128: Q 32 KB + stages x (K 32 KB + V 32 KB).
 FWD_CONFIGS: dict[int, FwdConfig] = {
-    64: FwdConfig(128, 128, 3),
+    64: FwdConfig(128, 128, 2),
     128: FwdConfig(128, 128, 2),
 }
 

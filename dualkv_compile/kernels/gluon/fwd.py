@@ -2,32 +2,41 @@
 
 One program computes one tile of ``BLOCK_M`` query rows of one segment for
 one query head, the work of the Triton kernel's program (``triton/fwd.py``),
-split between two partitions that meet at shared-memory rings:
+split between partitions that meet at shared-memory rings:
 
     loader    (1 warp)   TMA copies: the query tile once, then the K and V
                          blocks of the tile's walk into ``STAGES``-deep
                          rings, each slot guarded by a ready and an empty
                          mbarrier;
-    consumer  (8 warps, the default partition; two warpgroups of 64 rows)
+    consumers (two partitions of one warpgroup each, 64 query rows each;
+               the first is the default partition)
                          S = Q K^T and O += P V on wgmma, the online softmax
-                         in registers. The product of block i is issued
-                         before the P V of block i-1, and block i's softmax
-                         runs while that P V is still on the tensor cores.
+                         in registers, each consumer on its own. Block i's
+                         Q K^T is issued before block i-1's P V (FA3's
+                         order), but ptxas (triton 3.6's, seen in the SASS)
+                         moves the P V's wait above block i's exponentials,
+                         so within a warpgroup the softmax does not overlap
+                         its P V; the two warpgroups, running unsynchronised,
+                         keep the tensor cores busy between them. Optional
+                         (``PINGPONG``): the two take turns issuing their
+                         products, ordered by two more mbarriers (FA3's
+                         ping-pong); slower on the H200 so far.
 
 The walk (``_walk_start`` / ``_walk_step``, run by both partitions so no
 block list crosses between them): first every full block of every ancestor
 (nearest first, through the ancestor walk's full-block chain), then the
 segment's own blocks left of the tile, then each ancestor's ragged last
 block, then the diagonal blocks. The order is free (the online softmax is one
-sum); this one puts the blocks that need a mask last. One mask serves every
-block: key column c is visible to row r iff ``c < min(r + 1, limit)``, with
+sum); this one puts the blocks that need a mask last. The full blocks run
+without a mask and without the walk in the consumers; one mask serves every
+other block: key column c is visible to row r iff ``c < min(r + 1, limit)``, with
 ``limit`` the end of the segment the block belongs to. For an ancestor's
 block that keeps the columns inside the ancestor; for the segment's own
 blocks it is the causal mask; full blocks pass it whole.
 
 Assumes
     * q ``[1, Hq, T, D]``, k and v ``[1, Hkv, T, D]``, bf16 or fp16, each with
-      a 2-D TMA view (``attention.tma_view``): the ``rows`` x D tile of head h
+      a 2-D TMA view (``triton/tma.tma_geometry``): the ``rows`` x D tile of head h
       at token t is at ``[h * row_h + t, h * col_h]`` of the descriptor.
     * ``TILES``, ``SEG_START``, ``SEG_LEN`` and ``WALK`` as for the Triton
       kernel (``triton/schedule.py``), the walk built for ``BLOCK_N``.
@@ -198,7 +207,8 @@ def _step(i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, acc, p
           rows, offs_n, start, limit, qk_scale, MASK: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
           HEAD_DIM: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Block i of the steady state: issue Q K_i^T, rescale and issue P_{i-1} V_{i-1}, block i's softmax
-    while that P V runs, then P_i in the operand layout of the next P V."""
+    (FA3's order; the module docstring says how ptxas schedules it), then P_i in the operand layout
+    of the next P V."""
     o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     st = i % STAGES
     prev = (i - 1) % STAGES
@@ -268,7 +278,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
         mbarrier.wait(v_ready.index(0), 0)
         _zero_values_past(v_smem.index(0), start, limit, BLOCK_N, HEAD_DIM)
 
-    # The steady state (``_step``): the full blocks without a mask or a walk, then the masked ones.
+    # The steady state (``_step``): the full blocks without a mask or a walk, then the masked ones
+    # (one loop with a per-element mask ran at 0.7x this speed: register pressure and issue slots).
     # The accumulator takes block i-1's rescale just before its P V is issued (as FA3 does).
     for i in range(1, n_full):
         acc, p, alpha, m_i, l_i = _step(i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, acc, p, alpha,
