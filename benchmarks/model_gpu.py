@@ -282,7 +282,7 @@ def merge(paths: list[str]) -> tuple[list[dict], dict]:
             elif into.get("baseline_mb") == 1 and r.get("baseline_mb", 1) > 1:
                 for k in ("ms", "gb"):
                     into[f"baseline_full_{k}"] = into.pop(f"baseline_{k}")
-            for v in ("baseline", "dualkv", "flex"):
+            for v in ("baseline", "dualkv", "flex", "triton"):
                 if f"{v}_ms" in r and f"{v}_error" not in r:
                     into.pop(f"{v}_error", None)  # measured now
             into.update(r)
@@ -332,7 +332,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="0.6b,1.7b,8b", help=f"comma-separated, of {sorted(MODELS)}")
     ap.add_argument("--layers-8b", type=int, default=4)
     ap.add_argument("--shapes", action="append", help="N,P,R or 'groups' (repeatable; default: all)")
-    ap.add_argument("--variants", default="dualkv,baseline", help="comma-separated, of dualkv, flex, baseline")
+    ap.add_argument("--variants", default="dualkv,baseline",
+                    help="comma-separated, of dualkv, flex, triton (dualkv with the Triton kernels only), baseline")
     ap.add_argument("--baseline-max-tokens", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=420)
@@ -354,8 +355,8 @@ def main(argv=None) -> int:
             ap.error(f"--models: unknown model {name!r}; expected some of {sorted(MODELS)}")
     variants = args.variants.split(",")
     for v in variants:
-        if v not in ("dualkv", "flex", "baseline"):
-            ap.error(f"--variants: unknown variant {v!r}; expected some of dualkv, flex, baseline")
+        if v not in ("dualkv", "flex", "triton", "baseline"):
+            ap.error(f"--variants: unknown variant {v!r}; expected some of dualkv, flex, triton, baseline")
     import transformers
     import triton
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -385,6 +386,7 @@ def main(argv=None) -> int:
             "baseline": torch.compile(grpo_loss, dynamic=False),
             "dualkv": dualkv_compile.policy_loss(grpo_loss),
             "flex": dualkv_compile.policy_loss(grpo_loss, attention_backend="flex"),
+            "triton": dualkv_compile.policy_loss(grpo_loss, attention_backend="triton"),
         }
         for shape in shapes:
             if time.time() - t0 > args.budget_s:
