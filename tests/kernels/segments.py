@@ -49,5 +49,15 @@ def random_forest(rng: random.Random, max_depth: int = 3, max_len: int = 40, max
     return lens, parents
 
 
+def small_forest(seed: int, max_tokens: int, max_len: int):
+    """A random forest (``random_forest``, depth up to 3, up to 3 roots) of more than one node and at most
+    ``max_tokens`` tokens, nodes up to ``max_len``: ``(seg_len, parent)``, the same for the same seed."""
+    rng = random.Random(seed)
+    while True:
+        lens, parents = random_forest(rng, max_depth=3, max_len=max_len, max_children=3, max_roots=3)
+        if sum(lens) <= max_tokens and len(lens) > 1:
+            return lens, parents
+
+
 def forest_segments(seg_len, parent, device="cpu") -> tuple[Segments, int]:
     return tree_segments(seg_len, parent, device), sum(seg_len)

@@ -22,7 +22,7 @@ import torch
 
 from dualkv_compile.kernels import reference
 from dualkv_compile.ops.attention import resolve_backend, shared_prompt_attention
-from segments import forest_segments, make_segments, random_forest  # noqa: E402  tests/kernels is on sys.path
+from segments import forest_segments, make_segments, small_forest  # noqa: E402  tests/kernels is on sys.path
 
 ROOT = Path(__file__).resolve().parents[2]
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -102,21 +102,13 @@ def test_compiles_for_sm90():
 # --------------------------------------------------------------------------- on an H100 / H200
 
 
-def small_forest(seed, max_tokens=600):
-    rng = random.Random(seed)
-    while True:
-        lens, parents = random_forest(rng, max_depth=3, max_len=200, max_children=3, max_roots=3)
-        if sum(lens) <= max_tokens and len(lens) > 1:
-            return lens, parents
-
-
 @pytest.mark.cuda
 @hopper
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", range(4))
 def test_random_forests(seed, dtype, D):
-    segs, T = forest_segments(*small_forest(seed), "cuda")
+    segs, T = forest_segments(*small_forest(seed, max_tokens=600, max_len=200), "cuda")
     Hq, Hkv = [(4, 1), (8, 2), (4, 4), (6, 2)][seed]
     check_forward(segs, T, Hq, Hkv, D, dtype, seed, token_major=seed % 2 == 1)
 

@@ -25,7 +25,8 @@ from dualkv_compile.kernels.triton import attention as ta  # noqa: E402
 from dualkv_compile.kernels.triton import schedule, tma  # noqa: E402
 from dualkv_compile.kernels.triton.attention import Config, KernelConfig  # noqa: E402
 from dualkv_compile.layout.segments import host_rows  # noqa: E402
-from segments import forest_segments, make_segments, random_forest  # noqa: E402  tests/kernels is on sys.path
+import segments  # noqa: E402  tests/kernels is on sys.path
+from segments import forest_segments, make_segments, random_forest  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(
@@ -135,12 +136,8 @@ def test_matches_reference_random_layouts(seed, D, Hq, Hkv, dtype, config):
 
 
 def small_forest(seed, max_tokens=128):
-    """A random forest of depth up to 3 and a few roots, small enough for the interpreter (T <= max_tokens)."""
-    rng = random.Random(seed)
-    while True:
-        lens, parents = random_forest(rng, max_depth=3, max_len=24, max_children=3, max_roots=3)
-        if sum(lens) <= max_tokens and len(lens) > 1:
-            return lens, parents
+    """A random forest small enough for the interpreter (T <= max_tokens)."""
+    return segments.small_forest(seed, max_tokens, max_len=24)
 
 
 @pytest.mark.parametrize(
