@@ -1,4 +1,4 @@
-"""The warp-specialised Hopper forward (Gluon) against the exact reference.
+"""The warp-specialised Hopper kernels (Gluon: the forward and dQ) against the exact reference.
 
 The kernel needs an sm_90 GPU: those tests carry the ``cuda`` marker and
 skip elsewhere. On a CPU the suite checks what does not need one: the
@@ -44,21 +44,37 @@ def qkv(T, Hq, Hkv, D, dtype, seed=0, token_major=False):
 
 
 def check_forward(segs, T, Hq, Hkv, D, dtype, seed=0, token_major=False):
+    """The Gluon forward and backward (dQ by the Gluon kernel, dK/dV by the Triton ones) against the
+    float64 reference, and no less accurate than the Triton kernels on the same inputs."""
     from dualkv_compile.kernels.gluon import attention as ga
     from dualkv_compile.kernels.triton import attention as ta
 
     q, k, v = qkv(T, Hq, Hkv, D, dtype, seed, token_major)
+    do = torch.randn(1, Hq, T, D, generator=torch.Generator().manual_seed(seed + 100)).to("cuda", dtype)
     scale = 1 / math.sqrt(D)
     out, lse = ga.forward(q, k, v, segs, scale)
-    ref_out, ref_lse = reference.reference_forward(q.double(), k.double(), v.double(), segs, scale)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    ref_out, ref_lse = reference.reference_forward(q64, k64, v64, segs, scale)
     assert out.dtype == dtype and out.shape == (1, Hq, T, D) and lse.dtype == torch.float32
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     # P is rounded to the inputs' dtype before P V, as in every flash kernel.
     assert rel(out, ref_out) < 1e-2, rel(out, ref_out)
     assert rel(lse, ref_lse) < 1e-5, rel(lse, ref_lse)
     # No worse than the Triton kernel on the same inputs (both round P the same way).
-    t_out, _ = ta.forward(q, k, v, segs, scale)
+    t_out, t_lse = ta.forward(q, k, v, segs, scale)
     assert rel(out, ref_out) < 1.5 * rel(t_out, ref_out) + 1e-4, (rel(out, ref_out), rel(t_out, ref_out))
+
+    ref_grads = reference.reference_backward(do.double(), q64, k64, v64, ref_out, ref_lse, segs, scale)
+    t_grads = ta.backward(do, q, k, v, t_out, t_lse, segs, scale)
+    for det in (False, True):
+        grads = ga.backward(do, q, k, v, out, lse, segs, scale, det)
+        for name, g, r, t, like in zip(("dq", "dk", "dv"), grads, ref_grads, t_grads, (q, k, v)):
+            assert g.shape == like.shape and g.dtype == dtype, name
+            assert torch.isfinite(g).all(), name
+            assert rel(g, r) < 2e-2, (name, rel(g, r))
+            assert rel(g, r) < 1.5 * rel(t, r) + 1e-4, (name, rel(g, r), rel(t, r))
+    # dQ has no atomics: the same inputs give the same bits.
+    assert torch.equal(ga.backward(do, q, k, v, out, lse, segs, scale)[0], grads[0])
 
 
 # --------------------------------------------------------------------------- on any machine
@@ -93,7 +109,10 @@ def test_compiles_for_sm90():
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [ln for ln in run.stdout.splitlines() if "loop" in ln]
-    assert any("'HGMMA': 16" in ln for ln in lines), run.stdout  # 64x128 S and P V, K = 128: 8 + 8 per block
+    assert any("'HGMMA': 16" in ln for ln in lines), run.stdout  # forward: 64x128 S and P V, K = 128: 8 + 8 per block
+    assert any("'HGMMA': 20" in ln for ln in lines), run.stdout  # dQ: S, dP (8 + 8), dS K (4) per 64-key block
+    # No loop waits after every product (ptxas serialising the wgmma pipeline).
+    assert all(int(re.search(r"'DEPBAR': (\d+)", ln).group(1)) <= 2 for ln in lines if "HGMMA" in ln), run.stdout
     assert any("UTMALDG" in ln for ln in lines), run.stdout
     setmaxnreg = re.search(r"(\d+) setmaxnreg", run.stdout)
     assert setmaxnreg and int(setmaxnreg.group(1)) > 0, run.stdout
@@ -167,10 +186,14 @@ def test_other_segments_values_never_reach_a_product():
     clean, _ = ga.forward(q, k, v, segs, 0.088)
     k[:, :, 300:377] = float("nan")  # the first response: only its own rows see it
     v[:, :, 300:377] = float("inf")
-    out, _ = ga.forward(q, k, v, segs, 0.088)
+    out, lse = ga.forward(q, k, v, segs, 0.088)
     others = torch.ones(T, dtype=torch.bool, device="cuda")
     others[300:377] = False
     assert torch.equal(out[:, :, others], clean[:, :, others])
+    # dQ of every other row stays finite (its ancestors' and its own keys only; masked columns by select).
+    do = torch.randn_like(q)
+    dq = ga.backward(do, q, k, v, out, lse, segs, 0.088)[0]
+    assert torch.isfinite(dq[:, :, others]).all()
 
 
 @pytest.mark.cuda
@@ -194,10 +217,12 @@ def test_backward_through_the_op():
 @hopper
 def test_new_lengths_do_not_recompile():
     from dualkv_compile.kernels.gluon import attention as ga
+    from dualkv_compile.kernels.gluon.dq import shared_prompt_dq_kernel
     from dualkv_compile.kernels.gluon.fwd import shared_prompt_fwd_kernel
 
     def compiled():
-        return sum(len(cache[0]) for cache in shared_prompt_fwd_kernel.device_caches.values())
+        return sum(len(cache[0]) for kern in (shared_prompt_fwd_kernel, shared_prompt_dq_kernel)
+                   for cache in kern.device_caches.values())
 
     counts = []
     layouts = [make_segments(groups, "cuda") for groups in (
@@ -205,7 +230,8 @@ def test_new_lengths_do_not_recompile():
     layouts.append(forest_segments([1000, 300, 17, 1, 500, 64], [-1, 0, 1, 2, 0, -1], "cuda"))
     for segs, T in layouts:
         q, k, v = qkv(T, 32, 8, 128, torch.bfloat16, seed=1, token_major=True)
-        ga.forward(q, k, v, segs, 0.0883)
+        out, lse = ga.forward(q, k, v, segs, 0.0883)
+        ga.backward(torch.randn_like(q), q, k, v, out, lse, segs, 0.0883)
         counts.append(compiled())
     assert counts[1:] == counts[:1] * 3, counts
 

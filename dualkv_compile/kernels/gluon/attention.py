@@ -6,9 +6,10 @@
 
 What runs where: the forward is ``fwd.py`` (a TMA loader warp, two consumer
 warpgroups on wgmma; on an H200 at head dim 128 about 1.1-1.2x the Triton
-forward's speed, at 64 within a few percent either way); the backward is, for now, the Triton kernels' (it
-reads the same ``out`` and ``lse``: the natural-log lse over
-``exp(scale * q.k)``, float32). Inputs the Gluon forward does not take but
+forward's speed, at 64 within a few percent either way); in the backward,
+dK and dV are the Triton kernels' (``triton.attention.backward_dkdv``) and
+dQ is ``dq.py``, built like the forward. Both read the same ``out`` and
+``lse`` (the natural-log lse over ``exp(scale * q.k)``, float32). Inputs the Gluon forward does not take but
 the Triton kernels do (a logit softcap; operands without a 2-D tensor
 descriptor view) run the Triton forward, logged at debug level: same
 contract, same results to rounding, no error.
@@ -40,7 +41,7 @@ from ..triton.tma import tma_geometry
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["supports", "forward", "backward", "FwdConfig", "FWD_CONFIGS"]
+__all__ = ["supports", "forward", "backward", "FwdConfig", "FWD_CONFIGS", "DqConfig", "DQ_CONFIGS"]
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
@@ -151,6 +152,52 @@ def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0, *, conf
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, softcap: float = 0.0):
-    """``(dq, dk, dv)``: the Triton kernels' backward (a Gluon one is not written yet)."""
-    return triton_attention.backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap)
+@dataclasses.dataclass(frozen=True)
+class DqConfig:
+    """Tiles of the dQ kernel (``dq.py``): as ``FwdConfig``; 64-key blocks keep S, dP, dQ and dS of a
+    64-row warpgroup in registers."""
+
+    block_m: int = 128
+    block_n: int = 64
+    stages: int = 3
+    consumer_regs: int = 240
+    loader_regs: int = 24
+
+
+DQ_CONFIGS: dict[int, DqConfig] = {64: DqConfig(), 128: DqConfig()}
+
+
+def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, softcap: float = 0.0,
+             *, config: Optional[DqConfig] = None):
+    """``(dq, dk, dv)``: dK and dV by the Triton kernels, dQ by the Gluon kernel (``dq.py``; no atomics,
+    so both modes are deterministic). A softcap, or an operand without a 2-D descriptor view, runs the
+    whole Triton backward."""
+    why = supports(q, v)
+    if why is not None:
+        raise ValueError(f"gluon attention cannot run this input: {why}")
+    _, Hq, T, D = q.shape
+    cfg = config or DQ_CONFIGS[D]
+    descs = None if softcap else [_descriptor(t, r) for t, r in
+                                  ((q, cfg.block_m), (dout, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))]
+    if descs is None or any(d is None for d in descs):
+        log.debug("gluon attention: %s; the Triton backward runs it",
+                  "softcap" if softcap else "an operand has no 2-D tensor-descriptor view")
+        return triton_attention.backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap)
+    _, dk, dv, delta, lse = triton_attention.backward_dkdv(dout, q, k, v, out, lse, segs, scale, deterministic)
+    dq = torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
+    if T == 0 or Hq == 0:
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
+    from .dq import shared_prompt_dq_kernel
+
+    tiles = tile_schedule(segs, T, cfg.block_m, "q")
+    (qd, q_row, q_col), (dod, do_row, do_col), (kd, k_row, k_col), (vd, v_row, v_col) = descs
+    shared_prompt_dq_kernel[(Hq, tiles.shape[1])](
+        qd, dod, kd, vd, dq, lse, delta, tiles, tiles.shape[1],
+        q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col,
+        segs.seg_start, segs.seg_len, ancestor_walk(segs, cfg.block_n),
+        dq.stride(1), dq.stride(2), dq.stride(3), lse.stride(1),
+        Hq // k.shape[1], scale * LOG2E, scale,
+        HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        LOADER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
+    )
+    return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -22,7 +22,7 @@ split between partitions that meet at shared-memory rings:
                          products, ordered by two more mbarriers (FA3's
                          ping-pong); slower on the H200 so far.
 
-The walk (``_walk_start`` / ``_walk_step``, run by both partitions so no
+The walk (``walk.py``: ``walk_start`` / ``walk_step``, run by both partitions so no
 block list crosses between them): first every full block of every ancestor
 (nearest first, through the ancestor walk's full-block chain), then the
 segment's own blocks left of the tile, then each ancestor's ragged last
@@ -60,117 +60,14 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from .walk import loader, walk_start, walk_step, zero_rows_past
 
 LN2 = gl.constexpr(0.6931471805599453)
-# A barrier of the calling partition's warps: ``thread_barrier`` up to triton 3.8, ``barrier`` from 3.9.
-_partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
-# The copy engine's global-to-shared load: ``async_copy_global_to_shared`` up to 3.8, ``async_load`` from 3.9.
-_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-
-
-# --------------------------------------------------------------------------- the walk
-
-
-@gluon.jit
-def _walk_start(seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Per-tile counts of the four runs and the state of both ancestor chains."""
-    walk = WALK + seg * 4
-    n_af = gl.load(walk)
-    diag_start = seg_start + ((m0 - seg_start) // BLOCK_N) * BLOCK_N
-    n_of = (diag_start - seg_start) // BLOCK_N
-    n_ar = gl.load(walk + 1)
-    diag_end = gl.minimum(m0 + BLOCK_M, seg_end)
-    n_d = (diag_end - diag_start + BLOCK_N - 1) // BLOCK_N
-    # Chains: -1 (none) only appears once no block of that run is left; clamped to 0, it loads in bounds, unused.
-    fa = gl.maximum(gl.load(walk + 2), 0)
-    f_start = gl.load(SEG_START + fa)
-    f_end = f_start + gl.load(SEG_LEN + fa)
-    ra = gl.maximum(gl.load(walk + 3), 0)
-    return n_af, n_of, n_ar, n_d, diag_start, fa, f_start, f_end, ra
-
-
-@gluon.jit
-def _walk_step(i, n_af, n_of, n_ar, seg_start, seg_end, diag_start, fa, f_start, f_end, ra,
-               SEG_START, SEG_LEN, WALK, BLOCK_N: gl.constexpr):
-    """Block i of the tile's walk: ``(start, limit)`` and the chains' state for block i + 1.
-
-    Written with selects, not branches: a branch around the consumer's wgmma accumulators
-    makes ptxas serialise them (see ``triton/fwd.py``).
-    """
-    in_af = i < n_af
-    b1 = n_af + n_of
-    b2 = b1 + n_ar
-    in_of = (i >= n_af) & (i < b1)
-    in_ar = (i >= b1) & (i < b2)
-    r_start = gl.load(SEG_START + ra)
-    r_end = r_start + gl.load(SEG_LEN + ra)
-    r_block = r_start + ((r_end - r_start) // BLOCK_N) * BLOCK_N
-    start = gl.where(in_af, f_start,
-                     gl.where(in_of, seg_start + (i - n_af) * BLOCK_N,
-                              gl.where(in_ar, r_block, diag_start + (i - b2) * BLOCK_N)))
-    limit = gl.where(in_af, f_end, gl.where(in_ar, r_end, seg_end))
-    # Full-block chain: the next block of this ancestor if it is full, else the first block of
-    # the nearest ancestor further up that has a full block.
-    f_next = f_start + BLOCK_N
-    moved = in_af & (f_next + BLOCK_N > f_end)
-    fa = gl.where(moved, gl.maximum(gl.load(WALK + fa * 4 + 2), 0), fa)
-    n_start = gl.load(SEG_START + fa)
-    f_start = gl.where(moved, n_start, gl.where(in_af, f_next, f_start))
-    f_end = gl.where(moved, n_start + gl.load(SEG_LEN + fa), f_end)
-    ra = gl.where(in_ar, gl.maximum(gl.load(WALK + ra * 4 + 3), 0), ra)
-    return start, limit, fa, f_start, f_end, ra
-
-
-# --------------------------------------------------------------------------- the loader partition
-
-
-@gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-            q_row, q_col, k_row, k_col, v_row, v_col, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    _tma_load(q_desc, [q_row + m0, q_col], q_bar, q_smem)
-    n_af, n_of, n_ar, n_d, diag_start, fa, f_start, f_end, ra = _walk_start(
-        seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK, BLOCK_M, BLOCK_N)
-    for i in range(n_af + n_of + n_ar + n_d):
-        start, limit, fa, f_start, f_end, ra = _walk_step(
-            i, n_af, n_of, n_ar, seg_start, seg_end, diag_start, fa, f_start, f_end, ra, SEG_START, SEG_LEN, WALK,
-            BLOCK_N)
-        st = i % STAGES
-        ph = (i // STAGES) & 1
-        # A slot is free once both consumers released it (a fresh barrier passes the parity-1 wait).
-        mbarrier.wait(k_empty.index(st), ph ^ 1)
-        mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [k_row + start, k_col], k_ready.index(st), k_smem.index(st))
-        mbarrier.wait(v_empty.index(st), ph ^ 1)
-        mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [v_row + start, v_col], v_ready.index(st), v_smem.index(st))
 
 
 # --------------------------------------------------------------------------- the consumer partitions
-
-
-@gluon.jit
-def _zero_values_past(v_view, start, limit, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Zero the rows of a value block at or past ``limit`` (another segment's), in shared memory.
-
-    Both consumers do it (the same zeros), each fenced for the tensor cores and behind a barrier
-    of its own warps before its P V reads the block.
-    """
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    v = v_view.load(layout)
-    r = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    v = gl.where((r < limit)[:, None], v, gl.zeros_like(v))
-    v_view.store(v)
-    fence_async_shared()
-    _partition_barrier()
 
 
 @gluon.jit
@@ -229,7 +126,7 @@ def _step(i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, acc, p
     if MASK:
         if start + BLOCK_N > limit:
             mbarrier.wait(v_ready.index(st), (i // STAGES) & 1)
-            _zero_values_past(v_smem.index(st), start, limit, BLOCK_N, HEAD_DIM)
+            zero_rows_past(v_smem.index(st), start, limit, BLOCK_N, HEAD_DIM)
     return acc, p, alpha, m_i, l_i
 
 
@@ -254,13 +151,13 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     rows = m0 + row_off + gl.arange(0, ROWS, layout=s_rows)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    n_af, n_of, n_ar, n_d, diag_start, fa, f_start, f_end, ra = _walk_start(
+    n_af, n_of, n_ar, n_d, diag_start, fa, f_start, f_end, ra = walk_start(
         seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK, BLOCK_M, BLOCK_N)
     n_full = n_af + n_of  # blocks [0, n_full) need no mask, [n_full, n) do
     n = n_full + n_ar + n_d
 
     # Block 0 (every tile has one: its first diagonal block at least), masked whatever its kind.
-    start, limit, fa, f_start, f_end, ra = _walk_step(
+    start, limit, fa, f_start, f_end, ra = walk_step(
         0, n_af, n_of, n_ar, seg_start, seg_end, diag_start, fa, f_start, f_end, ra, SEG_START, SEG_LEN, WALK, BLOCK_N)
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_ready.index(0), 0)
@@ -276,7 +173,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
     if start + BLOCK_N > limit:
         mbarrier.wait(v_ready.index(0), 0)
-        _zero_values_past(v_smem.index(0), start, limit, BLOCK_N, HEAD_DIM)
+        zero_rows_past(v_smem.index(0), start, limit, BLOCK_N, HEAD_DIM)
 
     # The steady state (``_step``): the full blocks without a mask or a walk, then the masked ones
     # (one loop with a per-element mask ran at 0.7x this speed: register pressure and issue slots).
@@ -286,7 +183,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                                         m_i, l_i, s_zero, rows, offs_n, 0, 0, qk_scale, False, STAGES, BLOCK_N,
                                         HEAD_DIM, WG, PINGPONG)
     for i in range(gl.maximum(n_full, 1), n):
-        start, limit, fa, f_start, f_end, ra = _walk_step(
+        start, limit, fa, f_start, f_end, ra = walk_step(
             i, n_af, n_of, n_ar, seg_start, seg_end, diag_start, fa, f_start, f_end, ra, SEG_START, SEG_LEN, WALK,
             BLOCK_N)
         acc, p, alpha, m_i, l_i = _step(i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, acc, p, alpha,
@@ -383,10 +280,10 @@ def shared_prompt_fwd_kernel(
                                head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
                                stride_oh, stride_ot, stride_od, stride_lh, qk_scale,
                                ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                       head * q_row_h, head * q_col_h, kv_head * k_row_h, kv_head * k_col_h,
-                       kv_head * v_row_h, kv_head * v_col_h, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
-                       BLOCK_M, BLOCK_N, STAGES)),
+            (loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                      k_empty, v_empty, head * q_row_h, head * q_col_h, 0, 0, kv_head * k_row_h, kv_head * k_col_h,
+                      kv_head * v_row_h, kv_head * v_col_h, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
+                      BLOCK_M, BLOCK_N, STAGES, False)),
         ],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],

@@ -78,7 +78,7 @@ from .tma import block_d, descriptors, interpreting, row_stats_descriptor
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["supports", "forward", "backward", "KernelConfig", "Config", "config_for", "HOPPER_CONFIGS"]
+__all__ = ["supports", "forward", "backward", "backward_dkdv", "KernelConfig", "Config", "config_for", "HOPPER_CONFIGS"]
 
 LOG2E = 1.4426950408889634
 
@@ -285,7 +285,40 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
         padded = (pad_head_dim(t, D) for t in (dout, q, k, v, out))
         dq, dk, dv = backward(*padded, lse, segs, scale, deterministic, softcap, config=config)
         return dq[..., :Dqk], dk[..., :Dqk], dv[..., :Dv]
-    from .bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
+    from .bwd import bwd_dq_kernel
+
+    full = config or config_for(q)
+    dq, dk, dv, delta, lse = backward_dkdv(dout, q, k, v, out, lse, segs, scale, deterministic, softcap, config=full,
+                                           atomic_dq=not deterministic and full.dq_mode == "atomic")
+    _, Hq, T, D = q.shape
+    if dq is None and T and Hq:
+        dq = torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
+        c = full.dq
+        tiles = tile_schedule(segs, T, c.block_m, "q")
+        descs, tma = descriptors(c, c.block_n, k, v)
+        bwd_dq_kernel[(Hq, tiles.shape[1])](
+            q, k, v, dout, lse, delta, dq, tiles, tiles.shape[1], *descs,
+            segs.seg_start, segs.seg_len, ancestor_walk(segs, c.block_n),
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+            lse.stride(1), Hq // k.shape[1], scale * LOG2E, scale,
+            HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+            **_dot_flags(q), TMA=tma, SOFTCAP=float(softcap), num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+    elif dq is None:
+        dq = torch.empty_like(q)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def backward_dkdv(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False,
+                  softcap: float = 0.0, *, config: Optional[Config] = None, atomic_dq: bool = False):
+    """The backward without its Q-major dQ pass: ``(dq, dk, dv, delta, lse)``.
+
+    dq is None unless ``atomic_dq`` (then the dK/dV kernel added dS K into it, float32); ``delta``
+    (rowsum(dO * O)) and ``lse`` (float32, contiguous) are what a dQ pass reads. q, k, v share one
+    head dim (MLA is padded by ``backward``). dk and dv come back in their float32 buffers when the
+    config splits heads, else in k's dtype.
+    """
+    from .bwd import bwd_dkdv_kernel, bwd_preprocess_kernel
 
     _check(q, k, segs)
     _, Hq, T, D = q.shape
@@ -293,26 +326,22 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     G = Hq // Hkv
     full = config or config_for(q)
     head_split = 1 if deterministic else math.gcd(full.head_split, G)
-    dq_mode = "recompute" if deterministic else full.dq_mode
     dev, BD, acc = q.device, block_d(D), _acc(q.dtype)
     lse = lse.to(acc).contiguous()
     flags = _dot_flags(q)
 
-    if dq_mode == "recompute":
-        dq = torch.empty((1, Hq, T, D), dtype=q.dtype, device=dev)
-    else:
-        dq = torch.zeros((1, Hq, T, D), dtype=acc, device=dev)
+    dq = torch.zeros((1, Hq, T, D), dtype=acc, device=dev) if atomic_dq else None
     acc_dtype = acc if head_split > 1 else k.dtype
     dk = (torch.zeros if head_split > 1 else torch.empty)((1, Hkv, T, D), dtype=acc_dtype, device=dev)
     dv = (torch.zeros if head_split > 1 else torch.empty)((1, Hkv, T, D), dtype=acc_dtype, device=dev)
+    delta = torch.empty((1, Hq, T), dtype=acc, device=dev)
     if T == 0 or Hq == 0:
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq, dk, dv, delta, lse
 
     c = full.dkdv
     descs, tma = descriptors(c, c.block_m, q, dout)
     stats_tma = tma and c.stats_tma
     stats = torch.empty((Hq * T, 4), dtype=acc, device=dev) if stats_tma else None
-    delta = torch.empty((1, Hq, T), dtype=acc, device=dev)
     pre_block = 64 if BD <= 128 else 32
     bwd_preprocess_kernel[(Hq, -(-T // pre_block))](
         out, dout, delta, lse, stats, T, *_strides(out), *_strides(dout), delta.stride(1),
@@ -321,25 +350,15 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
 
     tiles = tile_schedule(segs, T, c.block_n, "kv")
     bwd_dkdv_kernel[(Hkv * head_split, tiles.shape[1])](
-        q, k, v, dout, lse, delta, dk, dv, dq, tiles, tiles.shape[1], *descs,
+        # Without atomic dQ the kernel's dQ pointer is never written: q stands in (same dtype, as before).
+        q, k, v, dout, lse, delta, dk, dv, dq if atomic_dq else q, tiles, tiles.shape[1], *descs,
         *((row_stats_descriptor(stats, c.block_m), T) if stats_tma else (None, 0)),
         segs.seg_start, segs.seg_len, segs.subtree_end,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv), *_strides(dq),
+        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
+        *_strides(dq if atomic_dq else q),
         lse.stride(1), G, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_SPLIT=head_split,
-        ATOMIC_DQ=dq_mode == "atomic", **flags, TMA=tma, STATS_TMA=stats_tma, SOFTCAP=float(softcap),
+        ATOMIC_DQ=atomic_dq, **flags, TMA=tma, STATS_TMA=stats_tma, SOFTCAP=float(softcap),
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
-    if dq_mode == "recompute":
-        c = full.dq
-        tiles = tile_schedule(segs, T, c.block_m, "q")
-        descs, tma = descriptors(c, c.block_n, k, v)
-        bwd_dq_kernel[(Hq, tiles.shape[1])](
-            q, k, v, dout, lse, delta, dq, tiles, tiles.shape[1], *descs,
-            segs.seg_start, segs.seg_len, ancestor_walk(segs, c.block_n),
-            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-            lse.stride(1), G, scale * LOG2E, scale,
-            HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-            **flags, TMA=tma, SOFTCAP=float(softcap), num_warps=c.num_warps, num_stages=c.num_stages,
-        )
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv, delta, lse
