@@ -159,11 +159,12 @@ class DqConfig:
 
     block_m: int = 128
     block_n: int = 64
-    stages: int = 3
+    stages: int = 4
     consumer_regs: int = 240
     loader_regs: int = 24
 
 
+# H200, D=128 (gluon_bwd_tuning_h200.md): 4 stages of 64 keys beat 2 and 3, and 32-key blocks.
 DQ_CONFIGS: dict[int, DqConfig] = {64: DqConfig(), 128: DqConfig()}
 
 
