@@ -165,7 +165,7 @@ def write(rows, meta, out):
         f"- {meta['device']}; torch {meta['torch']}; triton {meta['triton']}; transformers {meta['transformers']}; {meta['date']}",
         f"- {meta['dtype']} Qwen3-shaped models, random weights, SDPA; median of {meta['reps']} timed steps after 2 warm-up steps; tokens/s count the duplicated batch's valid tokens (logical tokens) for both",
         "- ideal: FLOPs duplicated / FLOPs packed (linear layers and lm_head 3x forward, attention 3.5x forward)",
-        f"- baseline: `torch.compile` (Inductor) of the same loss on the duplicated batch, in micro-batches of at most {meta['baseline_max_tokens']} tokens (mb = their count; 1 = the whole batch in one call); dualkv: `@policy_loss`, the whole batch in one call, Triton attention; flex: the same with FlexAttention",
+        f"- baseline: `torch.compile` (Inductor) of the same loss on the duplicated batch, in micro-batches of at most {meta['baseline_max_tokens']} tokens (mb = their count; 1 = the whole batch in one call); dualkv: `@policy_loss`, the whole batch in one call, attention_backend 'auto' (Triton; on sm_90 from 2026-11-25 the Gluon forward and dQ); triton: the same with the Triton kernels only; flex: the same with FlexAttention",
         "- memory goal: 1 - dualkv GB / full-batch baseline GB >= 0.8 x (1 - 1/rho); the column is that saving over its goal (>= 1 meets it). "
         "Where the full-batch baseline ran out of memory, its peak is at least the device's memory, and the column is a lower bound (marked >=). "
         "est.: against the full batch's peak estimated from the micro-batched run, weights and gradients once plus mb x the rest (`estimated_full_gb`; 91.0 GB estimated where 89.5 GB was measured)",
