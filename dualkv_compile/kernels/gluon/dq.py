@@ -31,7 +31,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .walk import loader, walk_start, walk_step, zero_rows_past
+from .walk import kv_rings, loader, program_tile, walk_start, walk_step, zero_rows_past
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -163,33 +163,17 @@ def shared_prompt_dq_kernel(
     LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     head = gl.program_id(0)
-    t = gl.program_id(1)
-    seg = gl.load(TILES + t)
+    seg, seg_start, seg_end, m0 = program_tile(TILES, num_tiles, SEG_START, SEG_LEN, BLOCK_M)
     if seg < 0:
         return
-    tile = gl.load(TILES + num_tiles + t)
-    seg_start = gl.load(SEG_START + seg)
-    seg_end = seg_start + gl.load(SEG_LEN + seg)
-    m0 = seg_start + tile * BLOCK_M
     kv_head = head // heads_per_kv
     ROWS: gl.constexpr = BLOCK_M // 2
-    dtype: gl.constexpr = q_desc.dtype
 
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
     rows_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(rows_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(s), count=1)
-        mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=2)  # one arrive per consumer warpgroup
-        mbarrier.init(v_empty.index(s), count=2)
+    k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = kv_rings(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
 
     gl.warp_specialize(
         [

@@ -1,5 +1,7 @@
 """What the Gluon kernels' partitions share: the walk over a query tile's key blocks, the loader, a fix-up.
 
+    program_tile             this program's (segment, its start and end, first query row), from TILES
+    kv_rings                 the K and V rings in shared memory and their ready / empty mbarriers
     walk_start / walk_step   the tile's blocks in order (ancestors' full blocks, own full blocks,
                              ancestors' ragged blocks, diagonal blocks): ``(start, limit)`` each
     loader                   the loader partition: the tile's query rows (and dO's, for dQ) once,
@@ -19,12 +21,46 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-__all__ = ["walk_start", "walk_step", "loader", "zero_rows_past"]
+__all__ = ["program_tile", "kv_rings", "walk_start", "walk_step", "loader", "zero_rows_past"]
 
 # A barrier of the calling partition's warps: ``thread_barrier`` up to triton 3.8, ``barrier`` from 3.9.
 _partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 # The copy engine's global-to-shared load: ``async_copy_global_to_shared`` up to 3.8, ``async_load`` from 3.9.
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
+
+# --------------------------------------------------------------------------- the program's tile and rings
+
+
+@gluon.jit
+def program_tile(TILES, num_tiles, SEG_START, SEG_LEN, BLOCK_M: gl.constexpr):
+    """``(seg, seg_start, seg_end, m0)`` of program t = program_id(1); seg is -1 for the grid's padding
+    (the caller returns then, before any partition starts)."""
+    t = gl.program_id(1)
+    seg = gl.load(TILES + t)
+    tile = gl.load(TILES + num_tiles + t)
+    segc = gl.maximum(seg, 0)
+    seg_start = gl.load(SEG_START + segc)
+    seg_end = seg_start + gl.load(SEG_LEN + segc)
+    return seg, seg_start, seg_end, seg_start + tile * BLOCK_M
+
+
+@gluon.jit
+def kv_rings(k_desc, v_desc, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The K and V rings, ``STAGES`` blocks each, with initialised ready (one arrive: the loader's
+    expect) and empty (two arrives: one per consumer warpgroup) mbarriers per slot."""
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=2)
+        mbarrier.init(v_empty.index(s), count=2)
+    return k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
 
 
 # --------------------------------------------------------------------------- the walk
