@@ -9,10 +9,11 @@ warpgroups on wgmma; on an H200 at head dim 128 about 1.1-1.2x the Triton
 forward's speed, at 64 within a few percent either way); in the backward,
 dK and dV are the Triton kernels' (``triton.attention.backward_dkdv``) and
 dQ is ``dq.py``, built like the forward. Both read the same ``out`` and
-``lse`` (the natural-log lse over ``exp(scale * q.k)``, float32). Inputs the Gluon forward does not take but
-the Triton kernels do (a logit softcap; operands without a 2-D tensor
-descriptor view) run the Triton forward, logged at debug level: same
-contract, same results to rounding, no error.
+``lse`` (the natural-log lse over ``exp(scale * q.k)``, float32). Inputs the
+Gluon kernels do not take but the Triton kernels do (a logit softcap;
+operands without a 2-D tensor descriptor view) run the Triton forward or
+backward, logged at debug level: same contract, same results to rounding,
+no error.
 
 Assumes ``Segments`` as the Triton kernels do (``triton/schedule.py``): the
 schedules and ancestor walks are theirs, built on the device and cached
