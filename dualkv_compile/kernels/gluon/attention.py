@@ -30,6 +30,7 @@ and the op's "auto" choice moves on to the Triton kernels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Optional
 
@@ -72,7 +73,9 @@ FWD_CONFIGS: dict[int, FwdConfig] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def _gluon_missing() -> Optional[str]:
+    """Why the installed Triton cannot build these kernels (None: it can); asked once, on every call of ``supports``."""
     try:
         from triton.experimental import gluon  # noqa: F401
         from triton.experimental.gluon import language as gl

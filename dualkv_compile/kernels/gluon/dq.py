@@ -140,16 +140,6 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, rows_bar, k_ready, v_ready, k_emp
     gl.store(ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=(rows_o < seg_end)[:, None])
 
 
-@gluon.jit
-def _consumer_upper(q_smem, do_smem, k_smem, v_smem, rows_bar, k_ready, v_ready, k_empty, v_empty, DQ, LSE, DELTA,
-                    head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK, stride_dqh, stride_dqt, stride_dqd,
-                    stride_lh, qk_scale, sm_scale, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(q_smem, do_smem, k_smem, v_smem, rows_bar, k_ready, v_ready, k_empty, v_empty, DQ, LSE, DELTA,
-              head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK, stride_dqh, stride_dqt, stride_dqd,
-              stride_lh, qk_scale, sm_scale, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 1)
-
-
 # Arguments that follow T get no value specialisation, so a new length never compiles a second variant.
 @gluon.jit(do_not_specialize=["num_tiles", "q_row_h", "q_col_h", "do_row_h", "do_col_h", "k_row_h", "k_col_h",
                               "v_row_h", "v_col_h", "stride_lh"])
@@ -180,10 +170,9 @@ def shared_prompt_dq_kernel(
             (_consumer, (q_smem, do_smem, k_smem, v_smem, rows_bar, k_ready, v_ready, k_empty, v_empty, DQ, LSE, DELTA,
                          head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK, stride_dqh, stride_dqt,
                          stride_dqd, stride_lh, qk_scale, sm_scale, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 0)),
-            (_consumer_upper, (q_smem, do_smem, k_smem, v_smem, rows_bar, k_ready, v_ready, k_empty, v_empty, DQ, LSE,
-                               DELTA, head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK, stride_dqh,
-                               stride_dqt, stride_dqd, stride_lh, qk_scale, sm_scale, ROWS, BLOCK_M, BLOCK_N,
-                               HEAD_DIM, STAGES)),
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, rows_bar, k_ready, v_ready, k_empty, v_empty, DQ, LSE, DELTA,
+                         head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK, stride_dqh, stride_dqt,
+                         stride_dqd, stride_lh, qk_scale, sm_scale, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 1)),
             (loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, rows_bar, k_ready, v_ready,
                       k_empty, v_empty, head * q_row_h, head * q_col_h, head * do_row_h, head * do_col_h,
                       kv_head * k_row_h, kv_head * k_col_h, kv_head * v_row_h, kv_head * v_col_h,

@@ -210,19 +210,6 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     gl.store(LSE + head.to(gl.int64) * stride_lh + rows, lse, mask=rows < seg_end)
 
 
-@gluon.jit
-def _consumer_upper(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE,
-                    head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
-                    stride_oh, stride_ot, stride_od, stride_lh, qk_scale,
-                    ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    # The second warpgroup (a worker partition): the tile's rows from ROWS on.
-    _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE,
-              head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
-              stride_oh, stride_ot, stride_od, stride_lh, qk_scale, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 1,
-              PINGPONG)
-
-
 # --------------------------------------------------------------------------- the kernel
 
 
@@ -260,10 +247,10 @@ def shared_prompt_fwd_kernel(
                          head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
                          stride_oh, stride_ot, stride_od, stride_lh, qk_scale,
                          ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 0, PINGPONG)),
-            (_consumer_upper, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE,
-                               head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
-                               stride_oh, stride_ot, stride_od, stride_lh, qk_scale,
-                               ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE,
+                         head, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,
+                         stride_oh, stride_ot, stride_od, stride_lh, qk_scale,
+                         ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 1, PINGPONG)),
             (loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                       k_empty, v_empty, head * q_row_h, head * q_col_h, 0, 0, kv_head * k_row_h, kv_head * k_col_h,
                       kv_head * v_row_h, kv_head * v_col_h, seg, seg_start, seg_end, m0, SEG_START, SEG_LEN, WALK,

@@ -288,11 +288,13 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     from .bwd import bwd_dq_kernel
 
     full = config or config_for(q)
+    atomic_dq = not deterministic and full.dq_mode == "atomic"
     dq, dk, dv, delta, lse = backward_dkdv(dout, q, k, v, out, lse, segs, scale, deterministic, softcap, config=full,
-                                           atomic_dq=not deterministic and full.dq_mode == "atomic")
+                                           atomic_dq=atomic_dq)
     _, Hq, T, D = q.shape
-    if dq is None and T and Hq:
+    if not atomic_dq:  # the Q-major dQ pass
         dq = torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
+    if not atomic_dq and T and Hq:
         c = full.dq
         tiles = tile_schedule(segs, T, c.block_m, "q")
         descs, tma = descriptors(c, c.block_n, k, v)
@@ -304,8 +306,6 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
             HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=c.block_m, BLOCK_N=c.block_n,
             **_dot_flags(q), TMA=tma, SOFTCAP=float(softcap), num_warps=c.num_warps, num_stages=c.num_stages,
         )
-    elif dq is None:
-        dq = torch.empty_like(q)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
