@@ -2,7 +2,7 @@
 
     python benchmarks/sm90_resources.py                       # the Hopper table, D=128
     python benchmarks/sm90_resources.py --head-dim 64
-    python benchmarks/sm90_resources.py --gluon               # the warp-specialised Gluon forward and dQ kernels
+    python benchmarks/sm90_resources.py --gluon               # the warp-specialised Gluon kernels
     python benchmarks/sm90_resources.py --config "Config(KC(128, 128, 8, 3, tma=True), \\
         KC(32, 64, 4, 3, tma=True, stats_tma=True), KC(128, 64, 8, 3))"
 
@@ -149,7 +149,8 @@ def compile_kernels(config, head_dim: int = 128, q_heads: int = 32, kv_heads: in
 
 
 def compile_gluon_kernels(head_dim: int = 128, q_heads: int = 32, kv_heads: int = 8, tokens: int = 4096) -> list:
-    """Compile the Gluon forward and dQ kernels (``kernels/gluon``) for sm_90; the resource record of each."""
+    """Compile the Gluon forward, dK/dV and dQ kernels (``kernels/gluon``, with the Triton preprocess kernel
+    they share) for sm_90; the resource record of each."""
     from dualkv_compile.kernels.gluon import attention as ga
     from dualkv_compile.kernels.triton import attention as ta
     from dualkv_compile.layout import tree_segments
@@ -165,8 +166,6 @@ def compile_gluon_kernels(head_dim: int = 128, q_heads: int = 32, kv_heads: int 
     q, k, v, do = make(q_heads), make(kv_heads), make(kv_heads), make(q_heads)
     scale = 1 / math.sqrt(head_dim)
     ga.forward(q, k, v, segs, scale)
-    # Only the dQ kernel: the Triton dK/dV half is what compile_kernels reports.
-    ta.backward_dkdv = lambda *a, **kw: (None, k, v, torch.zeros(1, q_heads, tokens), torch.zeros(1, q_heads, tokens))
     ga.backward(do, q, k, v, q, torch.zeros(1, q_heads, tokens), segs, scale)
     return [resources(name, kernel) for name, kernel in compiled if kernel is not None]
 
@@ -175,17 +174,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--config", default=None, help="a Config(...) expression (KC = KernelConfig); default: the table")
-    ap.add_argument("--gluon", action="store_true", help="the Gluon forward and dQ kernels instead of the Triton kernels")
+    ap.add_argument("--gluon", action="store_true", help="the Gluon kernels instead of the Triton kernels")
     args = ap.parse_args()
     from dualkv_compile.kernels.triton.attention import HOPPER_CONFIGS, Config, KernelConfig
 
     cfg = (eval(args.config, {"Config": Config, "KernelConfig": KernelConfig, "KC": KernelConfig}) if args.config
            else HOPPER_CONFIGS[max(64, 1 << (args.head_dim - 1).bit_length())])
     if args.gluon:
-        from dualkv_compile.kernels.gluon.attention import DQ_CONFIGS, FWD_CONFIGS
+        from dualkv_compile.kernels.gluon.attention import DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS
 
         print(f"triton {triton.__version__}, sm_90, D={args.head_dim}: Gluon forward {FWD_CONFIGS[args.head_dim]}, "
-              f"dQ {DQ_CONFIGS[args.head_dim]}")
+              f"dK/dV {DKDV_CONFIGS[args.head_dim]}, dQ {DQ_CONFIGS[args.head_dim]}")
         records = compile_gluon_kernels(args.head_dim)
     else:
         print(f"triton {triton.__version__}, sm_90, D={args.head_dim}: {cfg}")

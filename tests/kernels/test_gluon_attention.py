@@ -1,4 +1,4 @@
-"""The warp-specialised Hopper kernels (Gluon: the forward and dQ) against the exact reference.
+"""The warp-specialised Hopper kernels (Gluon: the forward, dK/dV and dQ) against the exact reference.
 
 The kernel needs an sm_90 GPU: those tests carry the ``cuda`` marker and
 skip elsewhere. On a CPU the suite checks what does not need one: the
@@ -44,8 +44,8 @@ def qkv(T, Hq, Hkv, D, dtype, seed=0, token_major=False):
 
 
 def check_forward(segs, T, Hq, Hkv, D, dtype, seed=0, token_major=False):
-    """The Gluon forward and backward (dQ by the Gluon kernel, dK/dV by the Triton ones) against the
-    float64 reference, and no less accurate than the Triton kernels on the same inputs."""
+    """The Gluon forward and backward (dK/dV and dQ kernels) against the float64 reference, and no less
+    accurate than the Triton kernels on the same inputs."""
     from dualkv_compile.kernels.gluon import attention as ga
     from dualkv_compile.kernels.triton import attention as ta
 
@@ -73,8 +73,9 @@ def check_forward(segs, T, Hq, Hkv, D, dtype, seed=0, token_major=False):
             assert torch.isfinite(g).all(), name
             assert rel(g, r) < 2e-2, (name, rel(g, r))
             assert rel(g, r) < 1.5 * rel(t, r) + 1e-4, (name, rel(g, r), rel(t, r))
-    # dQ has no atomics: the same inputs give the same bits.
-    assert torch.equal(ga.backward(do, q, k, v, out, lse, segs, scale)[0], grads[0])
+    # No atomics: the same inputs give the same bits.
+    for g, again in zip(grads, ga.backward(do, q, k, v, out, lse, segs, scale)):
+        assert torch.equal(g, again)
 
 
 # --------------------------------------------------------------------------- on any machine
@@ -111,8 +112,11 @@ def test_compiles_for_sm90():
     lines = [ln for ln in run.stdout.splitlines() if "loop" in ln]
     assert any("'HGMMA': 16" in ln for ln in lines), run.stdout  # forward: 64x128 S and P V, K = 128: 8 + 8 per block
     assert any("'HGMMA': 20" in ln for ln in lines), run.stdout  # dQ: S, dP (8 + 8), dS K (4) per 64-key block
-    # No loop waits after every product (ptxas serialising the wgmma pipeline).
-    assert all(int(re.search(r"'DEPBAR': (\d+)", ln).group(1)) <= 2 for ln in lines if "HGMMA" in ln), run.stdout
+    # dK/dV: S^T, dP^T (8 + 8: 64 keys x 64 rows, K = 128), P^T dO and dS^T Q (4 + 4: K = 64 rows) per block
+    assert any("'HGMMA': 24" in ln for ln in lines), run.stdout
+    # No loop waits after every product (ptxas serialising the wgmma pipeline): at most one wait per
+    # group of products the kernel waits for (2 in the forward and dQ, 3 in dK/dV).
+    assert all(int(re.search(r"'DEPBAR': (\d+)", ln).group(1)) <= 3 for ln in lines if "HGMMA" in ln), run.stdout
     assert any("UTMALDG" in ln for ln in lines), run.stdout
     setmaxnreg = re.search(r"(\d+) setmaxnreg", run.stdout)
     assert setmaxnreg and int(setmaxnreg.group(1)) > 0, run.stdout
@@ -176,14 +180,16 @@ def test_realistic_trees(D):
 @pytest.mark.cuda
 @hopper
 def test_other_segments_values_never_reach_a_product():
-    """Blocks that run past a segment are copied whole; a NaN or inf in another segment's keys or
-    values must not reach any row that cannot see it."""
+    """Blocks that run past a segment are copied whole; a NaN or inf in another segment's keys,
+    values, queries or output gradients must not reach any row or key that cannot see it."""
     from dualkv_compile.kernels.gluon import attention as ga
 
     lens, parents = [300, 77, 130, 1, 200], [-1, 0, 0, 0, -1]
     segs, T = forest_segments(lens, parents, "cuda")
     q, k, v = qkv(T, 4, 2, 128, torch.bfloat16, seed=5)
-    clean, _ = ga.forward(q, k, v, segs, 0.088)
+    do = torch.randn_like(q)
+    clean, clean_lse = ga.forward(q, k, v, segs, 0.088)
+    clean_grads = ga.backward(do, q, k, v, clean, clean_lse, segs, 0.088)
     k[:, :, 300:377] = float("nan")  # the first response: only its own rows see it
     v[:, :, 300:377] = float("inf")
     out, lse = ga.forward(q, k, v, segs, 0.088)
@@ -191,15 +197,29 @@ def test_other_segments_values_never_reach_a_product():
     others[300:377] = False
     assert torch.equal(out[:, :, others], clean[:, :, others])
     # dQ of every other row stays finite (its ancestors' and its own keys only; masked columns by select).
-    do = torch.randn_like(q)
     dq = ga.backward(do, q, k, v, out, lse, segs, 0.088)[0]
     assert torch.isfinite(dq[:, :, others]).all()
+
+    # The second response's rows: read by the prompt's keys and its own only. The dK/dV kernel's
+    # blocks of the first response and of the one-token third response run into them (ragged).
+    q, k, v = qkv(T, 4, 2, 128, torch.bfloat16, seed=5)
+    q[:, :, 377:507] = float("nan")
+    do = do.clone()
+    do[:, :, 377:507] = float("inf")
+    dq, dk, dv = ga.backward(do, q, k, v, clean, clean_lse, segs, 0.088)
+    unseen = torch.zeros(T, dtype=torch.bool, device="cuda")
+    unseen[300:377] = unseen[507:] = True
+    for g, c in ((dk, clean_grads[1]), (dv, clean_grads[2])):
+        assert torch.equal(g[:, :, unseen], c[:, :, unseen])
+    others = torch.ones(T, dtype=torch.bool, device="cuda")
+    others[377:507] = False
+    assert torch.equal(dq[:, :, others], clean_grads[0][:, :, others])
 
 
 @pytest.mark.cuda
 @hopper
 def test_backward_through_the_op():
-    """backend='gluon' through the op: the Gluon forward's out and lse feed the Triton backward."""
+    """backend='gluon' through the op: the Gluon forward's out and lse feed the Gluon backward."""
     segs, T = make_segments([(1000, [300, 17, 1]), (5, [700])], "cuda")
     q, k, v = (t.requires_grad_() for t in qkv(T, 8, 2, 128, torch.bfloat16, seed=2))
     out = shared_prompt_attention(q, k, v, segs, backend="gluon")
@@ -217,11 +237,13 @@ def test_backward_through_the_op():
 @hopper
 def test_new_lengths_do_not_recompile():
     from dualkv_compile.kernels.gluon import attention as ga
+    from dualkv_compile.kernels.gluon.dkdv import shared_prompt_dkdv_kernel
     from dualkv_compile.kernels.gluon.dq import shared_prompt_dq_kernel
     from dualkv_compile.kernels.gluon.fwd import shared_prompt_fwd_kernel
 
     def compiled():
-        return sum(len(cache[0]) for kern in (shared_prompt_fwd_kernel, shared_prompt_dq_kernel)
+        kernels = (shared_prompt_fwd_kernel, shared_prompt_dkdv_kernel, shared_prompt_dq_kernel)
+        return sum(len(cache[0]) for kern in kernels
                    for cache in kern.device_caches.values())
 
     counts = []

@@ -6,9 +6,12 @@
 
 What runs where: the forward is ``fwd.py`` (a TMA loader warp, two consumer
 warpgroups on wgmma; on an H200 at head dim 128 about 1.1-1.2x the Triton
-forward's speed, at 64 within a few percent either way); in the backward,
-dK and dV are the Triton kernels' (``triton.attention.backward_dkdv``) and
-dQ is ``dq.py``, built like the forward. Both read the same ``out`` and
+forward's speed, at 64 within a few percent either way). The backward is
+the Triton preprocess kernel (Delta = rowsum(dO * O), and a packed copy of
+the row statistics), then ``dkdv.py`` (KV-major: dK and dV of a key tile
+over every query row and head that reads it) and ``dq.py`` (Q-major), both
+built like the forward, both without atomics; on an H200 at head dim 128
+the backward takes about 0.84x the Triton backward's time. Both read the same ``out`` and
 ``lse`` (the natural-log lse over ``exp(scale * q.k)``, float32). Inputs the
 Gluon kernels do not take but the Triton kernels do (a logit softcap;
 operands without a 2-D tensor descriptor view) run the Triton forward or
@@ -43,7 +46,8 @@ from ..triton.tma import tma_geometry
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["supports", "forward", "backward", "FwdConfig", "FWD_CONFIGS", "DqConfig", "DQ_CONFIGS"]
+__all__ = ["supports", "forward", "backward", "FwdConfig", "FWD_CONFIGS", "DqConfig", "DQ_CONFIGS", "DkdvConfig",
+           "DKDV_CONFIGS"]
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
@@ -172,37 +176,98 @@ class DqConfig:
 DQ_CONFIGS: dict[int, DqConfig] = {64: DqConfig(), 128: DqConfig()}
 
 
+@dataclasses.dataclass(frozen=True)
+class DkdvConfig:
+    """Tiles of the dK/dV kernel (``dkdv.py``): ``block_n`` keys per program (two warpgroups of half
+    each, their dK and dV in registers), ``block_m`` query rows per step through ``stages``-deep rings
+    of q, dO and the row statistics."""
+
+    block_n: int = 128
+    block_m: int = 64
+    stages: int = 2
+    consumer_regs: int = 240
+    loader_regs: int = 24
+
+
+DKDV_CONFIGS: dict[int, DkdvConfig] = {64: DkdvConfig(), 128: DkdvConfig()}
+
+
+def _row_stats(out, dout, lse):
+    """``(delta [1, Hq, T], stats [Hq * T, 4])`` float32, by the Triton preprocess kernel: Delta =
+    rowsum(dO * O), and the dK/dV kernel's packed rows (lse in base 2, Delta, 0, 0) per head and token."""
+    from ..triton.bwd import bwd_preprocess_kernel
+
+    _, Hq, T, D = out.shape
+    delta = torch.empty((1, Hq, T), dtype=torch.float32, device=out.device)
+    stats = torch.empty((Hq * T, 4), dtype=torch.float32, device=out.device)
+    bwd_preprocess_kernel[(Hq, -(-T // 64))](
+        out, dout, delta, lse, stats, T, out.stride(1), out.stride(2), out.stride(3),
+        dout.stride(1), dout.stride(2), dout.stride(3), delta.stride(1),
+        HEAD_DIM=D, BLOCK_D=D, BLOCK_M=64, PACK_STATS=True,
+    )
+    return delta, stats
+
+
+def _stats_descriptor(stats: torch.Tensor, block_m: int):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block = [block_m, 4]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+    return TensorDescriptor(stats, list(stats.shape), list(stats.stride()), block, layout)
+
+
 def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, softcap: float = 0.0,
-             *, config: Optional[DqConfig] = None):
-    """``(dq, dk, dv)``: dK and dV by the Triton kernels, dQ by the Gluon kernel (``dq.py``; no atomics,
-    so both modes are deterministic). A softcap, or an operand without a 2-D descriptor view, runs the
-    whole Triton backward."""
+             *, config: Optional[DqConfig] = None, dkdv_config: Optional[DkdvConfig] = None):
+    """``(dq, dk, dv)``: dK and dV by the Gluon KV-major kernel (``dkdv.py``), dQ by the Gluon Q-major one
+    (``dq.py``). Neither has atomics, so both modes are deterministic. A softcap, or an operand without a
+    2-D descriptor view, runs the whole Triton backward."""
     why = supports(q, v)
     if why is not None:
         raise ValueError(f"gluon attention cannot run this input: {why}")
     _, Hq, T, D = q.shape
+    Hkv = k.shape[1]
     cfg = config or DQ_CONFIGS[D]
+    kcfg = dkdv_config or DKDV_CONFIGS[D]
     descs = None if softcap else [_descriptor(t, r) for t, r in
-                                  ((q, cfg.block_m), (dout, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))]
+                                  ((q, cfg.block_m), (dout, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n),
+                                   (q, kcfg.block_m), (dout, kcfg.block_m), (k, kcfg.block_n), (v, kcfg.block_n))]
     if descs is None or any(d is None for d in descs):
         log.debug("gluon attention: %s; the Triton backward runs it",
                   "softcap" if softcap else "an operand has no 2-D tensor-descriptor view")
         return triton_attention.backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap)
-    _, dk, dv, delta, lse = triton_attention.backward_dkdv(dout, q, k, v, out, lse, segs, scale, deterministic)
+    triton_attention._check(q, k, segs)
     dq = torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((1, Hkv, T, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((1, Hkv, T, D), dtype=v.dtype, device=q.device)
     if T == 0 or Hq == 0:
-        return dq, dk.to(k.dtype), dv.to(v.dtype)
+        return dq, dk, dv
+    from .dkdv import shared_prompt_dkdv_kernel
     from .dq import shared_prompt_dq_kernel
 
+    lse = lse.float().contiguous()
+    delta, stats = _row_stats(out, dout, lse)
+    (qd, q_row, q_col), (dod, do_row, do_col), (kd, k_row, k_col), (vd, v_row, v_col) = descs[4:]
+    tiles = tile_schedule(segs, T, kcfg.block_n, "kv")
+    shared_prompt_dkdv_kernel[(Hkv, tiles.shape[1])](
+        qd, dod, kd, vd, _stats_descriptor(stats, kcfg.block_m), dk, dv, tiles, tiles.shape[1],
+        q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col, T,
+        segs.seg_start, segs.seg_len, segs.subtree_end,
+        dk.stride(1), dk.stride(2), dk.stride(3), dv.stride(1), dv.stride(2), dv.stride(3),
+        Hq // Hkv, scale * LOG2E, scale,
+        HEAD_DIM=D, BLOCK_M=kcfg.block_m, BLOCK_N=kcfg.block_n, STAGES=kcfg.stages,
+        LOADER_REGS=kcfg.loader_regs, CONSUMER_REGS=kcfg.consumer_regs, num_warps=4,
+    )
+
     tiles = tile_schedule(segs, T, cfg.block_m, "q")
-    (qd, q_row, q_col), (dod, do_row, do_col), (kd, k_row, k_col), (vd, v_row, v_col) = descs
+    (qd, q_row, q_col), (dod, do_row, do_col), (kd, k_row, k_col), (vd, v_row, v_col) = descs[:4]
     shared_prompt_dq_kernel[(Hq, tiles.shape[1])](
         qd, dod, kd, vd, dq, lse, delta, tiles, tiles.shape[1],
         q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col,
         segs.seg_start, segs.seg_len, ancestor_walk(segs, cfg.block_n),
         dq.stride(1), dq.stride(2), dq.stride(3), lse.stride(1),
-        Hq // k.shape[1], scale * LOG2E, scale,
+        Hq // Hkv, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         LOADER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
     )
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv

@@ -48,7 +48,8 @@ def program_tile(TILES, num_tiles, SEG_START, SEG_LEN, BLOCK_M: gl.constexpr):
 @gluon.jit
 def kv_rings(k_desc, v_desc, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """The K and V rings, ``STAGES`` blocks each, with initialised ready (one arrive: the loader's
-    expect) and empty (two arrives: one per consumer warpgroup) mbarriers per slot."""
+    expect) and empty (two arrives: one per consumer warpgroup) mbarriers per slot. The dK/dV kernel
+    makes its q and dO rings with it too (the descriptors' block shapes)."""
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())

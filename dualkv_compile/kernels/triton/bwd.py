@@ -89,7 +89,7 @@ def bwd_preprocess_kernel(
     delta = tl.sum(o.to(ACC) * do.to(ACC), 1)
     tl.store(DELTA + head.to(tl.int64) * stride_deltah + rows, delta, mask=rows < T)
     if PACK_STATS:
-        # LSE is laid out like DELTA. Rows of 16 bytes (lse in base 2, Delta, two unused words)
+        # LSE is laid out like DELTA. Rows of 16 bytes (lse in base 2, 0, Delta, 0: join interleaves)
         # for the dK/dV kernel's copy engine.
         lse2 = tl.load(LSE + head.to(tl.int64) * stride_deltah + rows, mask=rows < T, other=0.0) * LOG2E
         zero = tl.zeros([BLOCK_M], ACC)

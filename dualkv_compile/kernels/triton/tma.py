@@ -100,8 +100,8 @@ def descriptors(cfg, block_rows: int, a: torch.Tensor, b: torch.Tensor) -> tuple
 def row_stats_descriptor(stats: torch.Tensor, block_rows: int):
     """A descriptor over the packed per-row statistics of the dK/dV kernel.
 
-    ``stats`` is ``[H * T, 4]`` float32 (float64 for float64 inputs), written by the preprocess kernel: lse in
-    base 2, Delta and two unused words per row, so one bulk copy per block
+    ``stats`` is ``[H * T, 4]`` float32 (float64 for float64 inputs), written by the preprocess kernel: (lse in
+    base 2, 0, Delta, 0) per row, so one bulk copy per block
     (16-byte rows, every copy starting at column 0) replaces two 4-byte pointer
     loads per column that a thread holds.
     """

@@ -1,0 +1,267 @@
+"""Warp-specialised Hopper (sm_90) dK/dV kernel of shared-prompt attention, in Gluon.
+
+The KV-major half of the backward: with P recomputed from the saved lse and
+Delta = rowsum(dO * O),
+
+    dV = P^T dO,   dS = P * (dO V^T - Delta),   dK = scale * dS^T Q.
+
+One program owns one tile of ``BLOCK_N`` keys of one segment and one kv
+head, the work of the Triton kernel's program (``triton/bwd.py``): it walks
+every query block that reads the tile, for every query head of the kv head
+(the GQA sum stays in registers), and writes dK and dV once. The blocks of
+one head, ``BLOCK_M`` rows each, in order:
+
+    diagonal   the segment's own rows from the tile's first key on, causal,
+               up to the segment's end (masked);
+    the run    ``[after the diagonal, subtree_end)``: the segment's later rows
+               and every descendant's (pre-order puts the whole subtree right
+               after the segment), all of which see every key of the tile:
+               full blocks without a mask, then the ragged last one (masked).
+
+Partitions, meeting at shared-memory rings as in ``fwd.py``:
+
+    loader    (1 warp)   TMA copies: the tile's K and V once, then for every
+                         block the q rows with their row statistics (lse in
+                         base 2 and Delta, one ``[BLOCK_M, 4]`` copy) and the
+                         dO rows, into ``STAGES``-deep rings;
+    consumers (two partitions of one warpgroup each, 64 keys each)
+                         S^T = K Q^T and dP^T = V dO^T with both operands in
+                         shared memory, then dV += P^T dO and dK += dS^T Q
+                         with P^T and dS^T from registers. The transposed
+                         scores keep dK and dV in the tile's own row order.
+
+One mask serves every masked block: key c and row r pair iff
+``c <= r and r < limit`` (limit: the segment's end on the diagonal, the
+subtree's end in the run; the causal half is always true in the run).
+
+Assumes what ``fwd.py`` assumes for q, k, v (and dO, laid out like q), plus
+the row statistics (``st_desc``) a float32 ``[Hq * T, 4]`` tensor, row
+``h * T + t`` = (lse in base 2, 0, Delta, 0) of head h and token t: the Triton
+preprocess kernel's packed copy. Its rows are 16 bytes because a bulk copy's
+innermost coordinate must be 16-byte aligned (a ``[2, BLOCK_M]`` copy along
+the tokens would start at any token: an illegal instruction on the H200).
+``TILES`` from ``tile_schedule(..., "kv")`` for ``BLOCK_N``; ``SUBTREE_END``
+as ``Segments`` gives it.
+Guarantees
+    * Every valid key row of dK and dV is written once, in DK's / DV's dtype;
+      key rows of other segments are never written. No atomics, and a fixed
+      order of the sum over rows and heads: deterministic.
+    * A masked block's q and dO rows at or past its limit (another subtree's)
+      are zeroed in shared memory before any product reads them, and P^T and
+      dS^T are set to zero (selects) wherever the pair is masked, so no other
+      segment's value, an inf or a NaN included, reaches a valid key's dK or
+      dV. Key rows past the segment compute garbage in their own rows only,
+      which are never stored.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from triton.experimental.gluon.language._core import shared_memory_descriptor
+
+from .walk import _tma_load, kv_rings, zero_rows_past
+
+__all__ = ["shared_prompt_dkdv_kernel"]
+
+# A shared-memory view seen with another shape and layout: ``_reinterpret`` up to triton 3.8, ``reinterpret`` from 3.9.
+_HAS_REINTERPRET = gl.constexpr(hasattr(shared_memory_descriptor, "reinterpret"))
+
+
+@gluon.jit
+def _row_blocks(seg_start, seg_end, subtree_end, n0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Per head: ``(n_diag, after_diag, n_run_full, n_run)``: the diagonal blocks start at n0; the run's
+    blocks at after_diag, the first ``n_run_full`` of them full, the rest (0 or 1) ragged."""
+    n_diag = (gl.minimum(BLOCK_N, seg_end - n0) + BLOCK_M - 1) // BLOCK_M
+    after_diag = gl.minimum(n0 + n_diag * BLOCK_M, seg_end)
+    rows = gl.maximum(subtree_end - after_diag, 0)
+    return n_diag, after_diag, rows // BLOCK_M, (rows + BLOCK_M - 1) // BLOCK_M
+
+
+# --------------------------------------------------------------------------- the loader partition
+
+
+@gluon.jit
+def _loader(q_desc, do_desc, k_desc, v_desc, st_desc, q_smem, do_smem, k_smem, v_smem, st_smem, kv_bar,
+            q_ready, do_ready, q_empty, do_empty, kv_head, heads_per_kv, q_row_h, q_col_h, do_row_h, do_col_h,
+            k_row_h, k_col_h, v_row_h, v_col_h, num_tokens, seg_start, seg_end, subtree_end, n0,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _tma_load(k_desc, [kv_head * k_row_h + n0, kv_head * k_col_h], kv_bar, k_smem)
+    _tma_load(v_desc, [kv_head * v_row_h + n0, kv_head * v_col_h], kv_bar, v_smem)
+    n_diag, after_diag, n_run_full, n_run = _row_blocks(seg_start, seg_end, subtree_end, n0, BLOCK_M, BLOCK_N)
+    n = n_diag + n_run
+    for h in range(heads_per_kv):
+        head = kv_head * heads_per_kv + h
+        for j in range(n):
+            i = h * n + j
+            m = gl.where(j < n_diag, n0 + j * BLOCK_M, after_diag + (j - n_diag) * BLOCK_M)
+            st = i % STAGES
+            ph = (i // STAGES) & 1
+            # A slot is free once both consumers released it (a fresh barrier passes the parity-1 wait).
+            mbarrier.wait(q_empty.index(st), ph ^ 1)
+            mbarrier.expect(q_ready.index(st), q_desc.block_type.nbytes + st_desc.block_type.nbytes)
+            _tma_load(q_desc, [head * q_row_h + m, head * q_col_h], q_ready.index(st), q_smem.index(st))
+            _tma_load(st_desc, [head * num_tokens + m, 0], q_ready.index(st), st_smem.index(st))
+            mbarrier.wait(do_empty.index(st), ph ^ 1)
+            mbarrier.expect(do_ready.index(st), do_desc.block_type.nbytes)
+            _tma_load(do_desc, [head * do_row_h + m, head * do_col_h], do_ready.index(st), do_smem.index(st))
+
+
+# --------------------------------------------------------------------------- the consumer partitions
+
+
+@gluon.jit
+def _row_stats(view, s_layout: gl.constexpr, BLOCK_M: gl.constexpr):
+    """A block's (lse in base 2, Delta) from its ``[BLOCK_M, 4]`` rows in shared memory (columns 0 and 2:
+    the Triton preprocess kernel's packing), each as a ``[1, BLOCK_M]`` row in the scores' layout, which
+    broadcasts over the keys as is. The rows are unswizzled; seen column-major, row c of the view is
+    column c. (Loading the rows and moving the columns into this layout cost 4% of the backward on the
+    H200; pointer loads from global memory 20%.)"""
+    layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0, 1])
+    if _HAS_REINTERPRET:
+        by_col = view.reinterpret(gl.float32, [4, BLOCK_M], layout)
+    else:
+        by_col = view._reinterpret(gl.float32, [4, BLOCK_M], layout)
+    return by_col.slice(0, 1).load(s_layout), by_col.slice(2, 1).load(s_layout)
+
+
+@gluon.jit
+def _block(i, k, v, q_smem, do_smem, st_smem, q_ready, do_ready, q_empty, do_empty, dk, dv, s_zero, keys, offs_m,
+           m, limit, qk_scale, MASK: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+           HEAD_DIM: gl.constexpr):
+    """Query block i (rows from m): S^T and dP^T issued together; P^T (while dP^T runs) into dV; dS^T into dK.
+    Every product is waited for inside the block (see ``dq.py`` on accumulators across the back edge)."""
+    s_layout: gl.constexpr = s_zero.type.layout
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+    st = i % STAGES
+    ph = (i // STAGES) & 1
+    q = q_smem.index(st)
+    do = do_smem.index(st)
+    mbarrier.wait(q_ready.index(st), ph)
+    if MASK:
+        if m + BLOCK_M > limit:  # rows of another subtree would reach dK
+            zero_rows_past(q, m, limit, BLOCK_M, HEAD_DIM)
+    s_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(st), ph)
+    if MASK:
+        if m + BLOCK_M > limit:  # ... and dV
+            zero_rows_past(do, m, limit, BLOCK_M, HEAD_DIM)
+    dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    lse2, delta = _row_stats(st_smem.index(st), s_layout, BLOCK_M)
+    s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+    p_t = gl.exp2(s_t * qk_scale - lse2)
+    if MASK:
+        rows = m + offs_m
+        keep = (keys[:, None] <= rows[None, :]) & (rows < limit)[None, :]
+        p_t = gl.where(keep, p_t, 0.0)
+    dv = warpgroup_mma(gl.convert_layout(p_t.to(q.dtype), a_layout), do, dv, is_async=True)
+    dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
+    ds_t = p_t * (dp_t - delta)
+    if MASK:  # the statistics past T are zeros, but a masked row's Delta belongs to another row
+        ds_t = gl.where(keep, ds_t, 0.0)
+    dk = warpgroup_mma(gl.convert_layout(ds_t.to(q.dtype), a_layout), q, dk, is_async=True)
+    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+    mbarrier.arrive(q_empty.index(st), count=1)
+    mbarrier.arrive(do_empty.index(st), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(k_smem, v_smem, q_smem, do_smem, st_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, DK, DV,
+              kv_head, heads_per_kv, seg_start, seg_end, subtree_end, n0, stride_dkh, stride_dkt, stride_dkd,
+              stride_dvh, stride_dvt, stride_dvd, qk_scale, sm_scale, KEYS: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
+    # One warpgroup: the KEYS keys of the tile from WG * KEYS on.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    key_off: gl.constexpr = WG * KEYS
+    k = k_smem.slice(key_off, KEYS)
+    v = v_smem.slice(key_off, KEYS)
+    keys = n0 + key_off + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
+    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, o_layout)
+    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, o_layout)
+    n_diag, after_diag, n_run_full, n_run = _row_blocks(seg_start, seg_end, subtree_end, n0, BLOCK_M, BLOCK_N)
+    n = n_diag + n_run
+    mbarrier.wait(kv_bar, 0)
+    for h in range(heads_per_kv):
+        base = h * n
+        for j in range(n_diag):
+            dk, dv = _block(base + j, k, v, q_smem, do_smem, st_smem, q_ready, do_ready, q_empty, do_empty, dk, dv,
+                            s_zero, keys, offs_m, n0 + j * BLOCK_M, seg_end, qk_scale, True, STAGES, BLOCK_M, HEAD_DIM)
+        base += n_diag
+        for j in range(n_run_full):
+            dk, dv = _block(base + j, k, v, q_smem, do_smem, st_smem, q_ready, do_ready, q_empty, do_empty, dk, dv,
+                            s_zero, keys, offs_m, after_diag + j * BLOCK_M, subtree_end, qk_scale, False, STAGES,
+                            BLOCK_M, HEAD_DIM)
+        for j in range(n_run_full, n_run):  # the ragged last block of the run, if any
+            dk, dv = _block(base + j, k, v, q_smem, do_smem, st_smem, q_ready, do_ready, q_empty, do_empty, dk, dv,
+                            s_zero, keys, offs_m, after_diag + j * BLOCK_M, subtree_end, qk_scale, True, STAGES,
+                            BLOCK_M, HEAD_DIM)
+
+    keys_o = n0 + key_off + gl.arange(0, KEYS, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ok = (keys_o < seg_end)[:, None]
+    dk_ptrs = DK + kv_head.to(gl.int64) * stride_dkh + keys_o[:, None] * stride_dkt + offs_d[None, :] * stride_dkd
+    gl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=ok)
+    dv_ptrs = DV + kv_head.to(gl.int64) * stride_dvh + keys_o[:, None] * stride_dvt + offs_d[None, :] * stride_dvd
+    gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=ok)
+
+
+# --------------------------------------------------------------------------- the kernel
+
+
+# Arguments that follow T get no value specialisation, so a new length never compiles a second variant.
+@gluon.jit(do_not_specialize=["num_tiles", "q_row_h", "q_col_h", "do_row_h", "do_col_h", "k_row_h", "k_col_h",
+                              "v_row_h", "v_col_h", "num_tokens"])
+def shared_prompt_dkdv_kernel(
+    q_desc, do_desc, k_desc, v_desc, st_desc, DK, DV, TILES, num_tiles,
+    q_row_h, q_col_h, do_row_h, do_col_h, k_row_h, k_col_h, v_row_h, v_col_h, num_tokens,
+    SEG_START, SEG_LEN, SUBTREE_END,
+    stride_dkh, stride_dkt, stride_dkd, stride_dvh, stride_dvt, stride_dvd,
+    heads_per_kv, qk_scale, sm_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    kv_head = gl.program_id(0)
+    t = gl.program_id(1)
+    seg = gl.load(TILES + t)
+    if seg < 0:
+        return
+    n0 = gl.load(SEG_START + seg) + gl.load(TILES + num_tiles + t) * BLOCK_N
+    seg_start = gl.load(SEG_START + seg)
+    seg_end = seg_start + gl.load(SEG_LEN + seg)
+    subtree_end = gl.load(SUBTREE_END + seg)
+    KEYS: gl.constexpr = BLOCK_N // 2
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem, do_smem, q_ready, do_ready, q_empty, do_empty = kv_rings(q_desc, do_desc, STAGES, BLOCK_M, HEAD_DIM)
+    st_smem = gl.allocate_shared_memory(st_desc.dtype, [STAGES, BLOCK_M, 4], st_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+
+    gl.warp_specialize(
+        [
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, st_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
+                         DK, DV, kv_head, heads_per_kv, seg_start, seg_end, subtree_end, n0,
+                         stride_dkh, stride_dkt, stride_dkd, stride_dvh, stride_dvt, stride_dvd, qk_scale, sm_scale,
+                         KEYS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 0)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, st_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
+                         DK, DV, kv_head, heads_per_kv, seg_start, seg_end, subtree_end, n0,
+                         stride_dkh, stride_dkt, stride_dkd, stride_dvh, stride_dvt, stride_dvd, qk_scale, sm_scale,
+                         KEYS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 1)),
+            (_loader, (q_desc, do_desc, k_desc, v_desc, st_desc, q_smem, do_smem, k_smem, v_smem, st_smem, kv_bar,
+                       q_ready, do_ready, q_empty, do_empty, kv_head, heads_per_kv, q_row_h, q_col_h, do_row_h,
+                       do_col_h, k_row_h, k_col_h, v_row_h, v_col_h, num_tokens, seg_start, seg_end, subtree_end, n0,
+                       BLOCK_M, BLOCK_N, STAGES)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
+    )
