@@ -192,22 +192,6 @@ class DkdvConfig:
 DKDV_CONFIGS: dict[int, DkdvConfig] = {64: DkdvConfig(), 128: DkdvConfig()}
 
 
-def _row_stats(out, dout, lse):
-    """``(delta [1, Hq, T], stats [Hq * T, 4])`` float32, by the Triton preprocess kernel: Delta =
-    rowsum(dO * O), and the dK/dV kernel's packed rows (lse in base 2, Delta, 0, 0) per head and token."""
-    from ..triton.bwd import bwd_preprocess_kernel
-
-    _, Hq, T, D = out.shape
-    delta = torch.empty((1, Hq, T), dtype=torch.float32, device=out.device)
-    stats = torch.empty((Hq * T, 4), dtype=torch.float32, device=out.device)
-    bwd_preprocess_kernel[(Hq, -(-T // 64))](
-        out, dout, delta, lse, stats, T, out.stride(1), out.stride(2), out.stride(3),
-        dout.stride(1), dout.stride(2), dout.stride(3), delta.stride(1),
-        HEAD_DIM=D, BLOCK_D=D, BLOCK_M=64, PACK_STATS=True,
-    )
-    return delta, stats
-
-
 def _stats_descriptor(stats: torch.Tensor, block_m: int):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -246,7 +230,7 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     from .dq import shared_prompt_dq_kernel
 
     lse = lse.float().contiguous()
-    delta, stats = _row_stats(out, dout, lse)
+    delta, stats = triton_attention.row_statistics(out, dout, lse, pack=True)
     (qd, q_row, q_col), (dod, do_row, do_col), (kd, k_row, k_col), (vd, v_row, v_col) = descs[4:]
     tiles = tile_schedule(segs, T, kcfg.block_n, "kv")
     shared_prompt_dkdv_kernel[(Hkv, tiles.shape[1])](

@@ -78,7 +78,8 @@ from .tma import block_d, descriptors, interpreting, row_stats_descriptor
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["supports", "forward", "backward", "backward_dkdv", "KernelConfig", "Config", "config_for", "HOPPER_CONFIGS"]
+__all__ = ["supports", "forward", "backward", "backward_dkdv", "row_statistics", "KernelConfig", "Config", "config_for",
+           "HOPPER_CONFIGS"]
 
 LOG2E = 1.4426950408889634
 
@@ -309,6 +310,25 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def row_statistics(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, pack: bool):
+    """``(delta [1, Hq, T], stats)`` by the preprocess kernel: Delta = rowsum(dO * O) in lse's dtype and,
+    with ``pack``, the dK/dV kernels' packed copy ``stats [Hq * T, 4]``: (lse in base 2, 0, Delta, 0) per
+    head and token (else None). ``lse`` is ``[1, Hq, T]``, contiguous, in the accumulation dtype."""
+    from .bwd import bwd_preprocess_kernel
+
+    _, Hq, T, D = out.shape
+    BD = block_d(D)
+    delta = torch.empty((1, Hq, T), dtype=lse.dtype, device=out.device)
+    stats = torch.empty((Hq * T, 4), dtype=lse.dtype, device=out.device) if pack else None
+    if T and Hq:
+        pre_block = 64 if BD <= 128 else 32
+        bwd_preprocess_kernel[(Hq, -(-T // pre_block))](
+            out, dout, delta, lse, stats, T, *_strides(out), *_strides(dout), delta.stride(1),
+            HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=pre_block, PACK_STATS=pack,
+        )
+    return delta, stats
+
+
 def backward_dkdv(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False,
                   softcap: float = 0.0, *, config: Optional[Config] = None, atomic_dq: bool = False):
     """The backward without its Q-major dQ pass: ``(dq, dk, dv, delta, lse)``.
@@ -318,7 +338,7 @@ def backward_dkdv(dout, q, k, v, out, lse, segs: Segments, scale: float, determi
     head dim (MLA is padded by ``backward``). dk and dv come back in their float32 buffers when the
     config splits heads, else in k's dtype.
     """
-    from .bwd import bwd_dkdv_kernel, bwd_preprocess_kernel
+    from .bwd import bwd_dkdv_kernel
 
     _check(q, k, segs)
     _, Hq, T, D = q.shape
@@ -334,19 +354,13 @@ def backward_dkdv(dout, q, k, v, out, lse, segs: Segments, scale: float, determi
     acc_dtype = acc if head_split > 1 else k.dtype
     dk = (torch.zeros if head_split > 1 else torch.empty)((1, Hkv, T, D), dtype=acc_dtype, device=dev)
     dv = (torch.zeros if head_split > 1 else torch.empty)((1, Hkv, T, D), dtype=acc_dtype, device=dev)
-    delta = torch.empty((1, Hq, T), dtype=acc, device=dev)
     if T == 0 or Hq == 0:
-        return dq, dk, dv, delta, lse
+        return dq, dk, dv, torch.empty((1, Hq, T), dtype=acc, device=dev), lse
 
     c = full.dkdv
     descs, tma = descriptors(c, c.block_m, q, dout)
     stats_tma = tma and c.stats_tma
-    stats = torch.empty((Hq * T, 4), dtype=acc, device=dev) if stats_tma else None
-    pre_block = 64 if BD <= 128 else 32
-    bwd_preprocess_kernel[(Hq, -(-T // pre_block))](
-        out, dout, delta, lse, stats, T, *_strides(out), *_strides(dout), delta.stride(1),
-        HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=pre_block, PACK_STATS=stats_tma,
-    )
+    delta, stats = row_statistics(out, dout, lse, pack=stats_tma)
 
     tiles = tile_schedule(segs, T, c.block_n, "kv")
     bwd_dkdv_kernel[(Hkv * head_split, tiles.shape[1])](
