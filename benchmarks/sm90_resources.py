@@ -150,7 +150,8 @@ def compile_kernels(config, head_dim: int = 128, q_heads: int = 32, kv_heads: in
 
 def compile_gluon_kernels(head_dim: int = 128, q_heads: int = 32, kv_heads: int = 8, tokens: int = 4096) -> list:
     """Compile the Gluon forward, dK/dV and dQ kernels (``kernels/gluon``, with the Triton preprocess kernel
-    they share) for sm_90; the resource record of each."""
+    they share) for sm_90; the resource record of each. The dK/dV kernel twice: as the default backward
+    runs it, then with the optional atomic dQ (``DkdvConfig(dq_mode="atomic")``, head dim 128)."""
     from dualkv_compile.kernels.gluon import attention as ga
     from dualkv_compile.kernels.triton import attention as ta
     from dualkv_compile.layout import tree_segments
@@ -166,7 +167,9 @@ def compile_gluon_kernels(head_dim: int = 128, q_heads: int = 32, kv_heads: int 
     q, k, v, do = make(q_heads), make(kv_heads), make(kv_heads), make(q_heads)
     scale = 1 / math.sqrt(head_dim)
     ga.forward(q, k, v, segs, scale)
-    ga.backward(do, q, k, v, q, torch.zeros(1, q_heads, tokens), segs, scale)
+    for dq_mode in ("recompute", "atomic"):
+        ga.backward(do, q, k, v, q, torch.zeros(1, q_heads, tokens), segs, scale,
+                    dkdv_config=ga.DkdvConfig(dq_mode=dq_mode))
     return [resources(name, kernel) for name, kernel in compiled if kernel is not None]
 
 

@@ -66,16 +66,24 @@ def check_forward(segs, T, Hq, Hkv, D, dtype, seed=0, token_major=False):
 
     ref_grads = reference.reference_backward(do.double(), q64, k64, v64, ref_out, ref_lse, segs, scale)
     t_grads = ta.backward(do, q, k, v, t_out, t_lse, segs, scale)
-    for det in (False, True):
-        grads = ga.backward(do, q, k, v, out, lse, segs, scale, det)
+    atomic = dict(dkdv_config=ga.DkdvConfig(dq_mode="atomic"))  # dQ added by the dK/dV kernel (D=128)
+    by_mode = {}
+    for mode, kwargs in (("default", {}), ("deterministic", {}), ("atomic", atomic)):
+        by_mode[mode] = grads = ga.backward(do, q, k, v, out, lse, segs, scale, mode == "deterministic", **kwargs)
         for name, g, r, t, like in zip(("dq", "dk", "dv"), grads, ref_grads, t_grads, (q, k, v)):
-            assert g.shape == like.shape and g.dtype == dtype, name
-            assert torch.isfinite(g).all(), name
-            assert rel(g, r) < 2e-2, (name, rel(g, r))
-            assert rel(g, r) < 1.5 * rel(t, r) + 1e-4, (name, rel(g, r), rel(t, r))
-    # No atomics: the same inputs give the same bits.
-    for g, again in zip(grads, ga.backward(do, q, k, v, out, lse, segs, scale)):
-        assert torch.equal(g, again)
+            assert g.shape == like.shape and g.dtype == dtype, (mode, name)
+            assert torch.isfinite(g).all(), (mode, name)
+            assert rel(g, r) < 2e-2, (mode, name, rel(g, r))
+            assert rel(g, r) < 1.5 * rel(t, r) + 1e-4, (mode, name, rel(g, r), rel(t, r))
+    # Without atomic dQ no kernel has atomics: the same inputs give the same bits, in both modes, and
+    # the deterministic mode never takes the atomic dQ. dK and dV never use atomics: the same bits with
+    # atomic dQ too.
+    again = ga.backward(do, q, k, v, out, lse, segs, scale)
+    det_atomic = ga.backward(do, q, k, v, out, lse, segs, scale, True, **atomic)
+    for g, g_det, g_again, g_det_atomic in zip(by_mode["default"], by_mode["deterministic"], again, det_atomic):
+        assert torch.equal(g, g_det) and torch.equal(g, g_again) and torch.equal(g, g_det_atomic)
+    for g, g_det in zip(by_mode["atomic"][1:], by_mode["default"][1:]):
+        assert torch.equal(g, g_det)
 
 
 # --------------------------------------------------------------------------- on any machine
@@ -90,6 +98,14 @@ def test_refuses_cpu_tensors_with_the_reason():
         resolve_backend("gluon", q)
     with pytest.raises(ValueError, match="gluon attention cannot run this input"):
         ga.forward(q, q, q, make_segments([(4, [4])])[0], 0.125)
+
+
+def test_dkdv_config_names_a_bad_dq_mode():
+    from dualkv_compile.kernels.gluon import attention as ga
+
+    assert ga.DkdvConfig().dq_mode == "recompute" and ga.DkdvConfig(dq_mode="atomic").dq_mode == "atomic"
+    with pytest.raises(ValueError, match=r"DkdvConfig.dq_mode: expected one of \('atomic', 'recompute'\), got 'atomics'"):
+        ga.DkdvConfig(dq_mode="atomics")
 
 
 @pytest.mark.skipif(HOPPER, reason="the refusals of other GPUs")
@@ -114,9 +130,14 @@ def test_compiles_for_sm90():
     assert any("'HGMMA': 20" in ln for ln in lines), run.stdout  # dQ: S, dP (8 + 8), dS K (4) per 64-key block
     # dK/dV: S^T, dP^T (8 + 8: 64 keys x 64 rows, K = 128), P^T dO and dS^T Q (4 + 4: K = 64 rows) per block
     assert any("'HGMMA': 24" in ln for ln in lines), run.stdout
+    # ... and with the optional atomic dQ, dS K (8: 64 rows x 64 of D, K = 128 keys) and its bulk reductions.
+    assert any("'HGMMA': 32" in ln for ln in lines), run.stdout
     # No loop waits after every product (ptxas serialising the wgmma pipeline): at most one wait per
-    # group of products the kernel waits for (2 in the forward and dQ, 3 in dK/dV).
-    assert all(int(re.search(r"'DEPBAR': (\d+)", ln).group(1)) <= 3 for ln in lines if "HGMMA" in ln), run.stdout
+    # group of products the kernel waits for (2 in the forward and dQ, 3 in dK/dV, 4 with atomic dQ).
+    for ln in lines:
+        if "HGMMA" in ln:
+            groups = 4 if "'HGMMA': 32" in ln else 3
+            assert int(re.search(r"'DEPBAR': (\d+)", ln).group(1)) <= groups, run.stdout
     assert any("UTMALDG" in ln for ln in lines), run.stdout
     setmaxnreg = re.search(r"(\d+) setmaxnreg", run.stdout)
     assert setmaxnreg and int(setmaxnreg.group(1)) > 0, run.stdout
@@ -189,16 +210,19 @@ def test_other_segments_values_never_reach_a_product():
     q, k, v = qkv(T, 4, 2, 128, torch.bfloat16, seed=5)
     do = torch.randn_like(q)
     clean, clean_lse = ga.forward(q, k, v, segs, 0.088)
-    clean_grads = ga.backward(do, q, k, v, clean, clean_lse, segs, 0.088)
+    modes = {"recompute": {}, "atomic": dict(dkdv_config=ga.DkdvConfig(dq_mode="atomic"))}
+    clean_grads = {mode: ga.backward(do, q, k, v, clean, clean_lse, segs, 0.088, **kw) for mode, kw in modes.items()}
     k[:, :, 300:377] = float("nan")  # the first response: only its own rows see it
     v[:, :, 300:377] = float("inf")
     out, lse = ga.forward(q, k, v, segs, 0.088)
     others = torch.ones(T, dtype=torch.bool, device="cuda")
     others[300:377] = False
     assert torch.equal(out[:, :, others], clean[:, :, others])
-    # dQ of every other row stays finite (its ancestors' and its own keys only; masked columns by select).
-    dq = ga.backward(do, q, k, v, out, lse, segs, 0.088)[0]
-    assert torch.isfinite(dq[:, :, others]).all()
+    # dQ of every other row stays finite (its ancestors' and its own keys only; masked columns by
+    # select; with atomic dQ, the key rows past a segment zeroed before dS K reads them).
+    for mode, kw in modes.items():
+        dq = ga.backward(do, q, k, v, out, lse, segs, 0.088, **kw)[0]
+        assert torch.isfinite(dq[:, :, others]).all(), mode
 
     # The second response's rows: read by the prompt's keys and its own only. The dK/dV kernel's
     # blocks of the first response and of the one-token third response run into them (ragged).
@@ -206,14 +230,20 @@ def test_other_segments_values_never_reach_a_product():
     q[:, :, 377:507] = float("nan")
     do = do.clone()
     do[:, :, 377:507] = float("inf")
-    dq, dk, dv = ga.backward(do, q, k, v, clean, clean_lse, segs, 0.088)
     unseen = torch.zeros(T, dtype=torch.bool, device="cuda")
     unseen[300:377] = unseen[507:] = True
-    for g, c in ((dk, clean_grads[1]), (dv, clean_grads[2])):
-        assert torch.equal(g[:, :, unseen], c[:, :, unseen])
     others = torch.ones(T, dtype=torch.bool, device="cuda")
     others[377:507] = False
-    assert torch.equal(dq[:, :, others], clean_grads[0][:, :, others])
+    for mode, kw in modes.items():
+        dq, dk, dv = ga.backward(do, q, k, v, clean, clean_lse, segs, 0.088, **kw)
+        dq_clean, dk_clean, dv_clean = clean_grads[mode]
+        for g, c in ((dk, dk_clean), (dv, dv_clean)):
+            assert torch.equal(g[:, :, unseen], c[:, :, unseen]), mode
+        if mode == "recompute":
+            assert torch.equal(dq[:, :, others], dq_clean[:, :, others])
+        else:  # the float32 adds land in any order: the same values up to their rounding
+            assert torch.isfinite(dq[:, :, others]).all()
+            assert rel(dq[:, :, others], dq_clean[:, :, others]) < 1e-3
 
 
 @pytest.mark.cuda

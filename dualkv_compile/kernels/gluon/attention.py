@@ -11,7 +11,9 @@ the Triton preprocess kernel (Delta = rowsum(dO * O), and a packed copy of
 the row statistics), then ``dkdv.py`` (KV-major: dK and dV of a key tile
 over every query row and head that reads it) and ``dq.py`` (Q-major), both
 built like the forward, both without atomics; on an H200 at head dim 128
-the backward takes about 0.84x the Triton backward's time. Both read the same ``out`` and
+the backward takes about 0.84x the Triton backward's time. (dQ added by
+the dK/dV kernel with bulk reductions instead of the Q-major pass is an
+option, ``DkdvConfig.dq_mode``; slower on the H200.) Both read the same ``out`` and
 ``lse`` (the natural-log lse over ``exp(scale * q.k)``, float32). Inputs the
 Gluon kernels do not take but the Triton kernels do (a logit softcap;
 operands without a 2-D tensor descriptor view) run the Triton forward or
@@ -47,10 +49,11 @@ from ..triton.tma import tma_geometry
 log = logging.getLogger("dualkv_compile")
 
 __all__ = ["supports", "forward", "backward", "FwdConfig", "FWD_CONFIGS", "DqConfig", "DQ_CONFIGS", "DkdvConfig",
-           "DKDV_CONFIGS"]
+           "DKDV_CONFIGS", "DQ_MODES"]
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
+DQ_MODES = ("atomic", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +116,12 @@ def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]
     return None
 
 
+def _gl_dtype(dtype: torch.dtype):
+    from triton.experimental.gluon import language as gl
+
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
 def _descriptor(t: torch.Tensor, rows: int):
     """A Gluon tensor descriptor over ``t``'s 2-D view with ``rows`` x D blocks, and (row_h, col_h); None without a view."""
     from triton.experimental.gluon import language as gl
@@ -123,7 +132,7 @@ def _descriptor(t: torch.Tensor, rows: int):
         return None
     shape, strides, row_h, col_h = geometry
     block = [rows, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
     return TensorDescriptor(t, shape, strides, block, layout), row_h, col_h
 
 
@@ -180,32 +189,44 @@ DQ_CONFIGS: dict[int, DqConfig] = {64: DqConfig(), 128: DqConfig()}
 class DkdvConfig:
     """Tiles of the dK/dV kernel (``dkdv.py``): ``block_n`` keys per program (two warpgroups of half
     each, their dK and dV in registers), ``block_m`` query rows per step through ``stages``-deep rings
-    of q, dO and the row statistics."""
+    of q, dO and the row statistics. ``dq_mode`` applies to the default (non-deterministic) backward:
+    "recompute" (the dQ kernel recomputes S and dP; no atomics anywhere) or "atomic" (the dK/dV
+    kernel also forms dQ = dS K, the warpgroups splitting the head dim, and adds it into a float32
+    buffer by the copy engine's bulk reductions: FA3's way; head dim 128 only, other head dims
+    recompute). On the H200 "atomic" took 1.16-1.36x the recomputing backward's time
+    (benchmarks/results/gluon_bwd_tuning_h200.md), so it is not the default."""
 
     block_n: int = 128
     block_m: int = 64
     stages: int = 2
     consumer_regs: int = 240
     loader_regs: int = 24
+    dq_mode: str = "recompute"
+
+    def __post_init__(self):
+        if self.dq_mode not in DQ_MODES:
+            raise ValueError(f"DkdvConfig.dq_mode: expected one of {DQ_MODES}, got {self.dq_mode!r}")
 
 
 DKDV_CONFIGS: dict[int, DkdvConfig] = {64: DkdvConfig(), 128: DkdvConfig()}
 
 
-def _stats_descriptor(stats: torch.Tensor, block_m: int):
+def _float_descriptor(t: torch.Tensor, block: list):
+    """A descriptor over a contiguous 2-D float32 tensor: the packed row statistics, the dQ buffer."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    block = [block_m, 4]
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
-    return TensorDescriptor(stats, list(stats.shape), list(stats.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
 def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, softcap: float = 0.0,
              *, config: Optional[DqConfig] = None, dkdv_config: Optional[DkdvConfig] = None):
     """``(dq, dk, dv)``: dK and dV by the Gluon KV-major kernel (``dkdv.py``), dQ by the Gluon Q-major one
-    (``dq.py``). Neither has atomics, so both modes are deterministic. A softcap, or an operand without a
-    2-D descriptor view, runs the whole Triton backward."""
+    (``dq.py``); neither has atomics, so both modes are deterministic. With ``dkdv_config.dq_mode ==
+    "atomic"`` (head dim 128, not ``deterministic``) the dK/dV kernel adds dQ into a float32 buffer instead
+    and no dQ kernel runs; the order of those float32 adds varies from run to run. A softcap, or an operand
+    without a 2-D descriptor view, runs the whole Triton backward."""
     why = supports(q, v)
     if why is not None:
         raise ValueError(f"gluon attention cannot run this input: {why}")
@@ -221,11 +242,16 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
                   "softcap" if softcap else "an operand has no 2-D tensor-descriptor view")
         return triton_attention.backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap)
     triton_attention._check(q, k, segs)
-    dq = torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
+    # The atomic dQ splits the head dim between the two warpgroups at a 128-byte swizzle boundary: D=128 only.
+    atomic_dq = not deterministic and kcfg.dq_mode == "atomic" and D == 128
+    dq = torch.zeros((1, Hq, T, D), dtype=torch.float32, device=q.device) if atomic_dq else \
+        torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((1, Hkv, T, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((1, Hkv, T, D), dtype=v.dtype, device=q.device)
     if T == 0 or Hq == 0:
-        return dq, dk, dv
+        return dq.to(q.dtype), dk, dv
+    from triton.experimental.gluon import language as gl
+
     from .dkdv import shared_prompt_dkdv_kernel
     from .dq import shared_prompt_dq_kernel
 
@@ -234,14 +260,19 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     (qd, q_row, q_col), (dod, do_row, do_col), (kd, k_row, k_col), (vd, v_row, v_col) = descs[4:]
     tiles = tile_schedule(segs, T, kcfg.block_n, "kv")
     shared_prompt_dkdv_kernel[(Hkv, tiles.shape[1])](
-        qd, dod, kd, vd, _stats_descriptor(stats, kcfg.block_m), dk, dv, tiles, tiles.shape[1],
+        qd, dod, kd, vd, _float_descriptor(stats, [kcfg.block_m, 4]), dk, dv,
+        _float_descriptor(dq.view(Hq * T, D), [kcfg.block_m, 32]) if atomic_dq else None, tiles, tiles.shape[1],
         q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col, T,
         segs.seg_start, segs.seg_len, segs.subtree_end,
         dk.stride(1), dk.stride(2), dk.stride(3), dv.stride(1), dv.stride(2), dv.stride(3),
         Hq // Hkv, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_M=kcfg.block_m, BLOCK_N=kcfg.block_n, STAGES=kcfg.stages,
-        LOADER_REGS=kcfg.loader_regs, CONSUMER_REGS=kcfg.consumer_regs, num_warps=4,
+        LOADER_REGS=kcfg.loader_regs, CONSUMER_REGS=kcfg.consumer_regs, ATOMIC_DQ=atomic_dq,
+        DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([kcfg.block_n, kcfg.block_m], _gl_dtype(q.dtype)),
+        num_warps=4,
     )
+    if atomic_dq:
+        return dq.to(q.dtype), dk, dv
 
     tiles = tile_schedule(segs, T, cfg.block_m, "q")
     (qd, q_row, q_col), (dod, do_row, do_col), (kd, k_row, k_col), (vd, v_row, v_col) = descs[:4]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 __all__ = ["program_tile", "kv_rings", "walk_start", "walk_step", "loader", "zero_rows_past"]
@@ -27,6 +28,20 @@ __all__ = ["program_tile", "kv_rings", "walk_start", "walk_step", "loader", "zer
 _partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 # The copy engine's global-to-shared load: ``async_copy_global_to_shared`` up to 3.8, ``async_load`` from 3.9.
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
+
+@builtin
+def _tma_add_36(tensor_desc, coord, src, _semantic=None):
+    """Triton 3.6's Gluon has the copy engine's shared-to-global reduction in its IR but no Python name
+    for it; this is that name (``tma.async_atomic_add`` from 3.9 on): add ``src`` into the block at
+    ``coord``, one bulk operation, completed with the stores (``tma.store_wait``)."""
+    from triton._C.libtriton import ir
+
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+_tma_add = tma.async_atomic_add if hasattr(tma, "async_atomic_add") else _tma_add_36
 
 
 # --------------------------------------------------------------------------- the program's tile and rings
