@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -425,7 +426,9 @@ def main(argv=None) -> int:
                         torch.cuda.empty_cache()
             rows.append(row)
             write(rows, meta, args.out)
+        # The next model's peaks must not include this one: free it (and what its steps compiled) first.
         del model, fns
+        gc.collect()
         if cuda:
             torch.cuda.empty_cache()
     write(rows, meta, args.out)

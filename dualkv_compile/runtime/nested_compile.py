@@ -79,34 +79,39 @@ class LazyCompile:
 
     A rewritten graph may never need its fallback; compiling it up front
     doubled the first step's compile time. A static-shape graph compiles for
-    its example inputs; a dynamic-shape one goes through a nested
-    ``torch.compile(dynamic=True)`` (compiled directly outside Dynamo's
-    tracing context it would be specialised to its first inputs), the same
-    route the packed graph takes. A graph with unbacked sizes compiles at
-    once (``compile_now``): only Dynamo's tracing context, current while the
-    backend runs, has the shape environment that defines them (compiled
-    later from its example inputs, ``nonzero`` raised
+    the inputs of its first call (Dynamo's guards give it the sizes and
+    strides of the backend call's example inputs); a dynamic-shape one goes
+    through a nested ``torch.compile(dynamic=True)`` (compiled directly
+    outside Dynamo's tracing context it would be specialised to its first
+    inputs), the same route the packed graph takes. A graph with unbacked
+    sizes compiles at once (``compile_now``): only Dynamo's tracing context,
+    current while the backend runs, has the shape environment that defines
+    them (compiled later from its example inputs, ``nonzero`` raised
     DynamicOutputShapeException).
+
+    Keeps no reference to the example inputs: they are the real tensors of
+    the backend call (the model's weights, the batch), and a fallback that is
+    never called lives as long as the compiled frame does.
     """
 
     def __init__(self, gm, example_inputs, cfg: DualKVConfig, mode: Optional[str]):
-        self.args = (gm, example_inputs, cfg, mode)
+        self.args = (gm, cfg, mode)
         self.compiled: Optional[Callable] = None
         if has_unbacked_sizes(gm):
-            self.compile_now()
+            self.compile_now(example_inputs)
 
-    def compile_now(self) -> "LazyCompile":
+    def compile_now(self, example_inputs) -> "LazyCompile":
         """Compile now, as the inner compiler would have been called in this backend call: Dynamo's graph, its
         example inputs, and (while the backend runs) its tracing context, fake mode and shape environment."""
         if self.compiled is None:
-            gm, example_inputs, cfg, mode = self.args
+            gm, cfg, mode = self.args
             self.compiled = inner_compile(gm, example_inputs, cfg, mode)
             self.args = None
         return self
 
     def __call__(self, *args):
         if self.compiled is None:
-            gm, example_inputs, cfg, mode = self.args
+            gm, cfg, mode = self.args
             # A graph Dynamo traced with dynamic=True but specialised on sizes 0/1 everywhere (a [1, 1]
             # batch) has static shapes yet still reads module floats as `placeholder.item()`: compiled
             # from its example inputs outside Dynamo's tracing context, that .item() is data-dependent
@@ -114,7 +119,7 @@ class LazyCompile:
             if is_dynamic(gm) or reads_lifted_scalars(gm):
                 self.compiled = nested_compile(gm, cfg, mode, dynamic=True)
             else:
-                self.compiled = inner_compile(gm, example_inputs, cfg, mode)
+                self.compiled = inner_compile(gm, list(args), cfg, mode)
             self.args = None
         return self.compiled(*args)
 

@@ -37,3 +37,30 @@ def test_fallback_of_a_graph_with_unbacked_sizes_runs_outside_the_backend_call(f
     [(found, fallback, gm, inputs)] = fallbacks
     assert found is unbacked
     assert torch.equal(fallback(*inputs)[0], gm(*inputs)[0])
+
+
+def test_a_fallback_never_compiled_keeps_no_input_alive():
+    """The fallback of a rewritten graph may never run: it must not keep the backend call's example inputs
+    (the model's weights, the batch) alive meanwhile. It did, and a benchmark that built a second model in
+    the same process measured the first model's weights (3.8 GB) into every later peak."""
+    import gc
+    import weakref
+
+    fallbacks, refs = [], []
+
+    def backend(gm, example_inputs):
+        fallbacks.append(LazyCompile(gm, example_inputs, DualKVConfig(inner="aot_eager"), None))
+        refs.extend(weakref.ref(t) for t in example_inputs if isinstance(t, torch.Tensor))
+        return gm.forward
+
+    weight, x = torch.randn(4, 4), torch.randn(2, 4)
+    torch._dynamo.reset()
+    torch.compile(lambda a, w: torch.relu(a @ w), backend=backend)(x, weight)
+    torch._dynamo.reset()
+    assert len(fallbacks) == 1 and len(refs) == 2
+    del weight, x
+    gc.collect()
+    assert all(r() is None for r in refs), "the fallback kept an example input alive"
+    # Called later, it compiles for the inputs of that call.
+    w2, x2 = torch.randn(4, 4), torch.randn(2, 4)
+    assert torch.equal(fallbacks[0](x2, w2)[0], torch.relu(x2 @ w2))
