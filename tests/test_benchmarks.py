@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,3 +118,31 @@ def test_sm90_resources_compiles_the_table_without_a_gpu():
     # The table's streamed operands come through the copy engine inside the pipelined loops.
     for name in ("shared_prompt_fwd_kernel", "bwd_dkdv_kernel"):
         assert any(loop.get("UTMALDG") and loop.get("HGMMA") for loop in kernels[name]["loops"]), kernels[name]
+
+
+def test_gluon_tune_parses_configs_and_names_what_is_wrong():
+    import gluon_tune
+    from dualkv_compile.kernels.gluon import attention as ga
+
+    assert gluon_tune.parse_configs("dkdv", "dq_mode='atomic'; stages=3, block_m=64") == [
+        ga.DkdvConfig(dq_mode="atomic"), ga.DkdvConfig(stages=3, block_m=64)]
+    assert gluon_tune.parse_configs("fwd", "pingpong=True") == [ga.FwdConfig(pingpong=True)]
+    assert gluon_tune.parse_configs("dq", "") == [ga.DqConfig()]
+    with pytest.raises(ValueError, match=r"'block_k=64' is not field=value with a field of DqConfig"):
+        gluon_tune.parse_configs("dq", "block_k=64")
+    with pytest.raises(ValueError, match=r"the value of 'stages' is not a Python literal: 'three'"):
+        gluon_tune.parse_configs("fwd", "stages=three")
+    with pytest.raises(ValueError, match=r"DkdvConfig.dq_mode: expected one of"):
+        gluon_tune.parse_configs("dkdv", "dq_mode='fused'")
+    with pytest.raises(ValueError, match=r"kind: expected one of \['dkdv', 'dq', 'fwd'\], got 'bwd'"):
+        gluon_tune.parse_configs("bwd", "")
+
+
+_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(_SM90, reason="the refusal is for other machines; an sm_90 GPU runs the sweep")
+def test_gluon_tune_refuses_a_machine_without_an_sm90_gpu():
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gluon_tune.py"), "dkdv", "stages=2"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "needs an sm_90 GPU (H100, H200)" in run.stderr, run.stderr[-2000:]
