@@ -39,6 +39,7 @@ from .report import GraphReport, new_report, reports
 from .rewrite.functionalize import functionalize_mutations, mutation_refusal
 from .rewrite.fuse_linear_log_prob import fuse_linear_log_prob
 from .rewrite.inline_checkpoint import inline_checkpoint_regions
+from .rewrite.positional_args import positional_args
 from .rewrite.pack_graph import pack_graph
 from .runtime.nested_compile import LazyCompile
 from .runtime.runner import Runner
@@ -59,6 +60,8 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
     try:
         # Checkpoint regions inlined, tagged for recomputation, on a copy (the fallback runs the original).
         gm = inline_checkpoint_regions(gm)
+        # Operands passed by keyword (F.linear(input=x, weight=w)) made positional, as the rules read them.
+        gm = positional_args(gm)
         # In-place ops on private values made out-of-place (on a copy); the others are checked after the analysis.
         gm, mutations = functionalize_mutations(gm)
         result = analyze(gm, example_inputs, carried.current())

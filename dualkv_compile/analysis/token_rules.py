@@ -201,7 +201,10 @@ def _linear(node, info, B, S) -> NodeInfo:
 
 @token_rule(F.embedding, torch.embedding)
 def _embedding(node, info, B, S) -> NodeInfo:
-    ids, w = node.args[0], node.args[1]
+    if node.target is torch.embedding:  # ATen's order: (weight, indices, ...)
+        w, ids = arg(node, 0, "weight"), arg(node, 1, "indices")
+    else:
+        ids, w = arg(node, 0, "input"), arg(node, 1, "weight")
     if info[w].kind is not Kind.NONE:
         raise RuleFailed("embedding with a token-dependent table")
     t = info[ids].tags + (None,)

@@ -244,10 +244,11 @@ EMBEDDING = [
     ("position-ids-column", fn(F.embedding, X0, X1), [In((1, S), "- s", COLUMN, value=torch.arange(S)[None]), table],
      out("- s -", COLUMN)),
     ("token-table", fn(F.embedding, X0, X1), [ids, In((10, S), "- s", COLUMN)], fails("embedding with a token-dependent table")),
-    # torch.embedding takes (weight, indices); the rule reads F.embedding's (indices, weight).
-    pytest.param("torch.embedding", fn(torch.embedding, X0, X1), [table, ids], out("b s -", TOKEN),
-                 marks=pytest.mark.xfail(strict=True, raises=RuleFailed,
-                                         reason="the rule reads torch.embedding's arguments in F.embedding's order")),
+    # torch.embedding takes (weight, indices): ATen's order, not F.embedding's.
+    ("torch.embedding", fn(torch.embedding, X0, X1), [table, ids], out("b s -", TOKEN)),
+    ("torch.embedding-token-table", fn(torch.embedding, X0, X1), [In((10, S), "- s", COLUMN), ids],
+     fails("embedding with a token-dependent table")),
+    ("keywords", fn(F.embedding, input=X0, weight=X1), [ids, table], out("b s -", TOKEN)),
 ]
 
 MATMUL = [

@@ -1,0 +1,106 @@
+"""Keyword arguments that fill a call's leading positional parameters, moved into its positional arguments.
+
+Contract
+    Input: a Dynamo ``GraphModule``.
+    Output: ``gm`` itself when no ``call_function`` node passes by keyword a
+    leading parameter that the rules read by position; otherwise a new
+    ``GraphModule`` (``gm`` is left unchanged: the caller's fallback keeps
+    running it) in which those calls read positionally:
+    ``F.linear(input=x, weight=w)`` becomes ``F.linear(x, w)``,
+    ``torch.sum(input=x, dim=-1)`` becomes ``torch.sum(x, dim=-1)``. The
+    leading parameters are the first two for linear, embedding, matmul/bmm,
+    the norms (input and shape) and grouped matmuls, the first for every
+    other call; nothing after them moves (``dim=-1``, ``bias=b`` stay
+    keywords, as other rules read them by name). A keyword moves only while
+    the call binds to exactly the same arguments both ways
+    (``torch.fx.operator_schemas.normalize_function``); a call whose
+    signature cannot be resolved (an overloaded builtin given no types)
+    stays as it is.
+
+Why
+    The token-axis rules and the rewrite read an op's operands by position
+    (``node.args[0]`` is the input of ``F.linear``), as Dynamo writes most
+    calls. A model that passed them by keyword made the backend raise
+    ``IndexError``, and with it the user's ``torch.compile`` call.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.fx.operator_schemas import normalize_function
+
+__all__ = ["positional_args"]
+
+
+def _bound(target, args, kwargs) -> Optional[dict]:
+    """Every parameter of ``target(*args, **kwargs)`` by name, in signature order; None if it cannot be bound."""
+    try:
+        # Signature lookups of arbitrary callables raise all sorts of errors: any of them means "unknown".
+        full = normalize_function(target, tuple(args), dict(kwargs), normalize_to_only_use_kwargs=True)
+    except Exception:
+        return None
+    return None if full is None else dict(full.kwargs)
+
+
+def _same(a: dict, b: dict) -> bool:
+    if list(a) != list(b):
+        return False
+    # fx Nodes compare by identity; the other values are Python constants (a tensor constant compares
+    # by identity too, never elementwise).
+    return all(x is y or (not hasattr(x, "__torch_function__") and x == y) for x, y in zip(a.values(), b.values()))
+
+
+# How many leading parameters the rules read by position: two operands (and layer_norm's shape), else the input.
+_TWO_LEADING = {F.linear, torch._C._nn.linear, F.embedding, torch.embedding, torch.matmul, torch.bmm, F.layer_norm,
+                F.rms_norm, torch.layer_norm, torch.rms_norm} | {f for f in (getattr(torch, "_grouped_mm", None),
+                                                                  getattr(F, "grouped_mm", None)) if f is not None}
+
+
+def _positional_form(node: fx.Node) -> Optional[tuple[tuple, dict]]:
+    """``(args, kwargs)`` of ``node`` with the leading parameters the rules read made positional where they
+    came by keyword; None if none move."""
+    leading = 2 if node.target in _TWO_LEADING else 1
+    if len(node.args) >= leading:
+        return None
+    full = _bound(node.target, node.args, node.kwargs)
+    if full is None:
+        return None
+    args, kwargs, moved = list(node.args), dict(node.kwargs), []
+    for name in list(full)[len(args):leading]:
+        if name not in kwargs:
+            break
+        args.append(kwargs.pop(name))
+        moved.append(name)
+    # Back off from the last moved keyword until the call binds to the same arguments (keyword-only ones).
+    while moved:
+        again = _bound(node.target, args, kwargs)
+        if again is not None and _same(again, full):
+            return tuple(args), kwargs
+        kwargs[moved.pop()] = args.pop()
+    return None
+
+
+def positional_args(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with leading keyword arguments of its calls made positional (see the module docstring)."""
+    forms = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.kwargs:
+            form = _positional_form(node)
+            if form is not None:
+                forms[node] = form
+    if not forms:
+        return gm
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    out = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    for node, (args, kwargs) in forms.items():
+        copy = env[node]
+        copy.args = fx.map_arg(args, lambda n: env[n])
+        copy.kwargs = fx.map_arg(kwargs, lambda n: env[n])
+    out.recompile()
+    return out
