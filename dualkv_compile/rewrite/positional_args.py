@@ -9,8 +9,9 @@ Contract
     ``F.linear(input=x, weight=w)`` becomes ``F.linear(x, w)``,
     ``torch.sum(input=x, dim=-1)`` becomes ``torch.sum(x, dim=-1)``. The
     leading parameters are the first two for linear, embedding, matmul/bmm,
-    the norms (input and shape) and grouped matmuls, the first for every
-    other call; nothing after them moves (``dim=-1``, ``bias=b`` stay
+    the norms and ``torch.reshape`` (input and shape) and grouped matmuls,
+    the first for every other call (methods, whose first argument is the
+    tensor itself, are left alone); nothing after them moves (``dim=-1``, ``bias=b`` stay
     keywords, as other rules read them by name). A keyword moves only while
     the call binds to exactly the same arguments both ways
     (``torch.fx.operator_schemas.normalize_function``); a call whose
@@ -54,10 +55,11 @@ def _same(a: dict, b: dict) -> bool:
     return all(x is y or (not hasattr(x, "__torch_function__") and x == y) for x, y in zip(a.values(), b.values()))
 
 
-# How many leading parameters the rules read by position: two operands (and layer_norm's shape), else the input.
+# How many leading parameters the rules read by position: two operands (the norms' and reshape's shape), else
+# the input.
+_GROUPED_MM = (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None))  # by torch version
 _TWO_LEADING = {F.linear, torch._C._nn.linear, F.embedding, torch.embedding, torch.matmul, torch.bmm, F.layer_norm,
-                F.rms_norm, torch.layer_norm, torch.rms_norm} | {f for f in (getattr(torch, "_grouped_mm", None),
-                                                                  getattr(F, "grouped_mm", None)) if f is not None}
+                F.rms_norm, torch.layer_norm, torch.rms_norm, torch.reshape} | {f for f in _GROUPED_MM if f is not None}
 
 
 def _positional_form(node: fx.Node) -> Optional[tuple[tuple, dict]]:

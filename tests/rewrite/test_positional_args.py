@@ -32,7 +32,8 @@ class KeywordDecoder(nn.Module):
     def forward(self, input_ids, attention_mask=None):
         B, S = input_ids.shape
         h = F.embedding(input=input_ids, weight=self.table)
-        q, k, v = F.linear(input=h, weight=self.qkv).view(B, S, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        qkv = torch.reshape(input=F.linear(input=h, weight=self.qkv), shape=(B, S, 3, self.heads, -1))
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         h = h + a.transpose(1, 2).reshape(B, S, -1)
         # Keyword-only parameters stay keywords: dtype= of torch.softmax.
@@ -60,7 +61,8 @@ softmax = torch.softmax(linear_1, dim = -1, dtype = torch.float32)""")
         def f(x, w):
             return (torch.sum(input=x, dim=-1), torch.softmax(input=x, dim=-1),
                     F.layer_norm(input=x, normalized_shape=(4,)), torch.matmul(input=x, other=w),
-                    torch.cumsum(input=x, dim=1), F.linear(x, weight=w.t(), bias=None))
+                    torch.cumsum(input=x, dim=1), F.linear(x, weight=w.t(), bias=None),
+                    torch.reshape(input=x, shape=(6, 4)))
 
         out = positional_args(capture(f, torch.randn(2, 3, 4), torch.randn(4, 5)))
         self.assertExpectedInline(normalise(out.code), """\
@@ -72,7 +74,8 @@ def forward(self, L_x_ : torch.Tensor, L_w_ : torch.Tensor):
     cumsum = torch.cumsum(l_x_, dim = 1)
     t = l_w_.t()
     linear = torch._C._nn.linear(l_x_, t, bias = None)
-    return (sum_1, softmax, layer_norm, matmul, cumsum, linear)""")
+    reshape = torch.reshape(l_x_, (6, 4))
+    return (sum_1, softmax, layer_norm, matmul, cumsum, linear, reshape)""")
 
     def test_a_graph_without_keyword_operands_is_returned_as_is(self):
         def f(x, w):
