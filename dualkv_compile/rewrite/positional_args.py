@@ -10,8 +10,9 @@ Contract
     ``torch.sum(input=x, dim=-1)`` becomes ``torch.sum(x, dim=-1)``. The
     leading parameters are the first two for linear, embedding, matmul/bmm,
     the norms and ``torch.reshape`` (input and shape) and grouped matmuls,
-    the first for every other call (methods, whose first argument is the
-    tensor itself, are left alone); nothing after them moves (``dim=-1``, ``bias=b`` stay
+    the first for every other call; of a method, its sizes where the
+    rewrite reads them (``x.reshape(shape=s)`` becomes ``x.reshape(s)``;
+    ``view``, ``expand``, ``new_*`` likewise); nothing after them moves (``dim=-1``, ``bias=b`` stay
     keywords, as other rules read them by name). A keyword moves only while
     the call binds to exactly the same arguments both ways
     (``torch.fx.operator_schemas.normalize_function``); a call whose
@@ -86,12 +87,26 @@ def _positional_form(node: fx.Node) -> Optional[tuple[tuple, dict]]:
     return None
 
 
+# Tensor methods whose sizes the rewrite reads by position, and the keyword those sizes may come by.
+_SIZE_METHODS = {"reshape": "shape", "view": "size", "expand": "size", "new_empty": "size", "new_zeros": "size",
+                 "new_ones": "size", "new_full": "size"}
+
+
+def _method_form(node: fx.Node) -> Optional[tuple[tuple, dict]]:
+    """``x.reshape(shape=s)`` as ``x.reshape(s)`` (and the other size methods); None if nothing moves."""
+    name = _SIZE_METHODS.get(node.target)
+    if name is None or len(node.args) != 1 or name not in node.kwargs:
+        return None
+    kwargs = dict(node.kwargs)
+    return (node.args[0], kwargs.pop(name)), kwargs
+
+
 def positional_args(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with leading keyword arguments of its calls made positional (see the module docstring)."""
     forms = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.kwargs:
-            form = _positional_form(node)
+        if node.kwargs and node.op in ("call_function", "call_method"):
+            form = _positional_form(node) if node.op == "call_function" else _method_form(node)
             if form is not None:
                 forms[node] = form
     if not forms:

@@ -35,7 +35,7 @@ class KeywordDecoder(nn.Module):
         qkv = torch.reshape(input=F.linear(input=h, weight=self.qkv), shape=(B, S, 3, self.heads, -1))
         q, k, v = qkv.permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = h + a.transpose(1, 2).reshape(B, S, -1)
+        h = h + a.transpose(1, 2).reshape(shape=(B, S, -1))
         # Keyword-only parameters stay keywords: dtype= of torch.softmax.
         return torch.softmax(F.linear(input=h, weight=self.head), dim=-1, dtype=torch.float32)
 
@@ -62,7 +62,7 @@ softmax = torch.softmax(linear_1, dim = -1, dtype = torch.float32)""")
             return (torch.sum(input=x, dim=-1), torch.softmax(input=x, dim=-1),
                     F.layer_norm(input=x, normalized_shape=(4,)), torch.matmul(input=x, other=w),
                     torch.cumsum(input=x, dim=1), F.linear(x, weight=w.t(), bias=None),
-                    torch.reshape(input=x, shape=(6, 4)))
+                    torch.reshape(input=x, shape=(6, 4)), x.reshape(shape=(3, 8)), x.new_zeros(size=(2,)))
 
         out = positional_args(capture(f, torch.randn(2, 3, 4), torch.randn(4, 5)))
         self.assertExpectedInline(normalise(out.code), """\
@@ -75,7 +75,9 @@ def forward(self, L_x_ : torch.Tensor, L_w_ : torch.Tensor):
     t = l_w_.t()
     linear = torch._C._nn.linear(l_x_, t, bias = None)
     reshape = torch.reshape(l_x_, (6, 4))
-    return (sum_1, softmax, layer_norm, matmul, cumsum, linear, reshape)""")
+    reshape_1 = l_x_.reshape((3, 8))
+    new_zeros = l_x_.new_zeros((2,))
+    return (sum_1, softmax, layer_norm, matmul, cumsum, linear, reshape, reshape_1, new_zeros)""")
 
     def test_a_graph_without_keyword_operands_is_returned_as_is(self):
         def f(x, w):
