@@ -13,7 +13,7 @@ choice:
     "flex"       FlexAttention with the forest's block mask (kv <= q < reach[kv]); CUDA
     "triton"     the hand-written Triton kernel; CUDA (and CPU under TRITON_INTERPRET=1)
     "gluon"      warp-specialised Hopper kernels (Gluon; sm_90, bf16/fp16, head dim 64 or 128) for
-                 the forward and dQ, with the Triton kernels' dK/dV
+                 the forward and the whole backward (dK/dV and dQ kernels; the Triton preprocess)
     "auto"       CPU -> cpu_flash (reference for float64); CUDA -> gluon where it supports the
                  input (sm_90), else triton where it does, else flex
 
