@@ -44,6 +44,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .graph_copy import copy_graph_module
+
 log = logging.getLogger("dualkv_compile")
 
 __all__ = ["INPLACE_OPERATORS", "Mutation", "functionalize_mutations", "inplace_param", "mutation_refusal"]
@@ -222,9 +224,8 @@ def functionalize_mutations(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Mu
     """See the module docstring."""
     if not any(mutated_input(n) is not None for n in gm.graph.nodes):
         return gm, []
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    out = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    out = copy_graph_module(gm)
+    graph = out.graph
     nodes = list(graph.nodes)
 
     # Each node's storage, once (nodes made below have storages of their own, and no key here).

@@ -47,6 +47,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.token_axes import Refusal
+from .graph_copy import copy_graph_module
 
 log = logging.getLogger("dualkv_compile")
 
@@ -95,9 +96,7 @@ def inline_checkpoint_regions(gm: fx.GraphModule) -> fx.GraphModule:
                 "decides per ATen op what to save, and the rewrite replaces some of those ops; only plain "
                 "torch.utils.checkpoint regions (no context_fn) are rewritten"
             )
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    out = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    out = copy_graph_module(gm)
     next_id = 1
     # Regions nested inside a body are copied as calls and inlined on a later round.
     while True:

@@ -35,6 +35,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
+from .graph_copy import copy_graph_module
+
 __all__ = ["positional_args"]
 
 
@@ -111,10 +113,8 @@ def positional_args(gm: fx.GraphModule) -> fx.GraphModule:
                 forms[node] = form
     if not forms:
         return gm
-    graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, env))
-    out = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    out = copy_graph_module(gm, env)
     for node, (args, kwargs) in forms.items():
         copy = env[node]
         copy.args = fx.map_arg(args, lambda n: env[n])
