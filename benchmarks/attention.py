@@ -514,6 +514,8 @@ def markdown(results: dict) -> str:
         *([f"- **Caveat:** {m['caveat']}"] if m.get("caveat") else []),
         "- speedup: SDPA (flash on CUDA) on the duplicated batch, fwd+bwd time, over the method's; "
         "peak GB: peak allocated memory of the method (its inputs, activations and gradients)",
+        "- vs cuDNN: fwd+bwd efficiency against SDPA-cuDNN's (its time on the duplicated batch over the method's time "
+        "times the ideal ratio: the method's useful TFLOP/s over cuDNN's own TFLOP/s); 1 is cuDNN's efficiency",
         "",
     ]
     bm = results.get("block_mask")
@@ -530,11 +532,12 @@ def markdown(results: dict) -> str:
     for case in results["cases"]:
         rows = [r for r in results["rows"] if r["case"] == case["case"]]
         base = next((r["ms"] for r in rows if r["method"] in ("sdpa_flash_dup", "sdpa_dup") and r["mode"] == "fwd+bwd" and r["ms"]), None)
+        cudnn = next((r["ms"] for r in rows if r["method"] == "sdpa_cudnn_dup" and r["mode"] == "fwd+bwd" and r["ms"]), None)
         lines += [
             f"## {case['case']}: N={case['N']}, P={case['P']}, R={case['R']}, T={case['T']}, ideal ratio {case['ideal_ratio']}x",
             "",
-            "| method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | speedup (fwd+bwd) | peak GB |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | speedup (fwd+bwd) | vs cuDNN | peak GB |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for meth in dict.fromkeys(r["method"] for r in rows):
             f = next(r for r in rows if r["method"] == meth and r["mode"] == "fwd")
@@ -542,11 +545,12 @@ def markdown(results: dict) -> str:
             if b["note"]:
                 notes.setdefault(meth, set()).add(b["note"])
             if b["status"] != "ok":
-                lines.append(f"| {meth} | {b['status']} | | {b['status']} | | | |")
+                lines.append(f"| {meth} | {b['status']} | | {b['status']} | | | | |")
                 continue
             sp = f"{base / b['ms']:.2f}x" if base else ""
+            eff = f"{cudnn / (b['ms'] * case['ideal_ratio']):.3f}" if cudnn and meth != "sdpa_cudnn_dup" else ""
             pk = "" if b["peak_gb"] is None else f"{b['peak_gb']:.1f}"
-            lines.append(f"| {meth} | {f['ms']:.2f} | {f['tflops']:.3g} | {b['ms']:.2f} | {b['tflops']:.3g} | {sp} | {pk} |")
+            lines.append(f"| {meth} | {f['ms']:.2f} | {f['tflops']:.3g} | {b['ms']:.2f} | {b['tflops']:.3g} | {sp} | {eff} | {pk} |")
         lines.append("")
     if results.get("skipped"):
         lines += ["## Skipped", ""] + [f"- {k}: {v}" for k, v in results["skipped"].items()] + [""]

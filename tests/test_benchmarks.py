@@ -146,3 +146,28 @@ def test_gluon_tune_refuses_a_machine_without_an_sm90_gpu():
     run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gluon_tune.py"), "dkdv", "stages=2"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "needs an sm_90 GPU (H100, H200)" in run.stderr, run.stderr[-2000:]
+
+
+def test_attention_report_gives_each_method_its_efficiency_against_cudnn():
+    """The attention report's "vs cuDNN" column: SDPA-cuDNN's fwd+bwd time on the duplicated batch over the
+    method's time times the ideal ratio (issue 20's measure). Here 8.0 / (5.0 * 2.0) = 0.8 and
+    8.0 / (2.5 * 2.0) = 1.6; without a cuDNN row the column stays empty."""
+    import attention as bench
+
+    def row(method, mode, ms, case="c"):
+        return dict(method=method, mode=mode, ms=ms, tflops=1.0, status="ok", peak_gb=None, note="", case=case)
+
+    meta = dict(device="cpu", torch="x", triton="x", cuda=None, date="d", hq=4, hkv=2, d=64, dtype="bf16",
+                cuda_timing=False)
+    cases = [dict(case="c", N=2, P=8, R=4, T=16, ideal_ratio=2.0), dict(case="nocudnn", N=2, P=8, R=4, T=16,
+                                                                      ideal_ratio=2.0)]
+    rows = [row("sdpa_cudnn_dup", "fwd", 2.0), row("sdpa_cudnn_dup", "fwd+bwd", 8.0),
+            row("dualkv_triton", "fwd", 1.0), row("dualkv_triton", "fwd+bwd", 5.0),
+            row("dualkv_gluon", "fwd", 1.0), row("dualkv_gluon", "fwd+bwd", 2.5),
+            row("dualkv_gluon", "fwd", 1.0, "nocudnn"), row("dualkv_gluon", "fwd+bwd", 2.5, "nocudnn")]
+    lines = bench.markdown(dict(meta=meta, cases=cases, rows=rows)).splitlines()
+    table = [ln for ln in lines if ln.startswith("| ")]
+    assert table[0].split(" | ")[6] == "vs cuDNN"
+    cells = {ln.split(" | ")[0][2:]: ln.split(" | ")[6] for ln in table[:6] if not ln.startswith("| ---")}
+    assert cells == {"method": "vs cuDNN", "sdpa_cudnn_dup": "", "dualkv_triton": "0.800", "dualkv_gluon": "1.600"}
+    assert table[-1].split(" | ")[6] == ""  # the case without a cuDNN row
