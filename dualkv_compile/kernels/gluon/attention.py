@@ -13,7 +13,7 @@ over every query row and head that reads it) and ``dq.py`` (Q-major), both
 built like the forward, both without atomics; on an H200 at head dim 128
 the backward takes about 0.84x the Triton backward's time. (dQ added by
 the dK/dV kernel with bulk reductions instead of the Q-major pass is an
-option, ``DkdvConfig.dq_mode``; slower on the H200.) Both read the same ``out`` and
+option, ``DkdvConfig.dq_mode``; not faster on the H200.) Both read the same ``out`` and
 ``lse`` (the natural-log lse over ``exp(scale * q.k)``, float32). Inputs the
 Gluon kernels do not take but the Triton kernels do (a logit softcap;
 operands without a 2-D tensor descriptor view) run the Triton forward or
@@ -193,8 +193,9 @@ class DkdvConfig:
     "recompute" (the dQ kernel recomputes S and dP; no atomics anywhere) or "atomic" (the dK/dV
     kernel also forms dQ = dS K, the warpgroups splitting the head dim, and adds it into a float32
     buffer by the copy engine's bulk reductions: FA3's way; head dim 128 only, other head dims
-    recompute). On the H200 "atomic" took 1.16-1.36x the recomputing backward's time
-    (benchmarks/results/gluon_bwd_tuning_h200.md), so it is not the default."""
+    recompute). On the H200 "atomic" took 0.99-1.01x the recomputing backward's time on (28, 16384,
+    1024) and 1.07-1.10x on shorter inputs (benchmarks/results/gluon_bwd_tuning_h200.md), so it is
+    not the default."""
 
     block_n: int = 128
     block_m: int = 64

@@ -30,7 +30,7 @@ Partitions, meeting at shared-memory rings as in ``fwd.py``:
                          with P^T and dS^T from registers. The transposed
                          scores keep dK and dV in the tile's own row order.
 
-With ``ATOMIC_DQ`` (an option, slower on the H200: ``attention.DkdvConfig``)
+With ``ATOMIC_DQ`` (an option, not faster on the H200: ``attention.DkdvConfig``)
 the kernel also forms dQ = scale * dS K, FA3's way: both consumers write
 their dS^T rows into one shared tile (two buffers; ``ds_full`` / ``ds_empty``
 mbarriers, one arrive per consumer), then each computes dQ for its half of
@@ -125,18 +125,20 @@ def _loader(q_desc, do_desc, k_desc, v_desc, st_desc, q_smem, do_smem, k_smem, v
 
 
 @gluon.jit
-def _row_stats(view, s_layout: gl.constexpr, BLOCK_M: gl.constexpr):
-    """A block's (lse in base 2, Delta) from its ``[BLOCK_M, 4]`` rows in shared memory (columns 0 and 2:
-    the Triton preprocess kernel's packing), each as a ``[1, BLOCK_M]`` row in the scores' layout, which
-    broadcasts over the keys as is. The rows are unswizzled; seen column-major, row c of the view is
-    column c. (Loading the rows and moving the columns into this layout cost 4% of the backward on the
-    H200; pointer loads from global memory 20%.)"""
+def _row_stat(view, col: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Column ``col`` of a block's ``[BLOCK_M, 4]`` row statistics in shared memory (0: lse in base 2,
+    2: Delta; the Triton preprocess kernel's packing), as a ``[1, BLOCK_M]`` row in the scores' layout,
+    which broadcasts over the keys as is. The rows are unswizzled; seen column-major, row c of the view
+    is column c. (Loading the rows and moving the columns into this layout cost 4% of the backward on
+    the H200; pointer loads from global memory 20%.) Each column costs 16 registers per thread, so
+    ``_block`` reads Delta only after the exponentials: reading both together made ptxas spill in
+    the loop, and the atomic-dQ variant took 1.4x its time (benchmarks/results/gluon_bwd_tuning_h200.md)."""
     layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0, 1])
     if _HAS_REINTERPRET:
         by_col = view.reinterpret(gl.float32, [4, BLOCK_M], layout)
     else:
         by_col = view._reinterpret(gl.float32, [4, BLOCK_M], layout)
-    return by_col.slice(0, 1).load(s_layout), by_col.slice(2, 1).load(s_layout)
+    return by_col.slice(col, 1).load(s_layout)
 
 
 @gluon.jit
@@ -185,7 +187,7 @@ def _block(i, k, v, k_cols, q_smem, do_smem, st_smem, ds_smem, ds_full, ds_empty
         if m + BLOCK_M > limit:  # ... and dV
             zero_rows_past(do, m, limit, BLOCK_M, HEAD_DIM)
     dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    lse2, delta = _row_stats(st_smem.index(st), s_layout, BLOCK_M)
+    lse2 = _row_stat(st_smem.index(st), 0, s_layout, BLOCK_M)
     s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
     p_t = gl.exp2(s_t * qk_scale - lse2)
     if MASK:
@@ -194,6 +196,7 @@ def _block(i, k, v, k_cols, q_smem, do_smem, st_smem, ds_smem, ds_full, ds_empty
         p_t = gl.where(keep, p_t, 0.0)
     dv = warpgroup_mma(gl.convert_layout(p_t.to(q.dtype), a_layout), do, dv, is_async=True)
     dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
+    delta = _row_stat(st_smem.index(st), 2, s_layout, BLOCK_M)  # read late: fewer registers live at the exponentials
     ds_t = p_t * (dp_t - delta)
     if MASK:  # the statistics past T are zeros, but a masked row's Delta belongs to another row
         ds_t = gl.where(keep, ds_t, 0.0)
