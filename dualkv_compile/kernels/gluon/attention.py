@@ -193,9 +193,10 @@ class DkdvConfig:
     "recompute" (the dQ kernel recomputes S and dP; no atomics anywhere) or "atomic" (the dK/dV
     kernel also forms dQ = dS K, the warpgroups splitting the head dim, and adds it into a float32
     buffer by the copy engine's bulk reductions: FA3's way; head dim 128 only, other head dims
-    recompute). On the H200 "atomic" took 0.99-1.01x the recomputing backward's time on (28, 16384,
-    1024) and 1.07-1.10x on shorter inputs (benchmarks/results/gluon_bwd_tuning_h200.md), so it is
-    not the default."""
+    recompute). On the H200 "atomic" took 0.97-1.02x the recomputing backward's time on (28, 16384,
+    1024) and the 2-level tree, 1.05-1.07x on (8, 2048, 2048) (it also zeroes and converts a float32 dQ;
+    benchmarks/results/gluon_bwd_tuning_h200.md): nowhere faster, and not deterministic, so it is not
+    the default."""
 
     block_n: int = 128
     block_m: int = 64

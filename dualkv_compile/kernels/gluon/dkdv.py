@@ -170,7 +170,10 @@ def _block(i, k, v, k_cols, q_smem, do_smem, st_smem, ds_smem, ds_full, ds_empty
     """Query block i (rows from m): S^T and dP^T issued together; P^T (while dP^T runs) into dV; dS^T into dK.
     With ``ATOMIC_DQ`` also this warpgroup's half of dQ's columns, dQ[:, cols] = dS K[:, cols] over the
     whole tile's keys (both warpgroups' dS^T, met in shared memory), added into the float32 buffer.
-    Every product is waited for inside the block (see ``dq.py`` on accumulators across the back edge)."""
+    Every product is waited for inside the block (see ``dq.py`` on accumulators across the back edge).
+    dV is waited for with dP^T, before dS^T is formed: with P^T still in flight (16 registers, and Delta's
+    16) the loop spilled, the atomic-dQ variant heavily; now the default loops do not spill and the times
+    are unchanged (benchmarks/results/gluon_bwd_tuning_h200.md)."""
     s_layout: gl.constexpr = s_zero.type.layout
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
     st = i % STAGES
@@ -195,7 +198,7 @@ def _block(i, k, v, k_cols, q_smem, do_smem, st_smem, ds_smem, ds_full, ds_empty
         keep = (keys[:, None] <= rows[None, :]) & (rows < limit)[None, :]
         p_t = gl.where(keep, p_t, 0.0)
     dv = warpgroup_mma(gl.convert_layout(p_t.to(q.dtype), a_layout), do, dv, is_async=True)
-    dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
+    dp_t, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, dv))
     delta = _row_stat(st_smem.index(st), 2, s_layout, BLOCK_M)  # read late: fewer registers live at the exponentials
     ds_t = p_t * (dp_t - delta)
     if MASK:  # the statistics past T are zeros, but a masked row's Delta belongs to another row
@@ -217,12 +220,12 @@ def _block(i, k, v, k_cols, q_smem, do_smem, st_smem, ds_smem, ds_full, ds_empty
         dk = warpgroup_mma(gl.convert_layout(ds_bf, a_layout), q, dk, is_async=True)
         mbarrier.wait(ds_full.index(buf), bph)
         dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+        dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq))
         mbarrier.arrive(ds_empty.index(buf), count=1)
         _add_dq(dq * sm_scale, dq_desc, dq_stage, dq_row, dq_col, m, limit, MASK, BLOCK_M, dq_zero.shape[1])
     else:
         dk = warpgroup_mma(gl.convert_layout(ds_t.to(q.dtype), a_layout), q, dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
     mbarrier.arrive(q_empty.index(st), count=1)
     mbarrier.arrive(do_empty.index(st), count=1)
     return dk, dv
