@@ -532,7 +532,8 @@ def markdown(results: dict) -> str:
     for case in results["cases"]:
         rows = [r for r in results["rows"] if r["case"] == case["case"]]
         base = next((r["ms"] for r in rows if r["method"] in ("sdpa_flash_dup", "sdpa_dup") and r["mode"] == "fwd+bwd" and r["ms"]), None)
-        cudnn = next((r["ms"] for r in rows if r["method"] == "sdpa_cudnn_dup" and r["mode"] == "fwd+bwd" and r["ms"]), None)
+        cudnn = next((r["ms"] for r in rows
+                      if r["method"] == "sdpa_cudnn_dup" and r["mode"] == "fwd+bwd" and r["ms"]), None)
         lines += [
             f"## {case['case']}: N={case['N']}, P={case['P']}, R={case['R']}, T={case['T']}, ideal ratio {case['ideal_ratio']}x",
             "",
@@ -550,7 +551,8 @@ def markdown(results: dict) -> str:
             sp = f"{base / b['ms']:.2f}x" if base else ""
             eff = f"{cudnn / (b['ms'] * case['ideal_ratio']):.3f}" if cudnn and meth != "sdpa_cudnn_dup" else ""
             pk = "" if b["peak_gb"] is None else f"{b['peak_gb']:.1f}"
-            lines.append(f"| {meth} | {f['ms']:.2f} | {f['tflops']:.3g} | {b['ms']:.2f} | {b['tflops']:.3g} | {sp} | {eff} | {pk} |")
+            lines.append(f"| {meth} | {f['ms']:.2f} | {f['tflops']:.3g} | {b['ms']:.2f} | {b['tflops']:.3g} | {sp} | {eff} "
+                         f"| {pk} |")
         lines.append("")
     if results.get("skipped"):
         lines += ["## Skipped", ""] + [f"- {k}: {v}" for k, v in results["skipped"].items()] + [""]

@@ -48,8 +48,8 @@ from ..triton.tma import tma_geometry
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["supports", "forward", "backward", "FwdConfig", "FWD_CONFIGS", "DqConfig", "DQ_CONFIGS", "DkdvConfig",
-           "DKDV_CONFIGS", "DQ_MODES"]
+__all__ = ["supports", "forward", "backward", "KernelTiles", "FwdConfig", "FWD_CONFIGS", "DqConfig", "DQ_CONFIGS",
+           "DkdvConfig", "DKDV_CONFIGS", "DQ_MODES"]
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
@@ -57,18 +57,26 @@ DQ_MODES = ("atomic", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
-class FwdConfig:
-    """Tiles of the forward: ``block_m`` query rows per program (two warpgroups of half each),
-    ``block_n`` keys per block, a ring of ``stages`` K and V blocks, the partitions' register
-    budgets (``setmaxnreg``; the loader needs few), and whether the two consumer warpgroups
-    issue their products in turns (FA3's ping-pong, ordered by mbarriers; slower on the H200
-    so far: benchmarks/results/gluon_fwd_tuning_h200.md)."""
+class KernelTiles:
+    """What every Gluon kernel's launch takes: ``block_m`` query rows and ``block_n`` keys per tile, rings
+    ``stages`` deep, and the partitions' register budgets (``setmaxnreg``: two consumer warpgroups at
+    ``consumer_regs``, the loader at ``loader_regs``; it needs few). Each kernel's config says which of
+    the two a program owns and which it streams."""
 
     block_m: int = 128
     block_n: int = 128
     stages: int = 2
     consumer_regs: int = 240
     loader_regs: int = 24
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig(KernelTiles):
+    """Tiles of the forward: ``block_m`` query rows per program (two warpgroups of half each),
+    ``block_n`` keys per block, a ring of ``stages`` K and V blocks; and whether the two consumer
+    warpgroups issue their products in turns (FA3's ping-pong, ordered by mbarriers; slower on the
+    H200 so far: benchmarks/results/gluon_fwd_tuning_h200.md)."""
+
     pingpong: bool = False
 
 
@@ -170,15 +178,12 @@ def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0, *, conf
 
 
 @dataclasses.dataclass(frozen=True)
-class DqConfig:
+class DqConfig(KernelTiles):
     """Tiles of the dQ kernel (``dq.py``): as ``FwdConfig``; 64-key blocks keep S, dP, dQ and dS of a
     64-row warpgroup in registers."""
 
-    block_m: int = 128
     block_n: int = 64
     stages: int = 4
-    consumer_regs: int = 240
-    loader_regs: int = 24
 
 
 # H200, D=128 (gluon_bwd_tuning_h200.md): 4 stages of 64 keys beat 2 and 3, and 32-key blocks.
@@ -186,7 +191,7 @@ DQ_CONFIGS: dict[int, DqConfig] = {64: DqConfig(), 128: DqConfig()}
 
 
 @dataclasses.dataclass(frozen=True)
-class DkdvConfig:
+class DkdvConfig(KernelTiles):
     """Tiles of the dK/dV kernel (``dkdv.py``): ``block_n`` keys per program (two warpgroups of half
     each, their dK and dV in registers), ``block_m`` query rows per step through ``stages``-deep rings
     of q, dO and the row statistics. ``dq_mode`` applies to the default (non-deterministic) backward:
@@ -198,11 +203,7 @@ class DkdvConfig:
     benchmarks/results/gluon_bwd_tuning_h200.md): nowhere faster, and not deterministic, so it is not
     the default."""
 
-    block_n: int = 128
     block_m: int = 64
-    stages: int = 2
-    consumer_regs: int = 240
-    loader_regs: int = 24
     dq_mode: str = "recompute"
 
     def __post_init__(self):
@@ -236,9 +237,9 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     Hkv = k.shape[1]
     cfg = config or DQ_CONFIGS[D]
     kcfg = dkdv_config or DKDV_CONFIGS[D]
+    # The dK/dV kernel's descriptors; the dQ kernel's (same tensors, its own blocks) only if it runs.
     descs = None if softcap else [_descriptor(t, r) for t, r in
-                                  ((q, cfg.block_m), (dout, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n),
-                                   (q, kcfg.block_m), (dout, kcfg.block_m), (k, kcfg.block_n), (v, kcfg.block_n))]
+                                  ((q, kcfg.block_m), (dout, kcfg.block_m), (k, kcfg.block_n), (v, kcfg.block_n))]
     if descs is None or any(d is None for d in descs):
         log.debug("gluon attention: %s; the Triton backward runs it",
                   "softcap" if softcap else "an operand has no 2-D tensor-descriptor view")
@@ -259,7 +260,7 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
 
     lse = lse.float().contiguous()
     delta, stats = triton_attention.row_statistics(out, dout, lse, pack=True)
-    (qd, q_row, q_col), (dod, do_row, do_col), (kd, k_row, k_col), (vd, v_row, v_col) = descs[4:]
+    (qd, q_row, q_col), (dod, do_row, do_col), (kd, k_row, k_col), (vd, v_row, v_col) = descs
     tiles = tile_schedule(segs, T, kcfg.block_n, "kv")
     shared_prompt_dkdv_kernel[(Hkv, tiles.shape[1])](
         qd, dod, kd, vd, _float_descriptor(stats, [kcfg.block_m, 4]), dk, dv,
@@ -277,7 +278,8 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
         return dq.to(q.dtype), dk, dv
 
     tiles = tile_schedule(segs, T, cfg.block_m, "q")
-    (qd, q_row, q_col), (dod, do_row, do_col), (kd, k_row, k_col), (vd, v_row, v_col) = descs[:4]
+    (qd, q_row, q_col), (dod, do_row, do_col), (kd, k_row, k_col), (vd, v_row, v_col) = [
+        _descriptor(t, r) for t, r in ((q, cfg.block_m), (dout, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))]
     shared_prompt_dq_kernel[(Hq, tiles.shape[1])](
         qd, dod, kd, vd, dq, lse, delta, tiles, tiles.shape[1],
         q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col,
