@@ -146,7 +146,7 @@ def _add_dq(dq, dq_desc, dq_stage, dq_row, dq_col, m, limit, MASK: gl.constexpr,
             COLUMNS: gl.constexpr):
     """Add a block's dQ rows (``COLUMNS`` columns from ``dq_col``) into the float32 buffer: staged in shared
     memory, then bulk reductions by the copy engine, one per 32 columns (FA3's way; per-thread float32
-    atomics took 1.9x the recomputing backward's time on the H200, these 1.2-1.4x). The block always
+    atomics took 1.9x the recomputing backward's time on the H200, these 0.97-1.07x). The block always
     covers ``BLOCK_M`` rows: with ``MASK`` the rows at or past ``limit`` (another subtree's, or the next
     head's) are set to zero by a select first, so they add nothing, not even a NaN from 0 * inf."""
     if MASK:
