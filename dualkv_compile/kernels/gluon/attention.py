@@ -144,6 +144,12 @@ def _descriptor(t: torch.Tensor, rows: int):
     return TensorDescriptor(t, shape, strides, block, layout), row_h, col_h
 
 
+def _backward_descriptors(tiles: KernelTiles, q, dout, k, v) -> list:
+    """``_descriptor`` of q and dO (``tiles.block_m`` rows) and of k and v (``tiles.block_n`` rows)."""
+    return [_descriptor(t, r) for t, r in ((q, tiles.block_m), (dout, tiles.block_m), (k, tiles.block_n),
+                                           (v, tiles.block_n))]
+
+
 def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0, *, config: Optional[FwdConfig] = None):
     """``(out [1, Hq, T, D] in q's dtype, lse [1, Hq, T] float32)``."""
     why = supports(q, v)
@@ -238,8 +244,7 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     cfg = config or DQ_CONFIGS[D]
     kcfg = dkdv_config or DKDV_CONFIGS[D]
     # The dK/dV kernel's descriptors; the dQ kernel's (same tensors, its own blocks) only if it runs.
-    descs = None if softcap else [_descriptor(t, r) for t, r in
-                                  ((q, kcfg.block_m), (dout, kcfg.block_m), (k, kcfg.block_n), (v, kcfg.block_n))]
+    descs = None if softcap else _backward_descriptors(kcfg, q, dout, k, v)
     if descs is None or any(d is None for d in descs):
         log.debug("gluon attention: %s; the Triton backward runs it",
                   "softcap" if softcap else "an operand has no 2-D tensor-descriptor view")
@@ -278,8 +283,8 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
         return dq.to(q.dtype), dk, dv
 
     tiles = tile_schedule(segs, T, cfg.block_m, "q")
-    (qd, q_row, q_col), (dod, do_row, do_col), (kd, k_row, k_col), (vd, v_row, v_col) = [
-        _descriptor(t, r) for t, r in ((q, cfg.block_m), (dout, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))]
+    (qd, q_row, q_col), (dod, do_row, do_col), (kd, k_row, k_col), (vd, v_row, v_col) = _backward_descriptors(
+        cfg, q, dout, k, v)
     shared_prompt_dq_kernel[(Hq, tiles.shape[1])](
         qd, dod, kd, vd, dq, lse, delta, tiles, tiles.shape[1],
         q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col,
