@@ -11,7 +11,8 @@ decided, with no device time spent: registers per thread, local-memory stack
 (spills), shared memory, how many programs fit on one SM, and for each inner
 loop of the SASS its length and its counts of matrix instructions (HGMMA),
 their waits (DEPBAR), spill loads and stores (LDL/STL), copy-engine and
-pointer copies (UTMALDG/LDGSTS) and exponentials. Spills inside a loop, or a
+pointer copies (UTMALDG/LDGSTS) and exponentials; and whether it was compiled
+with floating-point contraction (FMAs: ``kernels/triton/launch.py``). Spills inside a loop, or a
 wait after every HGMMA, predict a slow kernel before it is ever timed
 (benchmarks/results/triton_tuning.md, run 5).
 
@@ -118,7 +119,7 @@ def resources(name: str, kernel) -> dict:
     per_sm = min(REGISTERS_PER_SM // (regs * 32 * warps), SHARED_PER_SM // max(smem, 1))
     return dict(kernel=name, registers=regs, stack_bytes=stack, shared_kb=round(smem / 1024, 1), warps=warps,
                 stages=kernel.metadata.num_stages, programs_per_sm=per_sm, setmaxnreg=setmaxnreg,
-                loops=inner_loops(sass))
+                fp_fusion=kernel.metadata.enable_fp_fusion, loops=inner_loops(sass))
 
 
 def compile_kernels(config, head_dim: int = 128, q_heads: int = 32, kv_heads: int = 8, tokens: int = 4096) -> list:
@@ -195,7 +196,7 @@ def main() -> None:
     for r in records:
         print(f"{r['kernel']:26s} {r['registers']:3d} registers, {r['stack_bytes']:5d} B stack, "
               f"{r['shared_kb']:6.1f} KB shared, {r['warps']} warps, {r['programs_per_sm']} per SM, "
-              f"{r['setmaxnreg']} setmaxnreg")
+              f"{r['setmaxnreg']} setmaxnreg, FMA contraction {'on' if r['fp_fusion'] else 'off'}")
         for loop in r["loops"]:
             print(f"    loop {loop}")
 

@@ -103,18 +103,21 @@ def test_estimated_full_batch_memory_and_its_goal():
 
 
 def test_sm90_resources_compiles_the_table_without_a_gpu():
-    """The sm_90 resource report runs on this CPU machine (its own process: it patches Triton's driver)."""
+    """The sm_90 resource report runs on this CPU machine (its own process: it patches Triton's driver).
+    Every kernel is compiled with FMAs, even where Triton's default is off (as 3.10's will be)."""
     code = (
         "import json, sys; sys.path.insert(0, 'benchmarks'); import sm90_resources as s; "
         "from dualkv_compile.kernels.triton.attention import HOPPER_CONFIGS; "
         "print(json.dumps(s.compile_kernels(HOPPER_CONFIGS[64], 64, 4, 2, 512)))"
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="0")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     kernels = {r["kernel"]: r for r in json.loads(done.stdout.strip().splitlines()[-1])}
     assert set(kernels) == {"shared_prompt_fwd_kernel", "bwd_preprocess_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"}
     for r in kernels.values():
         assert 0 < r["registers"] <= 255 and r["programs_per_sm"] >= 1
+        assert r["fp_fusion"] is True, r["kernel"]
     # The table's streamed operands come through the copy engine inside the pipelined loops.
     for name in ("shared_prompt_fwd_kernel", "bwd_dkdv_kernel"):
         assert any(loop.get("UTMALDG") and loop.get("HGMMA") for loop in kernels[name]["loops"]), kernels[name]

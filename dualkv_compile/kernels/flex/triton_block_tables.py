@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..triton.launch import LAUNCH_OPTIONS
 from .block_tables import BLOCK, SENTINEL
 
 __all__ = ["triton_kernels", "triton_block_tables"]
@@ -150,9 +151,9 @@ def triton_block_tables(table: torch.Tensor, num_tokens: int, max_seg_len: int) 
     chunk = 512 if NB > 256 else 256
     tok_chunk = 1024
     grid_tok = (max(1, nseg), max(1, (max_seg_len + tok_chunk - 1) // tok_chunk))
-    tokens_kernel[grid_tok](table, table.stride(0), reach, T, CHUNK=tok_chunk)
-    kv_blocks_kernel[(NB,)](reach, min_reach, max_reach, T, BLOCK=BLOCK, SENTINEL=SENTINEL)
+    tokens_kernel[grid_tok](table, table.stride(0), reach, T, CHUNK=tok_chunk, **LAUNCH_OPTIONS)
+    kv_blocks_kernel[(NB,)](reach, min_reach, max_reach, T, BLOCK=BLOCK, SENTINEL=SENTINEL, **LAUNCH_OPTIONS)
     rows_kernel[(NB,)](min_reach, max_reach, flags, nums[0], idxs[0], nums[1], idxs[1], T, NB,
-                       BLOCK=BLOCK, CHUNK=chunk)
-    cols_kernel[(NB,)](flags, nums[2], idxs[2], nums[3], idxs[3], NB, CHUNK=chunk)
+                       BLOCK=BLOCK, CHUNK=chunk, **LAUNCH_OPTIONS)
+    cols_kernel[(NB,)](flags, nums[2], idxs[2], nums[3], idxs[3], NB, CHUNK=chunk, **LAUNCH_OPTIONS)
     return (nums[0], idxs[0], nums[1], idxs[1], nums[2], idxs[2], nums[3], idxs[3], reach)

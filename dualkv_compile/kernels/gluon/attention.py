@@ -43,6 +43,7 @@ import torch
 
 from ...layout.segments import Segments
 from ..triton import attention as triton_attention
+from ..triton.launch import LAUNCH_OPTIONS
 from ..triton.schedule import ancestor_walk, tile_schedule
 from ..triton.tma import tma_geometry
 
@@ -179,6 +180,7 @@ def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0, *, conf
         Hq // Hkv, scale * LOG2E,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         LOADER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.consumer_regs, PINGPONG=cfg.pingpong, num_warps=4,
+        **LAUNCH_OPTIONS,
     )
     return out, lse
 
@@ -277,7 +279,7 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
         HEAD_DIM=D, BLOCK_M=kcfg.block_m, BLOCK_N=kcfg.block_n, STAGES=kcfg.stages,
         LOADER_REGS=kcfg.loader_regs, CONSUMER_REGS=kcfg.consumer_regs, ATOMIC_DQ=atomic_dq,
         DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([kcfg.block_n, kcfg.block_m], _gl_dtype(q.dtype)),
-        num_warps=4,
+        num_warps=4, **LAUNCH_OPTIONS,
     )
     if atomic_dq:
         return dq.to(q.dtype), dk, dv
@@ -292,6 +294,6 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
         dq.stride(1), dq.stride(2), dq.stride(3), lse.stride(1),
         Hq // Hkv, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-        LOADER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
+        LOADER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=4, **LAUNCH_OPTIONS,
     )
     return dq, dk, dv

@@ -73,6 +73,7 @@ import torch
 
 from ...layout.segments import Segments
 from ..head_dims import common_head_dim, pad_head_dim
+from .launch import LAUNCH_OPTIONS
 from .schedule import ancestor_walk, tile_schedule
 from .tma import block_d, descriptors, interpreting, row_stats_descriptor
 
@@ -274,6 +275,7 @@ def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0, *, conf
         Hq // Hkv, scale * LOG2E,
         HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_dot_flags(q), TMA=tma, SOFTCAP=float(softcap), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **LAUNCH_OPTIONS,
     )
     return out, lse
 
@@ -306,6 +308,7 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
             lse.stride(1), Hq // k.shape[1], scale * LOG2E, scale,
             HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=c.block_m, BLOCK_N=c.block_n,
             **_dot_flags(q), TMA=tma, SOFTCAP=float(softcap), num_warps=c.num_warps, num_stages=c.num_stages,
+            **LAUNCH_OPTIONS,
         )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -324,7 +327,7 @@ def row_statistics(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, pac
         pre_block = 64 if BD <= 128 else 32
         bwd_preprocess_kernel[(Hq, -(-T // pre_block))](
             out, dout, delta, lse, stats, T, *_strides(out), *_strides(dout), delta.stride(1),
-            HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=pre_block, PACK_STATS=pack,
+            HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=pre_block, PACK_STATS=pack, **LAUNCH_OPTIONS,
         )
     return delta, stats
 
@@ -373,6 +376,6 @@ def backward_dkdv(dout, q, k, v, out, lse, segs: Segments, scale: float, determi
         lse.stride(1), G, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_SPLIT=head_split,
         ATOMIC_DQ=atomic_dq, **flags, TMA=tma, STATS_TMA=stats_tma, SOFTCAP=float(softcap),
-        num_warps=c.num_warps, num_stages=c.num_stages,
+        num_warps=c.num_warps, num_stages=c.num_stages, **LAUNCH_OPTIONS,
     )
     return dq, dk, dv, delta, lse
