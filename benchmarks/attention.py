@@ -36,7 +36,6 @@ import datetime
 import gc
 import json
 import math
-import os
 import platform
 import random
 import statistics
