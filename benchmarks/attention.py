@@ -210,7 +210,7 @@ def setup_sdpa_dup(case: Case, cfg: Cfg, backend: Optional[str]):
             if expand or "out of memory" in str(e):
                 raise
             note = f"GQA refused ({str(e).splitlines()[0][:80]}); K/V materialised with Hq heads"
-            del q, k, v
+            q = k = v = fn = None  # fn's defaults hold the tensors too
             _free()
     return fn, [q, k, v], None, note
 
