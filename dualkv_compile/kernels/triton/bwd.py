@@ -136,11 +136,11 @@ def _dkdv_q_block(
         p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
     if CAUSAL:
         p_t = tl.where(offs_n[:, None] <= rows[None, :], p_t, 0.0)
-    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC, out_dtype=dv.dtype)
     ds_t = p_t * (dp_t - delta[None, :])
     if SOFTCAP != 0.0:
         ds_t = ds_t * (1.0 - tanh_t * tanh_t)
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC, out_dtype=dk.dtype)
     if ATOMIC_DQ:
         # Columns past the segment hold k = 0, but p can overflow there: zero them before dS reaches dQ.
         ds_t = tl.where(col_ok[:, None], ds_t, 0.0)
@@ -283,7 +283,7 @@ def _dq_kv_block(
     ds = p * (dp - delta[:, None])
     if SOFTCAP != 0.0:
         ds = ds * (1.0 - tanh * tanh)
-    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC, out_dtype=dq.dtype)
     return dq
 
 

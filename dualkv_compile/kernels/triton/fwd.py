@@ -92,7 +92,7 @@ def _fwd_kv_block(
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC, out_dtype=acc.dtype)
     return acc, l_i, m_new
 
 
