@@ -12,6 +12,7 @@ integer count zeroed at padding by ``& mask``.
 from __future__ import annotations
 
 import functools
+import operator
 
 import pytest
 import torch
@@ -102,3 +103,43 @@ def test_reduction_form_packs_exactly(form, dense):
     reports = dualkv_compile.reports()[before:]
     assert reports and all(r.packed_calls == r.calls for r in reports if r.num_attention), [str(r) for r in reports]
     assert any(r.packed_calls for r in reports), [str(r) for r in reports]
+
+
+# torch 2.12's Dynamo records a comparison of two tensors as a method call (``call_method __eq__``); 2.13
+# records ``operator.eq``. The backend must read both the same way.
+_AS_METHODS = {operator.eq: "__eq__", operator.ne: "__ne__", operator.lt: "__lt__", operator.le: "__le__",
+               operator.gt: "__gt__", operator.ge: "__ge__"}
+
+
+def _comparisons_as_methods(gm, example_inputs, **kwargs):
+    """``dualkv_backend`` on the graph as torch 2.12 traces it: every comparison a ``call_method``."""
+    changed = 0
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _AS_METHODS:
+            n.op, n.target = "call_method", _AS_METHODS[n.target]
+            changed += 1
+    assert changed, "the form compares no tensors: nothing to test"
+    gm.recompile()
+    return dualkv_backend(gm, example_inputs, **kwargs)
+
+
+def test_comparison_traced_as_a_method_still_packs():
+    """The integer count's ``(argmax == ids) & mask`` packs and is exact when ``==`` is a ``call_method``
+    (under torch 2.12 it ran unpacked: the padding-read check did not know ``__eq__`` maps position to position)."""
+    torch.manual_seed(0)
+    model, ref = hf_model("llama", "sdpa", layers=1), hf_model("llama", "sdpa", layers=1)
+    ref.load_state_dict(model.state_dict())
+    ids, mask, _ = grpo_batch([(6, [3, 5, 1, 4])], VOCAB, left_pad=0)
+    torch._dynamo.reset()
+    before = len(dualkv_compile.reports())
+    backend = functools.partial(_comparisons_as_methods, options={"inner": "aot_eager"})
+    got = torch.compile(_integer_count, backend=backend)(model, ids, mask)
+    want = _integer_count(ref, ids, mask)
+    assert rel(got.double().detach(), want.double().detach()) <= 1e-5
+    got.backward()
+    want.backward()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        if b.grad is not None:
+            assert rel(a.grad, b.grad) <= 1e-5, name
+    reports = [r for r in dualkv_compile.reports()[before:] if r.num_attention]
+    assert reports and all(r.packed_calls == r.calls > 0 for r in reports), [str(r) for r in reports]

@@ -81,6 +81,8 @@ POINTWISE_METHODS = {
     "sqrt", "exp", "log", "sin", "cos", "neg", "abs", "sigmoid", "tanh", "mul", "add", "sub", "div", "clamp",
     "type", "masked_fill", "requires_grad_", "__and__", "__or__", "__invert__", "long", "int", "bool",
     "log1p", "expm1", "square", "reciprocal", "float_power", "nan_to_num", "where", "fill_", "zero_", "gather",
+    # Comparisons: torch 2.12's Dynamo records ``ids == x`` as ``call_method __eq__`` (2.13: ``operator.eq``).
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "eq", "ne", "lt", "le", "gt", "ge",
 }
 REDUCE_METHODS = {"mean", "sum", "amax", "amin", "norm", "var", "std", "logsumexp", "prod"}
 REDUCE_FUNCS = {torch.mean, torch.sum, torch.amax, torch.amin, torch.norm, torch.var, torch.std, torch.logsumexp}
