@@ -200,6 +200,9 @@ def _pointwise_rows():
         ("clamp", (0.0,)), ("type", (torch.float64,)), ("requires_grad_", ()), ("long", ()), ("int", ()),
         ("bool", ()), ("log1p", ()), ("expm1", ()), ("square", ()), ("reciprocal", ()), ("float_power", (2,)),
         ("nan_to_num", ()), ("fill_", (0.0,)), ("zero_", ()),
+        # comparisons as methods (torch 2.12's Dynamo records ``a == b`` as ``call_method __eq__``)
+        ("__eq__", (X1,)), ("__ne__", (X1,)), ("__lt__", (X1,)), ("__le__", (X1,)), ("__gt__", (X1,)),
+        ("__ge__", (X1,)), ("eq", (X1,)), ("ne", (X1,)), ("lt", (0.0,)), ("le", (X1,)), ("gt", (0.0,)), ("ge", (X1,)),
     ]
     rows += [(f"{m}-method", meth(m, X0, *a), [x, w], out("b s -", TOKEN)) for m, a in methods]
     rows += [
