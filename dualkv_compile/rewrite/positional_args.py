@@ -15,9 +15,9 @@ Contract
     ``view``, ``expand``, ``new_*`` likewise); nothing after them moves (``dim=-1``, ``bias=b`` stay
     keywords, as other rules read them by name). A keyword moves only while
     the call binds to exactly the same arguments both ways
-    (``torch.fx.operator_schemas.normalize_function``); a call whose
-    signature cannot be resolved (an overloaded builtin given no types)
-    stays as it is.
+    (``torch.fx.operator_schemas.normalize_function``, given the arguments'
+    types where the call is overloaded); a call whose signature cannot be
+    resolved stays as it is.
 
 Why
     The token-axis rules and the rewrite read an op's operands by position
@@ -40,14 +40,34 @@ from .graph_copy import copy_graph_module
 __all__ = ["positional_args"]
 
 
+def _type_of(value):
+    """The type ``normalize_function`` matches an overload by: a graph value's example value's (a tensor's:
+    ``torch.Tensor``), else the constant's own; None where the graph recorded no example value."""
+    if isinstance(value, fx.Node):
+        ev = value.meta.get("example_value")
+        return torch.Tensor if isinstance(ev, torch.Tensor) else (None if ev is None else type(ev))
+    return type(value)
+
+
 def _bound(target, args, kwargs) -> Optional[dict]:
-    """Every parameter of ``target(*args, **kwargs)`` by name, in signature order; None if it cannot be bound."""
-    try:
-        # Signature lookups of arbitrary callables raise all sorts of errors: any of them means "unknown".
-        full = normalize_function(target, tuple(args), dict(kwargs), normalize_to_only_use_kwargs=True)
-    except Exception:
-        return None
-    return None if full is None else dict(full.kwargs)
+    """Every parameter of ``target(*args, **kwargs)`` by name, in signature order; None if it cannot be bound.
+
+    An overloaded builtin binds only with the arguments' types (``torch.var(input=x, dim=-1)`` on any torch;
+    ``torch.sum`` and most others on torch 2.12), so a call that does not bind untyped is tried typed."""
+    arg_types = tuple(_type_of(a) for a in args)
+    kwarg_types = {k: _type_of(v) for k, v in kwargs.items()}
+    attempts = [{}]
+    if None not in arg_types and None not in kwarg_types.values():
+        attempts.append(dict(arg_types=arg_types, kwarg_types=kwarg_types))
+    for types in attempts:
+        try:
+            # Signature lookups of arbitrary callables raise all sorts of errors: any of them means "unknown".
+            full = normalize_function(target, tuple(args), dict(kwargs), normalize_to_only_use_kwargs=True, **types)
+        except Exception:
+            full = None
+        if full is not None:
+            return dict(full.kwargs)
+    return None
 
 
 def _same(a: dict, b: dict) -> bool:

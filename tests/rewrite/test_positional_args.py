@@ -79,6 +79,19 @@ def forward(self, L_x_ : torch.Tensor, L_w_ : torch.Tensor):
     new_zeros = l_x_.new_zeros((2,))
     return (sum_1, softmax, layer_norm, matmul, cumsum, linear, reshape, reshape_1, new_zeros)""")
 
+    def test_an_overloaded_call_moves_with_its_argument_types(self):
+        """``torch.var`` binds to an overload only given its arguments' types (on torch 2.12 so did
+        ``torch.sum``, ``softmax``, ``cumsum`` and most reductions); it used to keep ``input=``."""
+        def f(x):
+            return torch.var(input=x, dim=-1), torch.clamp(input=x, min=0.0)
+
+        out = positional_args(capture(f, torch.randn(2, 3, 4)))
+        self.assertExpectedInline(normalise(out.code), """\
+def forward(self, L_x_ : torch.Tensor):
+    var = torch.var(l_x_, dim = -1)
+    clamp = torch.clamp(l_x_, min = 0.0)
+    return (var, clamp)""")
+
     def test_a_graph_without_keyword_operands_is_returned_as_is(self):
         def f(x, w):
             return torch.softmax(F.linear(x, w), dim=-1)
