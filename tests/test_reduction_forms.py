@@ -79,8 +79,9 @@ FORMS = [(_keepdim_mean_features, False), (_merged_sum, False), (_next_token_sum
          (_expert_counts, False), (_expert_histc, True), (_integer_count, False)]
 
 
-@pytest.mark.parametrize("form, dense", FORMS, ids=[f.__name__.strip("_") for f, _ in FORMS])
-def test_reduction_form_packs_exactly(form, dense):
+def _compiled_matches_eager(form, dense: bool, backend=dualkv_backend) -> list:
+    """Compile ``form`` on a 1-layer Llama with ``backend`` (given ``inner="aot_eager"``), check its value
+    and gradients against eager's on a copy (1e-5), and return the graph reports the compile added."""
     torch.manual_seed(0)
     model, ref = hf_model("llama", "sdpa", layers=1), hf_model("llama", "sdpa", layers=1)
     ref.load_state_dict(model.state_dict())
@@ -91,7 +92,7 @@ def test_reduction_form_packs_exactly(form, dense):
         ids, mask, _ = grpo_batch([(6, [3, 5, 1, 4])], VOCAB, left_pad=0)
     torch._dynamo.reset()
     before = len(dualkv_compile.reports())
-    got = torch.compile(form, backend=functools.partial(dualkv_backend, options={"inner": "aot_eager"}))(model, ids, mask)
+    got = torch.compile(form, backend=functools.partial(backend, options={"inner": "aot_eager"}))(model, ids, mask)
     want = form(ref, ids, mask)
     assert got.dtype == want.dtype and rel(got.double().detach(), want.double().detach()) <= 1e-5
     if want.requires_grad:
@@ -100,10 +101,14 @@ def test_reduction_form_packs_exactly(form, dense):
         for (name, a), b in zip(model.named_parameters(), ref.parameters()):
             if b.grad is not None:
                 assert rel(a.grad, b.grad) <= 1e-5, name
-    reports = dualkv_compile.reports()[before:]
+    return dualkv_compile.reports()[before:]
+
+
+@pytest.mark.parametrize("form, dense", FORMS, ids=[f.__name__.strip("_") for f, _ in FORMS])
+def test_reduction_form_packs_exactly(form, dense):
+    reports = _compiled_matches_eager(form, dense)
     assert reports and all(r.packed_calls == r.calls for r in reports if r.num_attention), [str(r) for r in reports]
     assert any(r.packed_calls for r in reports), [str(r) for r in reports]
-
 
 # torch 2.12's Dynamo records a comparison of two tensors as a method call (``call_method __eq__``); 2.13
 # records ``operator.eq``. The backend must read both the same way.
@@ -126,20 +131,5 @@ def _comparisons_as_methods(gm, example_inputs, **kwargs):
 def test_comparison_traced_as_a_method_still_packs():
     """The integer count's ``(argmax == ids) & mask`` packs and is exact when ``==`` is a ``call_method``
     (under torch 2.12 it ran unpacked: the padding-read check did not know ``__eq__`` maps position to position)."""
-    torch.manual_seed(0)
-    model, ref = hf_model("llama", "sdpa", layers=1), hf_model("llama", "sdpa", layers=1)
-    ref.load_state_dict(model.state_dict())
-    ids, mask, _ = grpo_batch([(6, [3, 5, 1, 4])], VOCAB, left_pad=0)
-    torch._dynamo.reset()
-    before = len(dualkv_compile.reports())
-    backend = functools.partial(_comparisons_as_methods, options={"inner": "aot_eager"})
-    got = torch.compile(_integer_count, backend=backend)(model, ids, mask)
-    want = _integer_count(ref, ids, mask)
-    assert rel(got.double().detach(), want.double().detach()) <= 1e-5
-    got.backward()
-    want.backward()
-    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
-        if b.grad is not None:
-            assert rel(a.grad, b.grad) <= 1e-5, name
-    reports = [r for r in dualkv_compile.reports()[before:] if r.num_attention]
+    reports = [r for r in _compiled_matches_eager(_integer_count, False, _comparisons_as_methods) if r.num_attention]
     assert reports and all(r.packed_calls == r.calls > 0 for r in reports), [str(r) for r in reports]
