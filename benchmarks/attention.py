@@ -342,26 +342,39 @@ def _free():
         torch.cuda.empty_cache()
 
 
-def time_ms(fn: Callable, device, budget_ms: float, min_reps: int, max_reps: int) -> float:
-    """Median ms of ``fn`` after one warm-up call; reps fitted to the budget."""
+QUEUE_MS = 2.0  # the GPU sleep each timed call is queued behind (see time_ms)
+
+
+def time_ms(fn: Callable, device, budget_ms: float, min_reps: int, max_reps: int) -> tuple[float, float]:
+    """``(queued, from_idle)``: median ms of ``fn`` after one warm-up call; reps fitted to the budget.
+
+    On CUDA each rep times ``fn`` twice, with events around it: ``queued`` behind a ``QUEUE_MS`` GPU
+    sleep, so the host's work before the first kernel (Python dispatch, checks, launches) runs while
+    the GPU is busy, as in a training step whose host runs ahead; ``from_idle`` from an idle GPU, so
+    that host work counts (``benchmarks/op_overhead.py`` splits it out). On CPU both are wall time.
+    """
     fn()
     _sync(device)
-    times = []
+    queued, idle = [], []
     while True:
         if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
+            for times, ahead in ((queued, True), (idle, False)):
+                if ahead:
+                    torch.cuda._sleep(int(QUEUE_MS * 1.5e6))  # clock cycles: about 1.5 GHz; the length is not critical
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e))
         else:
             t0 = time.perf_counter()
             fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        n = len(times)
-        if n >= max_reps or (n >= min_reps and sum(times) >= budget_ms):
-            return statistics.median(times)
+            queued.append((time.perf_counter() - t0) * 1e3)
+            idle.append(queued[-1])
+        n = len(queued)
+        if n >= max_reps or (n >= min_reps and sum(queued) >= budget_ms):
+            return statistics.median(queued), statistics.median(idle)
 
 
 def run_method(name, setup, case: Case, cfg: Cfg, args) -> list[dict]:
@@ -376,7 +389,7 @@ def run_method(name, setup, case: Case, cfg: Cfg, args) -> list[dict]:
         t0 = time.time()
         fn, leaves, douts, note = setup(case, cfg)
         with torch.no_grad():
-            fwd_ms = time_ms(fn, device, args.budget_ms, args.min_reps, args.max_reps)
+            fwd_ms, fwd_idle = time_ms(fn, device, args.budget_ms, args.min_reps, args.max_reps)
         peak_fwd = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
         outs = fn()
         douts = [torch.randn_like(o) for o in outs]
@@ -386,19 +399,24 @@ def run_method(name, setup, case: Case, cfg: Cfg, args) -> list[dict]:
             o = fn()
             return torch.autograd.grad(o, leaves, douts)
 
-        bwd_ms = time_ms(fwd_bwd, device, args.budget_ms, args.min_reps, args.max_reps)
+        bwd_ms, bwd_idle = time_ms(fwd_bwd, device, args.budget_ms, args.min_reps, args.max_reps)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-        for mode, ms, mult, pk in (("fwd", fwd_ms, 1.0, peak_fwd), ("fwd+bwd", bwd_ms, 3.5, peak)):
-            rows.append(dict(base, mode=mode, status="ok", ms=round(ms, 3), tflops=float(f"{flops_fwd * mult / ms / 1e9:.4g}"),
+        for mode, ms, ms_idle, mult, pk in (("fwd", fwd_ms, fwd_idle, 1.0, peak_fwd),
+                                            ("fwd+bwd", bwd_ms, bwd_idle, 3.5, peak)):
+            rows.append(dict(base, mode=mode, status="ok", ms=round(ms, 3),
+                             ms_idle=round(ms_idle, 3) if device.type == "cuda" else None,
+                             tflops=float(f"{flops_fwd * mult / ms / 1e9:.4g}"),
                              peak_gb=None if pk is None else round(pk, 2), note=note))
         log(f"  {name:15s} fwd {fwd_ms:9.2f} ms  fwd+bwd {bwd_ms:9.2f} ms  peak {peak or 0:.1f} GB  ({time.time() - t0:.0f}s) {note}")
     except torch.OutOfMemoryError:
         log(f"  {name:15s} OOM")
-        rows = [dict(base, mode=m, status="OOM", ms=None, tflops=None, peak_gb=None, note="") for m in ("fwd", "fwd+bwd")]
+        rows = [dict(base, mode=m, status="OOM", ms=None, ms_idle=None, tflops=None, peak_gb=None, note="")
+                for m in ("fwd", "fwd+bwd")]
     except Exception as e:  # noqa: BLE001 - a failing method must not end the run
         msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         log(f"  {name:15s} FAILED {msg}")
-        rows = [dict(base, mode=m, status="error", ms=None, tflops=None, peak_gb=None, note=msg) for m in ("fwd", "fwd+bwd")]
+        rows = [dict(base, mode=m, status="error", ms=None, ms_idle=None, tflops=None, peak_gb=None, note=msg)
+                for m in ("fwd", "fwd+bwd")]
     finally:
         fn = leaves = douts = None  # noqa: F841
         _free()
@@ -510,6 +528,10 @@ def markdown(results: dict) -> str:
         f"- device: {m['device']}; torch {m['torch']}; triton {m['triton']}; CUDA {m['cuda']}; date {m['date']}",
         f"- Hq={m['hq']}, Hkv={m['hkv']}, D={m['d']}, {m['dtype']}; median of {'CUDA-event' if m['cuda_timing'] else 'wall-clock'} timings; "
         "TFLOP/s = useful attention pairs (packed layout) x 4 x D x Hq / time, fwd+bwd counted 3.5x",
+        *(["- ms: each call queued behind a short GPU sleep, so the host's work before its first kernel overlaps "
+           "the GPU (as in a training step, whose host runs ahead); 'from idle': the same calls started on an idle "
+           "GPU, the host's dispatch and launch counted (benchmarks/op_overhead.py gives each method's host share)"]
+          if m["cuda_timing"] else []),
         *([f"- **Caveat:** {m['caveat']}"] if m.get("caveat") else []),
         "- speedup: SDPA (flash on CUDA) on the duplicated batch, fwd+bwd time, over the method's; "
         "peak GB: peak allocated memory of the method (its inputs, activations and gradients)",
@@ -531,13 +553,15 @@ def markdown(results: dict) -> str:
     for case in results["cases"]:
         rows = [r for r in results["rows"] if r["case"] == case["case"]]
         base = next((r["ms"] for r in rows if r["method"] in ("sdpa_flash_dup", "sdpa_dup") and r["mode"] == "fwd+bwd" and r["ms"]), None)
-        cudnn = next((r["ms"] for r in rows
-                      if r["method"] == "sdpa_cudnn_dup" and r["mode"] == "fwd+bwd" and r["ms"]), None)
+        cudnn_row = next((r for r in rows
+                          if r["method"] == "sdpa_cudnn_dup" and r["mode"] == "fwd+bwd" and r["ms"]), {})
+        cudnn, cudnn_idle = cudnn_row.get("ms"), cudnn_row.get("ms_idle")
         lines += [
             f"## {case['case']}: N={case['N']}, P={case['P']}, R={case['R']}, T={case['T']}, ideal ratio {case['ideal_ratio']}x",
             "",
-            "| method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | speedup (fwd+bwd) | vs cuDNN | peak GB |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | speedup (fwd+bwd) | vs cuDNN | peak GB "
+            "| fwd+bwd ms from idle | vs cuDNN from idle |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for meth in dict.fromkeys(r["method"] for r in rows):
             f = next(r for r in rows if r["method"] == meth and r["mode"] == "fwd")
@@ -545,13 +569,16 @@ def markdown(results: dict) -> str:
             if b["note"]:
                 notes.setdefault(meth, set()).add(b["note"])
             if b["status"] != "ok":
-                lines.append(f"| {meth} | {b['status']} | | {b['status']} | | | | |")
+                lines.append(f"| {meth} | {b['status']} | | {b['status']} | | | | | | |")
                 continue
             sp = f"{base / b['ms']:.2f}x" if base else ""
             eff = f"{cudnn / (b['ms'] * case['ideal_ratio']):.3f}" if cudnn and meth != "sdpa_cudnn_dup" else ""
             pk = "" if b["peak_gb"] is None else f"{b['peak_gb']:.1f}"
+            idle = b.get("ms_idle")
+            eff_idle = (f"{cudnn_idle / (idle * case['ideal_ratio']):.3f}"
+                        if cudnn_idle and idle and meth != "sdpa_cudnn_dup" else "")
             lines.append(f"| {meth} | {f['ms']:.2f} | {f['tflops']:.3g} | {b['ms']:.2f} | {b['tflops']:.3g} | {sp} | {eff} "
-                         f"| {pk} |")
+                         f"| {pk} | {'' if idle is None else f'{idle:.2f}'} | {eff_idle} |")
         lines.append("")
     if results.get("skipped"):
         lines += ["## Skipped", ""] + [f"- {k}: {v}" for k, v in results["skipped"].items()] + [""]

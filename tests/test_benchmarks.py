@@ -154,11 +154,13 @@ def test_gluon_tune_refuses_a_machine_without_an_sm90_gpu():
 def test_attention_report_gives_each_method_its_efficiency_against_cudnn():
     """The attention report's "vs cuDNN" column: SDPA-cuDNN's fwd+bwd time on the duplicated batch over the
     method's time times the ideal ratio (issue 20's measure). Here 8.0 / (5.0 * 2.0) = 0.8 and
-    8.0 / (2.5 * 2.0) = 1.6; without a cuDNN row the column stays empty."""
+    8.0 / (2.5 * 2.0) = 1.6; without a cuDNN row the column stays empty. "vs cuDNN from idle" is the same
+    ratio over the times from an idle GPU."""
     import attention as bench
 
-    def row(method, mode, ms, case="c"):
-        return dict(method=method, mode=mode, ms=ms, tflops=1.0, status="ok", peak_gb=None, note="", case=case)
+    def row(method, mode, ms, case="c"):  # from an idle GPU: each time plus 1 ms of host work
+        return dict(method=method, mode=mode, ms=ms, ms_idle=ms + 1.0, tflops=1.0, status="ok", peak_gb=None, note="",
+                    case=case)
 
     meta = dict(device="cpu", torch="x", triton="x", cuda=None, date="d", hq=4, hkv=2, d=64, dtype="bf16",
                 cuda_timing=False)
@@ -174,3 +176,7 @@ def test_attention_report_gives_each_method_its_efficiency_against_cudnn():
     cells = {ln.split(" | ")[0][2:]: ln.split(" | ")[6] for ln in table[:6] if not ln.startswith("| ---")}
     assert cells == {"method": "vs cuDNN", "sdpa_cudnn_dup": "", "dualkv_triton": "0.800", "dualkv_gluon": "1.600"}
     assert table[-1].split(" | ")[6] == ""  # the case without a cuDNN row
+    # From an idle GPU: 9.0 / (6.0 * 2.0) = 0.75 and 9.0 / (3.5 * 2.0) = 1.286.
+    idle = {ln.split(" | ")[0][2:]: ln.split(" | ")[9].rstrip(" |") for ln in table[:6] if not ln.startswith("| ---")}
+    assert idle == {"method": "vs cuDNN from idle", "sdpa_cudnn_dup": "", "dualkv_triton": "0.750",
+                    "dualkv_gluon": "1.286"}

@@ -35,6 +35,11 @@ Each backend is a module with the same three functions:
 A request for a backend that cannot run the input raises ``ValueError``;
 nothing falls back silently.
 
+Called eagerly (plain tensors, no tracing, no dispatch mode: ``eager_attention.applies``),
+``shared_prompt_attention`` runs the same backend functions under a plain
+``autograd.Function`` (``eager_attention.EagerAttention``) instead of the custom
+op, whose eager autograd wrapper cost more host time than short kernels take.
+
 The flex backend is the one exception to "everything goes through the opaque
 op": FlexAttention's fused backward is reachable only through autograd, so
 behind an opaque op its backward would have to recompute the forward (what
@@ -56,6 +61,7 @@ import torch
 from ..layout import Segments, SharedPromptLayout
 from ..kernels import reference
 from ..kernels.reference import check_qkv
+from . import eager_attention
 
 log = logging.getLogger("dualkv_compile")
 
@@ -251,6 +257,8 @@ def shared_prompt_attention(
         from . import flex
 
         return flex.attention(q, k, v, segs, scale, softcap)
+    if eager_attention.applies(q, k, v):  # same kernels, without the custom op's eager autograd wrapper
+        return eager_attention.EagerAttention.apply(q, k, v, segs, scale, softcap, _impl(concrete), lse_dtype(q))
     out, _ = attention_fwd(q, k, v, *segs, scale, softcap, concrete)
     return out
 

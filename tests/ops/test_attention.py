@@ -203,6 +203,81 @@ def test_compile_once_for_two_layouts():
     assert counter.frame_count == 1
 
 
+# --------------------------------------------------------------------------- the eager path
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu_flash", "triton", "gluon"])
+def test_eager_call_matches_the_custom_op_bitwise(backend):
+    """Eagerly the op runs as ``EagerAttention`` (no custom-op wrapper); the same kernels, so the same bits.
+    The GPU backends run on a GPU that takes them (bf16, head dim 64), else skip."""
+    gpu = backend in ("triton", "gluon")
+    device, dtype, d = ("cuda", torch.bfloat16, 64) if gpu else ("cpu", torch.float32, 16)
+    if gpu and not torch.cuda.is_available():
+        pytest.skip(f"backend={backend!r} runs on a CUDA GPU here")
+    segs, T = make_segments([(9, [1, 1, 30]), (20, [7])], device=device)
+    q, k, v = (t.to(device, dtype).requires_grad_() for t in qkv(T, 4, 2, d=d, seed=3))
+    why = op_mod.unsupported_reason(backend, q, v)
+    if why:
+        pytest.skip(why)
+    dout = torch.randn(1, 4, T, d, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    out = shared_prompt_attention(q, k, v, segs, scale=0.3, backend=backend)
+    assert type(out.grad_fn).__name__ == "EagerAttentionBackward"
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    out2, _ = attention_fwd(q, k, v, *segs, 0.3, 0.0, backend)
+    assert "EagerAttention" not in type(out2.grad_fn).__name__
+    grads2 = torch.autograd.grad(out2, (q, k, v), dout)
+    assert torch.equal(out, out2)
+    for a, b in zip(grads, grads2):
+        assert a.is_contiguous() and torch.equal(a, b)
+
+
+def test_traced_calls_keep_the_custom_op():
+    """make_fx (a dispatch mode) and functorch transforms see ``dualkv::attention_fwd``, never the eager Function."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dualkv_compile.ops import eager_attention
+
+    segs, T = make_segments([(6, [3, 2])])
+    q, k, v = qkv(T, 2, 1, d=8, seed=5)
+    gm = make_fx(lambda q, k, v: shared_prompt_attention(q, k, v, segs, scale=0.5, backend="reference"))(q, k, v)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert "dualkv.attention_fwd.default" in targets, targets
+
+    seen = []
+
+    def probe(q):  # under a functorch transform the custom op runs, as before this path existed
+        seen.append(eager_attention.applies(q, k, v))
+        return q.sum()
+
+    torch.func.grad(probe)(q)
+    assert seen == [False]
+
+
+def test_eager_path_applies_only_to_plain_tensors_outside_modes():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dualkv_compile.ops import eager_attention
+
+    q, k, v = qkv(8)
+    assert eager_attention.applies(q, k, v)
+    assert eager_attention.applies(torch.nn.Parameter(q), k, v)
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert not eager_attention.applies(q.as_subclass(Sub), k, v)
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
+        assert not eager_attention.applies(q, k, v)
+    with torch.device("cpu"):  # a torch-function mode
+        assert not eager_attention.applies(q, k, v)
+    assert eager_attention.applies(q, k, v)
+
+
 # --------------------------------------------------------------------------- backend selection and errors
 
 

@@ -109,7 +109,7 @@ def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]
     """None if the Gluon kernels can run q (and v); else the reason."""
     if q.device.type != "cuda":
         return f"the Gluon kernels need a CUDA GPU of compute capability 9.0 (H100, H200); this input is on {q.device.type}"
-    cc = torch.cuda.get_device_capability(q.device)
+    cc = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if cc != (9, 0):
         return f"the Gluon kernels need compute capability 9.0 (wgmma); this GPU has {cc[0]}.{cc[1]}"
     missing = _gluon_missing()
@@ -125,15 +125,28 @@ def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    """The GPU's compute capability; asked once per device (the query costs host time on every call)."""
+    return torch.cuda.get_device_capability(index)
+
+
 def _gl_dtype(dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
 
-    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple, dtype: torch.dtype):
+    """The NVMMA shared layout of a ``block`` tile of ``dtype``: built once per tile shape (it is a constant)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype(dtype))
 
 
 def _descriptor(t: torch.Tensor, rows: int):
     """A Gluon tensor descriptor over ``t``'s 2-D view with ``rows`` x D blocks, and (row_h, col_h); None without a view."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     geometry = tma_geometry(t)
@@ -141,8 +154,7 @@ def _descriptor(t: torch.Tensor, rows: int):
         return None
     shape, strides, row_h, col_h = geometry
     block = [rows, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
-    return TensorDescriptor(t, shape, strides, block, layout), row_h, col_h
+    return TensorDescriptor(t, shape, strides, block, _shared_layout(tuple(block), t.dtype)), row_h, col_h
 
 
 def _backward_descriptors(tiles: KernelTiles, q, dout, k, v) -> list:
@@ -224,11 +236,9 @@ DKDV_CONFIGS: dict[int, DkdvConfig] = {64: DkdvConfig(), 128: DkdvConfig()}
 
 def _float_descriptor(t: torch.Tensor, block: list):
     """A descriptor over a contiguous 2-D float32 tensor: the packed row statistics, the dQ buffer."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(tuple(block), torch.float32))
 
 
 def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, softcap: float = 0.0,
@@ -260,8 +270,6 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     dv = torch.empty((1, Hkv, T, D), dtype=v.dtype, device=q.device)
     if T == 0 or Hq == 0:
         return dq.to(q.dtype), dk, dv
-    from triton.experimental.gluon import language as gl
-
     from .dkdv import shared_prompt_dkdv_kernel
     from .dq import shared_prompt_dq_kernel
 
@@ -278,7 +286,7 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
         Hq // Hkv, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_M=kcfg.block_m, BLOCK_N=kcfg.block_n, STAGES=kcfg.stages,
         LOADER_REGS=kcfg.loader_regs, CONSUMER_REGS=kcfg.consumer_regs, ATOMIC_DQ=atomic_dq,
-        DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([kcfg.block_n, kcfg.block_m], _gl_dtype(q.dtype)),
+        DS_LAYOUT=_shared_layout((kcfg.block_n, kcfg.block_m), q.dtype),
         num_warps=4, **LAUNCH_OPTIONS,
     )
     if atomic_dq:

@@ -1,0 +1,60 @@
+"""The eager autograd path of ``shared_prompt_attention``: the same kernels, without the custom op's host cost.
+
+``dualkv::attention_fwd`` is what graphs hold: it traces under
+``torch.compile``, ``make_fx`` and export, and a compiled graph calls it
+below autograd. Called eagerly with grad enabled, though, a custom op goes
+through ``torch.library``'s generated autograd wrapper, which on an H200
+host took about 0.42 ms per call (``benchmarks/op_overhead.py``): longer
+than the attention kernel itself on short inputs, so the GPU waited on the
+host. ``EagerAttention`` is a plain ``torch.autograd.Function`` over the same
+backend functions (``backend.forward`` / ``backend.backward``) with the same
+contract as the custom ops' pair: contiguous outputs, ``lse`` in
+``lse_dtype(q)`` saved for the backward, the backward's ``deterministic``
+read from ``torch.are_deterministic_algorithms_enabled()`` when it runs.
+
+``applies(q, k, v)`` says when it may stand in: plain tensors (no subclass,
+so no fake, functional or wrapped tensor), outside ``torch.compile`` and
+export, with no dispatch mode (``make_fx``), torch-function mode or functorch
+transform active. Anything else takes the custom op, as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import Segments
+
+__all__ = ["EagerAttention", "applies"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when the eager Function may run in place of the custom op (see the module docstring)."""
+    if torch.compiler.is_compiling():
+        return False
+    if type(q) not in _PLAIN or type(k) not in _PLAIN or type(v) not in _PLAIN:
+        return False
+    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return False
+    return torch._C._functorch.peek_interpreter_stack() is None
+
+
+class EagerAttention(torch.autograd.Function):
+    """``out`` of ``impl.forward(q, k, v, segs, scale, softcap)``; its backward is ``impl.backward``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, segs: Segments, scale: float, softcap: float, impl, lse_dtype: torch.dtype):
+        out, lse = impl.forward(q, k, v, segs, scale, softcap=softcap)
+        out, lse = out.contiguous(), lse.to(lse_dtype).contiguous()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.segs, ctx.scale, ctx.softcap, ctx.impl = segs, scale, softcap, impl
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.impl.backward(dout, q, k, v, out, lse, ctx.segs, ctx.scale,
+                                       deterministic=torch.are_deterministic_algorithms_enabled(), softcap=ctx.softcap)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None, None, None, None
