@@ -5,13 +5,13 @@ the host work before a call's first kernel (argument checks, dispatch,
 descriptors, the launch itself) counts when the GPU is idle at the start.
 This script separates the two, per method and case:
 
-    exposed   attention.py's measure: events around one call from an idle GPU, median
-    warm      events around one call queued behind a 2 ms GPU sleep (the host's work before
-              the first kernel hidden, the GPU not idle at the start), median
+    exposed   attention.py's "from idle" measure: events around one call from an idle GPU, median
+    warm      attention.py's headline measure: the same, queued behind a short GPU sleep (the host's
+              work before the first kernel hidden, the GPU not idle at the start), median
     device    the same calls queued behind a 30 ms GPU sleep, so the host runs ahead and
               only the kernels count: events around 8 calls / 8
     host      wall time of one call's Python (no sync) while the GPU is busy, median
-    gap       exposed - device: what the host adds to attention.py's figure
+    gap       exposed - device: what the host adds to the from-idle figure
 
 With ``--profile METHOD`` it also prints cProfile's top entries of that
 method's forward and forward+backward (host time, the GPU kept busy).
@@ -44,16 +44,7 @@ def _busy(ms: float) -> None:
 def measure(fn, reps: int = 8) -> dict:
     fn()
     torch.cuda.synchronize()
-    exposed = bench.time_ms(fn, torch.device("cuda"), 200.0, 5, 20)
-    warm = []
-    for _ in range(reps):
-        _busy(2)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        warm.append(s.elapsed_time(e))
+    warm, exposed = bench.time_ms(fn, torch.device("cuda"), 200.0, 5, 20)  # (queued, from idle)
     host = []
     for _ in range(reps):
         _busy(30)
@@ -69,7 +60,7 @@ def measure(fn, reps: int = 8) -> dict:
     e.record()
     e.synchronize()
     device = s.elapsed_time(e) / reps
-    return dict(exposed=exposed, warm=statistics.median(warm), device=device, host=statistics.median(host), gap=exposed - device)
+    return dict(exposed=exposed, warm=warm, device=device, host=statistics.median(host), gap=exposed - device)
 
 
 def profile(fn, title: str, top: int) -> None:
