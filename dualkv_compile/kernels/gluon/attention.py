@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 
 from ...layout.segments import Segments
+from ..device import capability
 from ..triton import attention as triton_attention
 from ..triton.launch import LAUNCH_OPTIONS
 from ..triton.schedule import ancestor_walk, tile_schedule
@@ -109,7 +110,7 @@ def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]
     """None if the Gluon kernels can run q (and v); else the reason."""
     if q.device.type != "cuda":
         return f"the Gluon kernels need a CUDA GPU of compute capability 9.0 (H100, H200); this input is on {q.device.type}"
-    cc = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    cc = capability(q.device)
     if cc != (9, 0):
         return f"the Gluon kernels need compute capability 9.0 (wgmma); this GPU has {cc[0]}.{cc[1]}"
     missing = _gluon_missing()
@@ -123,12 +124,6 @@ def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]
     if D not in HEAD_DIMS:
         return f"head dim {D} is not supported ({', '.join(map(str, HEAD_DIMS))}; others run on the Triton kernels)"
     return None
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    """The GPU's compute capability; asked once per device (the query costs host time on every call)."""
-    return torch.cuda.get_device_capability(index)
 
 
 def _gl_dtype(dtype: torch.dtype):

@@ -72,6 +72,7 @@ from typing import Optional
 import torch
 
 from ...layout.segments import Segments
+from ..device import capability
 from ..head_dims import common_head_dim, pad_head_dim
 from .launch import LAUNCH_OPTIONS
 from .schedule import ancestor_walk, tile_schedule
@@ -183,7 +184,7 @@ def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]
     """None if the kernels can run q (and v); else the reason: the device first, then the dtype, then the head dim."""
     needs = "it needs a CUDA tensor or the Triton interpreter (TRITON_INTERPRET=1 before importing dualkv_compile)"
     if q.device.type == "cuda":
-        if torch.cuda.get_device_capability(q.device) < (8, 0):
+        if capability(q.device) < (8, 0):
             return "the Triton kernels need a CUDA GPU of compute capability 8.0 or newer"
     elif q.device.type == "cpu":
         if not interpreting():
@@ -216,7 +217,7 @@ def config_for(q: torch.Tensor) -> Config:
     if q.dtype == torch.float32:
         return _FP32_CUDA_CONFIG
     bd = max(64, block_d(q.shape[-1]))
-    table = HOPPER_CONFIGS if torch.cuda.get_device_capability(q.device)[0] == 9 else _GENERIC_CONFIGS
+    table = HOPPER_CONFIGS if capability(q.device)[0] == 9 else _GENERIC_CONFIGS
     return table[bd]
 
 

@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from ..device import capability
+
 __all__ = ["interpreting", "block_d", "tma_geometry", "tma_view", "descriptors", "row_stats_descriptor"]
 
 
@@ -87,7 +89,7 @@ def descriptors(cfg, block_rows: int, a: torch.Tensor, b: torch.Tensor) -> tuple
     if not cfg.tma or a.shape[-1] != block_d(a.shape[-1]):
         return off
     if a.device.type == "cuda":
-        if torch.cuda.get_device_capability(a.device)[0] < 9:
+        if capability(a.device)[0] < 9:
             return off
     elif not interpreting():
         return off
