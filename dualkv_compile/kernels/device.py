@@ -1,6 +1,7 @@
 """The compute capability of a CUDA device, asked once per device.
 
     capability(device) -> (major, minor)
+    capability_of(index) -> (major, minor), cached (``capability_of.cache_clear()`` forgets)
 
 Why: the kernels' backends check it on every call (``supports``, the tuning
 tables, the tensor-descriptor switch), and ``torch.cuda.get_device_capability``
@@ -15,15 +16,16 @@ import functools
 
 import torch
 
-__all__ = ["capability"]
+__all__ = ["capability", "capability_of"]
 
 
 def capability(device: torch.device) -> tuple[int, int]:
     """``(major, minor)`` of a CUDA ``device`` (index None: the current device)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index)
+    return capability_of(index)
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
+def capability_of(index: int) -> tuple[int, int]:
+    """``(major, minor)`` of CUDA device ``index``: queried on the first call only."""
     return tuple(torch.cuda.get_device_capability(index))

@@ -16,7 +16,7 @@ def test_capability_is_asked_once_per_device(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", fake)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    device._capability.cache_clear()
+    device.capability_of.cache_clear()
     try:
         assert device.capability(torch.device("cuda", 0)) == (9, 0)
         assert device.capability(torch.device("cuda", 0)) == (9, 0)
@@ -24,4 +24,4 @@ def test_capability_is_asked_once_per_device(monkeypatch):
         assert device.capability(torch.device("cuda", 1)) == (8, 6)
         assert asked == [0, 1]
     finally:
-        device._capability.cache_clear()
+        device.capability_of.cache_clear()
