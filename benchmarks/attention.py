@@ -14,7 +14,9 @@ One process times, for each (N, P, R) case, forward and forward+backward of:
                      routes flex around the opaque op)
     dualkv_triton    shared_prompt_attention(backend="triton"), when available
 
-Reported per method: median ms (CUDA events), useful TFLOP/s (attention pairs
+Reported per method: median ms (CUDA events; each call queued behind a short GPU
+sleep so the host's dispatch overlaps the GPU, and again from an idle GPU: see
+``time_ms``), useful TFLOP/s (attention pairs
 of the packed layout x 4 x D x Hq; backward counted 2.5x the forward, so
 fwd+bwd is 3.5x), peak memory, and per case the ideal ratio (attention pairs of
 the duplicated batch over those of the packed stream). A method that runs out

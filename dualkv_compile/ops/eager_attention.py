@@ -3,10 +3,11 @@
 ``dualkv::attention_fwd`` is what graphs hold: it traces under
 ``torch.compile``, ``make_fx`` and export, and a compiled graph calls it
 below autograd. Called eagerly with grad enabled, though, a custom op goes
-through ``torch.library``'s generated autograd wrapper, which on an H200
-host took about 0.42 ms per call (``benchmarks/op_overhead.py``): longer
-than the attention kernel itself on short inputs, so the GPU waited on the
-host. ``EagerAttention`` is a plain ``torch.autograd.Function`` over the same
+through ``torch.library``'s generated autograd wrapper, which on an H200's
+host took about 0.42 ms per call
+(``benchmarks/results/gluon_tuning_2026-11-25h/``): on short inputs the GPU
+finished the forward before the host had launched the backward, and waited.
+``EagerAttention`` is a plain ``torch.autograd.Function`` over the same
 backend functions (``backend.forward`` / ``backend.backward``) with the same
 contract as the custom ops' pair: contiguous outputs, ``lse`` in
 ``lse_dtype(q)`` saved for the backward, the backward's ``deterministic``
