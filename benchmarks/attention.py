@@ -347,6 +347,11 @@ def _free():
 QUEUE_MS = 2.0  # the GPU sleep each timed call is queued behind (see time_ms)
 
 
+def gpu_sleep(ms: float) -> None:
+    """Queue about ``ms`` of GPU sleep on the current stream, so the host's next launches find the GPU busy."""
+    torch.cuda._sleep(int(ms * 1.5e6))  # clock cycles, at about 1.5 GHz: the length need not be exact
+
+
 def time_ms(fn: Callable, device, budget_ms: float, min_reps: int, max_reps: int) -> tuple[float, float]:
     """``(queued, from_idle)``: median ms of ``fn`` after one warm-up call; reps fitted to the budget.
 
@@ -362,7 +367,7 @@ def time_ms(fn: Callable, device, budget_ms: float, min_reps: int, max_reps: int
         if device.type == "cuda":
             for times, ahead in ((queued, True), (idle, False)):
                 if ahead:
-                    torch.cuda._sleep(int(QUEUE_MS * 1.5e6))  # clock cycles: about 1.5 GHz; the length is not critical
+                    gpu_sleep(QUEUE_MS)
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
                 fn()
@@ -632,6 +637,18 @@ def plot(results: dict, path: Path) -> None:
 # --------------------------------------------------------------------------- main
 
 
+def case_for(shape, device: torch.device, quick: bool = False) -> Case:
+    """The case of a ``parse_shape`` value: (N, P, R), or the named "groups" and "tree" cases, full-size on CUDA
+    (small ones for ``quick`` runs and tiny ones on CPU)."""
+    full, cpu = device.type == "cuda" and not quick, device.type == "cpu"
+    if shape == "groups":
+        return (groups_case(4, 8, 4096, 128, 2048, seed=0) if full
+                else groups_case(2, 3, 48 if cpu else 512, 8 if cpu else 64, 40 if cpu else 300, seed=0))
+    if shape == "tree":
+        return tree_case() if full else tree_case(40, 2, 3, 24, 16) if cpu else tree_case(512, 2, 4, 256, 128)
+    return uniform_case(*shape)
+
+
 def parse_shape(s: str):
     if s in ("groups", "tree"):
         return s
@@ -674,17 +691,7 @@ def main(argv=None) -> int:
         if args.quick:
             args.budget_ms, args.max_reps = min(args.budget_ms, 50.0), min(args.max_reps, 5)
 
-    cases = []
-    for s in shapes:
-        if s == "groups":
-            cases.append(groups_case(4, 8, 4096, 128, 2048, seed=0) if device.type == "cuda" and not args.quick
-                         else groups_case(2, 3, 48 if device.type == "cpu" else 512, 8 if device.type == "cpu" else 64,
-                                          40 if device.type == "cpu" else 300, seed=0))
-        elif s == "tree":
-            cases.append(tree_case() if device.type == "cuda" and not args.quick
-                         else tree_case(40, 2, 3, 24, 16) if device.type == "cpu" else tree_case(512, 2, 4, 256, 128))
-        else:
-            cases.append(uniform_case(*s))
+    cases = [case_for(s, device, args.quick) for s in shapes]
 
     methods = methods_for(cfg)
     skipped = {}

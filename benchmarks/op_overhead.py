@@ -36,23 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention as bench  # noqa: E402  (benchmarks/attention.py: cases, methods, timing)
 
 
-def _busy(ms: float) -> None:
-    """Queue about ``ms`` of GPU sleep, so the host's next launches find the GPU busy."""
-    torch.cuda._sleep(int(ms * 1.4e6))  # cycles at about 1.4-1.9 GHz; exactness does not matter
-
-
 def measure(fn, reps: int = 8) -> dict:
-    fn()
-    torch.cuda.synchronize()
     warm, exposed = bench.time_ms(fn, torch.device("cuda"), 200.0, 5, 20)  # (queued, from idle)
     host = []
     for _ in range(reps):
-        _busy(30)
+        bench.gpu_sleep(30)
         t0 = time.perf_counter()
         fn()
         host.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
-    _busy(30)
+    bench.gpu_sleep(30)
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
     for _ in range(reps):
@@ -66,7 +59,7 @@ def measure(fn, reps: int = 8) -> dict:
 def profile(fn, title: str, top: int) -> None:
     fn()
     torch.cuda.synchronize()
-    _busy(60)
+    bench.gpu_sleep(60)
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(5):
@@ -88,8 +81,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (it measures the host's share of GPU timings)")
     cfg = bench.Cfg(32, 8, 128, torch.bfloat16, torch.device("cuda"))
-    named = {"groups": lambda: bench.groups_case(4, 8, 4096, 128, 2048, seed=0), "tree": bench.tree_case}
-    cases = [named[s]() if s in named else bench.uniform_case(*s) for s in args.shapes or [(8, 2048, 2048)]]
+    cases = [bench.case_for(s, cfg.device) for s in args.shapes or [(8, 2048, 2048)]]
     methods = bench.methods_for(cfg)
     print(f"device {torch.cuda.get_device_name()}; torch {torch.__version__}; Hq 32, Hkv 8, D 128, bf16; ms per call\n")
     print("| case | method | mode | exposed | warm | device | host | gap | gap / exposed |")
@@ -108,8 +100,8 @@ def main(argv=None) -> int:
 
             for mode, f in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
                 r = measure(f)
-                print(f"| {case.name} | {name} | {mode} | {r['exposed']:.3f} | {r['warm']:.3f} | {r['device']:.3f} | {r['host']:.3f} | "
-                      f"{r['gap']:.3f} | {r['gap'] / r['exposed']:.1%} |", flush=True)
+                cells = " | ".join(f"{r[k]:.3f}" for k in ("exposed", "warm", "device", "host", "gap"))
+                print(f"| {case.name} | {name} | {mode} | {cells} | {r['gap'] / r['exposed']:.1%} |", flush=True)
                 if name == args.profile:
                     profile(f, f"{name} {mode} {case.name}", args.top)
             fn = leaves = douts = None
