@@ -110,6 +110,7 @@ def test_reduction_form_packs_exactly(form, dense):
     assert reports and all(r.packed_calls == r.calls for r in reports if r.num_attention), [str(r) for r in reports]
     assert any(r.packed_calls for r in reports), [str(r) for r in reports]
 
+
 # torch 2.12's Dynamo records a comparison of two tensors as a method call (``call_method __eq__``); 2.13
 # records ``operator.eq``. The backend must read both the same way.
 _AS_METHODS = {operator.eq: "__eq__", operator.ne: "__ne__", operator.lt: "__lt__", operator.le: "__le__",
