@@ -151,8 +151,8 @@ def compile_kernels(config, head_dim: int = 128, q_heads: int = 32, kv_heads: in
 
 def compile_gluon_kernels(head_dim: int = 128, q_heads: int = 32, kv_heads: int = 8, tokens: int = 4096) -> list:
     """Compile the Gluon forward, dK/dV and dQ kernels (``kernels/gluon``, with the Triton preprocess kernel
-    they share) for sm_90; the resource record of each. The dK/dV kernel twice: as the default backward
-    runs it, then with the optional atomic dQ (``DkdvConfig(dq_mode="atomic")``, head dim 128)."""
+    they share) for sm_90; the resource record of each. The dK/dV kernel twice: recomputing dQ in the dQ
+    kernel, then adding it itself (``DkdvConfig(dq_mode="atomic")``, head dim 128; "auto" picks one)."""
     from dualkv_compile.kernels.gluon import attention as ga
     from dualkv_compile.kernels.triton import attention as ta
     from dualkv_compile.layout import tree_segments

@@ -103,9 +103,34 @@ def test_refuses_cpu_tensors_with_the_reason():
 def test_dkdv_config_names_a_bad_dq_mode():
     from dualkv_compile.kernels.gluon import attention as ga
 
-    assert ga.DkdvConfig().dq_mode == "recompute" and ga.DkdvConfig(dq_mode="atomic").dq_mode == "atomic"
-    with pytest.raises(ValueError, match=r"DkdvConfig.dq_mode: expected one of \('atomic', 'recompute'\), got 'atomics'"):
+    assert ga.DkdvConfig().dq_mode == "auto" and ga.DkdvConfig(dq_mode="atomic").dq_mode == "atomic"
+    with pytest.raises(ValueError, match=r"DkdvConfig.dq_mode: expected one of \('atomic', 'auto', 'recompute'\), "
+                                         r"got 'atomics'"):
         ga.DkdvConfig(dq_mode="atomics")
+    with pytest.raises(ValueError, match=r"DkdvConfig.atomic_min_waves: expected a number >= 0, got -1"):
+        ga.DkdvConfig(atomic_min_waves=-1)
+
+
+def test_auto_dq_mode_takes_atomic_dq_for_many_long_prompt_tiles_only():
+    """"auto": the atomic dQ when the longest ancestor chain's 128-key tiles times the kv heads fill 4 waves of
+    the SMs (the H200's 132 here); the deterministic mode and head dim 64 always recompute."""
+    from dualkv_compile.kernels.gluon import attention as ga
+
+    auto, pick = ga.DkdvConfig(), ga.resolve_dq_mode
+    assert pick(auto, False, 128, 32768, 8, 132) == "atomic"  # 256 tiles x 8 heads: 15.5 waves
+    assert pick(auto, False, 128, 16384, 8, 132) == "atomic"  # 7.8 waves
+    assert pick(auto, False, 128, 66 * 128, 8, 132) == "atomic"  # 4 waves exactly
+    assert pick(auto, False, 128, 66 * 128 - 128, 8, 132) == "recompute"  # 3.9
+    assert pick(auto, False, 128, 6144, 8, 132) == "recompute"  # the 2-level tree's chain: 2.9 waves
+    assert pick(auto, False, 128, 2048, 8, 132) == "recompute"
+    assert pick(auto, False, 128, 0, 8, 132) == "recompute"  # no prompt shared at all
+    assert pick(auto, False, 128, 16384, 2, 132) == "recompute"  # 1.9 waves with 2 kv heads
+    assert pick(auto, True, 128, 32768, 8, 132) == "recompute"  # deterministic: never atomics
+    assert pick(auto, False, 64, 32768, 8, 132) == "recompute"  # the atomic dQ is head dim 128 only
+    assert pick(ga.DkdvConfig(dq_mode="atomic"), False, 128, 0, 8, 132) == "atomic"
+    assert pick(ga.DkdvConfig(dq_mode="atomic"), True, 128, 0, 8, 132) == "recompute"
+    assert pick(ga.DkdvConfig(dq_mode="recompute"), False, 128, 32768, 8, 132) == "recompute"
+    assert pick(ga.DkdvConfig(atomic_min_waves=0), False, 128, 0, 1, 132) == "atomic"
 
 
 @pytest.mark.skipif(HOPPER, reason="the refusals of other GPUs")
@@ -247,6 +272,30 @@ def test_other_segments_values_never_reach_a_product():
         else:  # the float32 adds land in any order: the same values up to their rounding
             assert torch.isfinite(dq[:, :, others]).all()
             assert rel(dq[:, :, others], dq_clean[:, :, others]) < 1e-3
+
+
+@pytest.mark.cuda
+@hopper
+def test_auto_dq_mode_on_a_long_prompt():
+    """A 16K-token prompt fills the waves "auto" asks for (128 tiles x 8 kv heads): the default backward adds
+    dQ in the dK/dV kernel. Its dQ differs from the recomputing pass's in the last bits (float32 sums in
+    another order: the atomic path ran) and agrees to rounding; dK and dV are the same bits; the
+    deterministic mode recomputes, the same bits as "recompute"."""
+    from dualkv_compile.kernels.device import sm_count
+    from dualkv_compile.kernels.gluon import attention as ga
+
+    segs, T = make_segments([(16384, [100, 1, 257])], "cuda")
+    q, k, v = qkv(T, 8, 8, 128, torch.bfloat16, seed=4, token_major=True)
+    assert ga.resolve_dq_mode(ga.DkdvConfig(), False, 128, segs.max_prefix_len, 8, sm_count(q.device)) == "atomic"
+    do = torch.randn_like(q)
+    out, lse = ga.forward(q, k, v, segs, 0.0883)
+    auto = ga.backward(do, q, k, v, out, lse, segs, 0.0883)
+    recompute = ga.backward(do, q, k, v, out, lse, segs, 0.0883, dkdv_config=ga.DkdvConfig(dq_mode="recompute"))
+    det = ga.backward(do, q, k, v, out, lse, segs, 0.0883, True)
+    assert torch.isfinite(auto[0]).all() and not torch.equal(auto[0], recompute[0])
+    assert rel(auto[0], recompute[0]) < 1e-3, rel(auto[0], recompute[0])
+    assert torch.equal(auto[1], recompute[1]) and torch.equal(auto[2], recompute[2])
+    assert all(torch.equal(a, b) for a, b in zip(det, recompute))
 
 
 @pytest.mark.cuda

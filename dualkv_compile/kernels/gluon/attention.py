@@ -11,9 +11,10 @@ the Triton preprocess kernel (Delta = rowsum(dO * O), and a packed copy of
 the row statistics), then ``dkdv.py`` (KV-major: dK and dV of a key tile
 over every query row and head that reads it) and ``dq.py`` (Q-major), both
 built like the forward, both without atomics; on an H200 at head dim 128
-the backward takes about 0.84x the Triton backward's time. (dQ added by
-the dK/dV kernel with bulk reductions instead of the Q-major pass is an
-option, ``DkdvConfig.dq_mode``; not faster on the H200.) Both read the same ``out`` and
+the backward takes about 0.84x the Triton backward's time. With long
+prompts (``DkdvConfig.dq_mode`` "auto", head dim 128, not deterministic) the
+dK/dV kernel adds dQ itself with bulk reductions and no Q-major pass runs:
+0.94-0.99x the time there. Both read the same ``out`` and
 ``lse`` (the natural-log lse over ``exp(scale * q.k)``, float32). Inputs the
 Gluon kernels do not take but the Triton kernels do (a logit softcap;
 operands without a 2-D tensor descriptor view) run the Triton forward or
@@ -42,7 +43,7 @@ from typing import Optional
 import torch
 
 from ...layout.segments import Segments
-from ..device import capability
+from ..device import capability, sm_count
 from ..triton import attention as triton_attention
 from ..triton.launch import LAUNCH_OPTIONS
 from ..triton.schedule import ancestor_walk, tile_schedule
@@ -51,11 +52,11 @@ from ..triton.tma import tma_geometry
 log = logging.getLogger("dualkv_compile")
 
 __all__ = ["supports", "forward", "backward", "KernelTiles", "FwdConfig", "FWD_CONFIGS", "DqConfig", "DQ_CONFIGS",
-           "DkdvConfig", "DKDV_CONFIGS", "DQ_MODES"]
+           "DkdvConfig", "DKDV_CONFIGS", "DQ_MODES", "resolve_dq_mode"]
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
-DQ_MODES = ("atomic", "recompute")
+DQ_MODES = ("atomic", "auto", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,21 +210,45 @@ DQ_CONFIGS: dict[int, DqConfig] = {64: DqConfig(), 128: DqConfig()}
 class DkdvConfig(KernelTiles):
     """Tiles of the dK/dV kernel (``dkdv.py``): ``block_n`` keys per program (two warpgroups of half
     each, their dK and dV in registers), ``block_m`` query rows per step through ``stages``-deep rings
-    of q, dO and the row statistics. ``dq_mode`` applies to the default (non-deterministic) backward:
-    "recompute" (the dQ kernel recomputes S and dP; no atomics anywhere) or "atomic" (the dK/dV
-    kernel also forms dQ = dS K, the warpgroups splitting the head dim, and adds it into a float32
-    buffer by the copy engine's bulk reductions: FA3's way; head dim 128 only, other head dims
-    recompute). On the H200 "atomic" took 0.97-1.02x the recomputing backward's time on (28, 16384,
-    1024) and the 2-level tree, 1.05-1.07x on (8, 2048, 2048) (it also zeroes and converts a float32 dQ;
-    benchmarks/results/gluon_bwd_tuning_h200.md): nowhere faster, and not deterministic, so it is not
-    the default."""
+    of q, dO and the row statistics. ``dq_mode`` applies to the default (non-deterministic) backward at
+    head dim 128 (other head dims, and the deterministic mode, always recompute):
+
+        "recompute"  the dQ kernel recomputes S and dP: 7 products per block pair over two kernels, no
+                     atomics anywhere;
+        "atomic"     the dK/dV kernel also forms dQ = dS K (the warpgroups splitting the head dim) and adds
+                     it into a float32 buffer by the copy engine's bulk reductions, FA3's way: 5 products,
+                     but float32 adds in L2 in no fixed order;
+        "auto"       "atomic" when the longest ancestor chain's key tiles, over all kv heads, fill at least
+                     ``atomic_min_waves`` waves of the GPU's SMs, else "recompute" (``resolve_dq_mode``).
+
+    Why "auto": on the H200 "atomic" took 0.94-0.96x the recomputing backward's time at 32K-token prompts
+    and 0.98-0.99x on (28, 16384, 1024), but 1.06x on (8, 2048, 2048) and 1.01-1.03x on the 2-level tree
+    and the 4 groups (benchmarks/results/gluon_tuning_2026-11-25i). Its dQ costs least per block pair in
+    long, many-program key loops; with few long-prompt tiles their programs are the critical path, and
+    the dQ work added to each makes it longer."""
 
     block_m: int = 64
-    dq_mode: str = "recompute"
+    dq_mode: str = "auto"
+    atomic_min_waves: float = 4.0
 
     def __post_init__(self):
         if self.dq_mode not in DQ_MODES:
             raise ValueError(f"DkdvConfig.dq_mode: expected one of {DQ_MODES}, got {self.dq_mode!r}")
+        if not isinstance(self.atomic_min_waves, (int, float)) or not self.atomic_min_waves >= 0:
+            raise ValueError(f"DkdvConfig.atomic_min_waves: expected a number >= 0, got {self.atomic_min_waves!r}")
+
+
+def resolve_dq_mode(config: DkdvConfig, deterministic: bool, head_dim: int, max_prefix_len: int, kv_heads: int,
+                    sm_count: int) -> str:
+    """The dQ mode a backward runs: "recompute" or "atomic" (``DkdvConfig`` says what each is). "auto" counts
+    the key tiles of the longest ancestor chain (``max_prefix_len``, a host int of ``Segments``: no sync)
+    times ``kv_heads``, in waves of ``sm_count`` programs."""
+    if deterministic or head_dim != 128:
+        return "recompute"
+    if config.dq_mode != "auto":
+        return config.dq_mode
+    waves = -(-max_prefix_len // config.block_n) * kv_heads / max(sm_count, 1)
+    return "atomic" if waves >= config.atomic_min_waves else "recompute"
 
 
 DKDV_CONFIGS: dict[int, DkdvConfig] = {64: DkdvConfig(), 128: DkdvConfig()}
@@ -239,10 +264,11 @@ def _float_descriptor(t: torch.Tensor, block: list):
 def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, softcap: float = 0.0,
              *, config: Optional[DqConfig] = None, dkdv_config: Optional[DkdvConfig] = None):
     """``(dq, dk, dv)``: dK and dV by the Gluon KV-major kernel (``dkdv.py``), dQ by the Gluon Q-major one
-    (``dq.py``); neither has atomics, so both modes are deterministic. With ``dkdv_config.dq_mode ==
-    "atomic"`` (head dim 128, not ``deterministic``) the dK/dV kernel adds dQ into a float32 buffer instead
-    and no dQ kernel runs; the order of those float32 adds varies from run to run. A softcap, or an operand
-    without a 2-D descriptor view, runs the whole Triton backward."""
+    (``dq.py``); neither has atomics. When ``resolve_dq_mode`` gives "atomic" (long prompts under the default
+    "auto"; head dim 128, never ``deterministic``) the dK/dV kernel adds dQ into a float32 buffer instead and
+    no dQ kernel runs; the order of those float32 adds, so dQ's last bits, varies from run to run. dK and dV
+    are the same bits either way, and ``deterministic=True`` always gives the same bits. A softcap, or an
+    operand without a 2-D descriptor view, runs the whole Triton backward."""
     why = supports(q, v)
     if why is not None:
         raise ValueError(f"gluon attention cannot run this input: {why}")
@@ -258,7 +284,9 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
         return triton_attention.backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap)
     triton_attention._check(q, k, segs)
     # The atomic dQ splits the head dim between the two warpgroups at a 128-byte swizzle boundary: D=128 only.
-    atomic_dq = not deterministic and kcfg.dq_mode == "atomic" and D == 128
+    # (No SM count off a GPU: sm90_resources.py compiles these kernels from CPU tensors, in explicit modes.)
+    sms = sm_count(q.device) if q.is_cuda else 1
+    atomic_dq = resolve_dq_mode(kcfg, deterministic, D, segs.max_prefix_len, Hkv, sms) == "atomic"
     dq = torch.zeros((1, Hq, T, D), dtype=torch.float32, device=q.device) if atomic_dq else \
         torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((1, Hkv, T, D), dtype=k.dtype, device=q.device)

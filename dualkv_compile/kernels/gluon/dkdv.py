@@ -30,7 +30,7 @@ Partitions, meeting at shared-memory rings as in ``fwd.py``:
                          with P^T and dS^T from registers. The transposed
                          scores keep dK and dV in the tile's own row order.
 
-With ``ATOMIC_DQ`` (an option, not faster on the H200: ``attention.DkdvConfig``)
+With ``ATOMIC_DQ`` (long prompts, by ``attention.DkdvConfig``'s "auto"; or chosen)
 the kernel also forms dQ = scale * dS K, FA3's way: both consumers write
 their dS^T rows into one shared tile (two buffers; ``ds_full`` / ``ds_empty``
 mbarriers, one arrive per consumer), then each computes dQ for its half of
