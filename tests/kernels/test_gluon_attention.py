@@ -112,19 +112,20 @@ def test_dkdv_config_names_a_bad_dq_mode():
 
 
 def test_auto_dq_mode_takes_atomic_dq_for_many_long_prompt_tiles_only():
-    """"auto": the atomic dQ when the longest ancestor chain's 128-key tiles times the kv heads fill 4 waves of
+    """"auto": the atomic dQ when the longest ancestor chain's 128-key tiles times the kv heads fill 3 waves of
     the SMs (the H200's 132 here); the deterministic mode and head dim 64 always recompute."""
     from dualkv_compile.kernels.gluon import attention as ga
 
     auto, pick = ga.DkdvConfig(), ga.resolve_dq_mode
     assert pick(auto, False, 128, 32768, 8, 132) == "atomic"  # 256 tiles x 8 heads: 15.5 waves
-    assert pick(auto, False, 128, 16384, 8, 132) == "atomic"  # 7.8 waves
-    assert pick(auto, False, 128, 66 * 128, 8, 132) == "atomic"  # 4 waves exactly
-    assert pick(auto, False, 128, 66 * 128 - 128, 8, 132) == "recompute"  # 3.9
+    assert pick(auto, False, 128, 8192, 8, 132) == "atomic"  # 3.9 waves
+    assert pick(auto, False, 128, 50 * 128 - 5, 8, 132) == "atomic"  # 50 tiles: 3.03 waves
+    assert pick(auto, False, 128, 49 * 128, 8, 132) == "recompute"  # 2.97
     assert pick(auto, False, 128, 6144, 8, 132) == "recompute"  # the 2-level tree's chain: 2.9 waves
     assert pick(auto, False, 128, 2048, 8, 132) == "recompute"
     assert pick(auto, False, 128, 0, 8, 132) == "recompute"  # no prompt shared at all
     assert pick(auto, False, 128, 16384, 2, 132) == "recompute"  # 1.9 waves with 2 kv heads
+    assert pick(auto, False, 128, 16384, 8, 264) == "atomic" and pick(auto, False, 128, 8192, 8, 264) == "recompute"
     assert pick(auto, True, 128, 32768, 8, 132) == "recompute"  # deterministic: never atomics
     assert pick(auto, False, 64, 32768, 8, 132) == "recompute"  # the atomic dQ is head dim 128 only
     assert pick(ga.DkdvConfig(dq_mode="atomic"), False, 128, 0, 8, 132) == "atomic"

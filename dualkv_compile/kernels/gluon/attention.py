@@ -221,15 +221,16 @@ class DkdvConfig(KernelTiles):
         "auto"       "atomic" when the longest ancestor chain's key tiles, over all kv heads, fill at least
                      ``atomic_min_waves`` waves of the GPU's SMs, else "recompute" (``resolve_dq_mode``).
 
-    Why "auto": on the H200 "atomic" took 0.94-0.96x the recomputing backward's time at 32K-token prompts
-    and 0.98-0.99x on (28, 16384, 1024), but 1.06x on (8, 2048, 2048) and 1.01-1.03x on the 2-level tree
-    and the 4 groups (benchmarks/results/gluon_tuning_2026-11-25i). Its dQ costs least per block pair in
-    long, many-program key loops; with few long-prompt tiles their programs are the critical path, and
-    the dQ work added to each makes it longer."""
+    Why "auto": on the H200 "atomic" took 0.95-0.98x the recomputing backward's time with 12K-32K-token
+    prompts (5.8-15.5 waves) and 0.94-0.99x with 8K ones (3.9 waves), 1.00-1.01x with 4K ones (1.9 waves),
+    but 1.06-1.11x with 2K ones (1.0 wave: (8, 2048, 2048), (8, 2048, 8192)), and 1.01x on the 2-level tree
+    (2.9 waves; benchmarks/results/gluon_tuning_2026-11-25i). Its dQ costs least per block pair in long,
+    many-program key loops; with few long-prompt tiles their programs are the critical path, and the dQ
+    work added to each makes it longer.
 
     block_m: int = 64
     dq_mode: str = "auto"
-    atomic_min_waves: float = 4.0
+    atomic_min_waves: float = 3.0
 
     def __post_init__(self):
         if self.dq_mode not in DQ_MODES:
