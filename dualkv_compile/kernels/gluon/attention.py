@@ -226,7 +226,7 @@ class DkdvConfig(KernelTiles):
     but 1.06-1.11x with 2K ones (1.0 wave: (8, 2048, 2048), (8, 2048, 8192)), and 1.01x on the 2-level tree
     (2.9 waves; benchmarks/results/gluon_tuning_2026-11-25i). Its dQ costs least per block pair in long,
     many-program key loops; with few long-prompt tiles their programs are the critical path, and the dQ
-    work added to each makes it longer.
+    work added to each makes it longer."""
 
     block_m: int = 64
     dq_mode: str = "auto"
