@@ -240,15 +240,15 @@ class DkdvConfig(KernelTiles):
 
 
 def resolve_dq_mode(config: DkdvConfig, deterministic: bool, head_dim: int, max_prefix_len: int, kv_heads: int,
-                    sm_count: int) -> str:
+                    num_sms: int) -> str:
     """The dQ mode a backward runs: "recompute" or "atomic" (``DkdvConfig`` says what each is). "auto" counts
     the key tiles of the longest ancestor chain (``max_prefix_len``, a host int of ``Segments``: no sync)
-    times ``kv_heads``, in waves of ``sm_count`` programs."""
+    times ``kv_heads``, in waves of ``num_sms`` programs."""
     if deterministic or head_dim != 128:
         return "recompute"
     if config.dq_mode != "auto":
         return config.dq_mode
-    waves = -(-max_prefix_len // config.block_n) * kv_heads / max(sm_count, 1)
+    waves = -(-max_prefix_len // config.block_n) * kv_heads / max(num_sms, 1)
     return "atomic" if waves >= config.atomic_min_waves else "recompute"
 
 
