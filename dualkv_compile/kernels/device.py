@@ -20,10 +20,14 @@ import torch
 __all__ = ["capability", "capability_of", "sm_count", "sm_count_of"]
 
 
+def _index(device: torch.device) -> int:
+    """The index of a CUDA ``device`` (None: the current device's)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def capability(device: torch.device) -> tuple[int, int]:
     """``(major, minor)`` of a CUDA ``device`` (index None: the current device)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return capability_of(index)
+    return capability_of(_index(device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,8 +38,7 @@ def capability_of(index: int) -> tuple[int, int]:
 
 def sm_count(device: torch.device) -> int:
     """The number of streaming multiprocessors of a CUDA ``device`` (index None: the current device)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return sm_count_of(index)
+    return sm_count_of(_index(device))
 
 
 @functools.lru_cache(maxsize=None)
