@@ -14,7 +14,7 @@ built like the forward, both without atomics; on an H200 at head dim 128
 the backward takes about 0.84x the Triton backward's time. With long
 prompts (``DkdvConfig.dq_mode`` "auto", head dim 128, not deterministic) the
 dK/dV kernel adds dQ itself with bulk reductions and no Q-major pass runs:
-0.94-0.99x the time there. Both read the same ``out`` and
+0.93-0.99x the time there. Both read the same ``out`` and
 ``lse`` (the natural-log lse over ``exp(scale * q.k)``, float32). Inputs the
 Gluon kernels do not take but the Triton kernels do (a logit softcap;
 operands without a 2-D tensor descriptor view) run the Triton forward or
@@ -221,10 +221,10 @@ class DkdvConfig(KernelTiles):
         "auto"       "atomic" when the longest ancestor chain's key tiles, over all kv heads, fill at least
                      ``atomic_min_waves`` waves of the GPU's SMs, else "recompute" (``resolve_dq_mode``).
 
-    Why "auto": on the H200 "atomic" took 0.95-0.98x the recomputing backward's time with 12K-32K-token
-    prompts (5.8-15.5 waves) and 0.94-0.99x with 8K ones (3.9 waves), 1.00-1.01x with 4K ones (1.9 waves),
-    but 1.06-1.11x with 2K ones (1.0 wave: (8, 2048, 2048), (8, 2048, 8192)), and 1.01x on the 2-level tree
-    (2.9 waves; benchmarks/results/gluon_tuning_2026-11-25i). Its dQ costs least per block pair in long,
+    Why "auto": on the H200 "atomic" took 0.93-0.99x the recomputing backward's time with 8K-32K-token
+    prompts (3.9-15.5 waves), 1.00-1.01x on the 2-level tree (2.9 waves), 1.00-1.03x with 4K ones (1.9
+    waves; the 4 groups among them), but 1.06-1.11x with 2K ones (1.0 wave: (8, 2048, 2048), (8, 2048,
+    8192)) (benchmarks/results/gluon_tuning_2026-11-25i). Its dQ costs least per block pair in long,
     many-program key loops; with few long-prompt tiles their programs are the critical path, and the dQ
     work added to each makes it longer."""
 
