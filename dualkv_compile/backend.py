@@ -12,7 +12,8 @@
    ``explain()``;
 4. ``rewrite.pack_graph``: the packed graph, then ``rewrite.fuse_linear_log_prob``
    (a loss's lm_head -> log_softmax -> next-token gather as one chunked op,
-   option ``chunked_log_probs``);
+   option ``chunked_log_probs``), then, with option ``sequence_parallel``,
+   ``rewrite.sequence_parallel`` (the packed graph split over the group);
 5. ``runtime.runner.Runner``: per call, the layout from its source
    (detected from ``input_ids``, or carried from an earlier graph of the
    forward after a graph break: ``runtime.layout_source``), then the packed
@@ -41,8 +42,10 @@ from .rewrite.fuse_linear_log_prob import fuse_linear_log_prob
 from .rewrite.inline_checkpoint import inline_checkpoint_regions
 from .rewrite.positional_args import positional_args
 from .rewrite.pack_graph import pack_graph
+from .rewrite.sequence_parallel import shard_packed_graph
 from .runtime.nested_compile import LazyCompile
 from .runtime.runner import Runner
+from .runtime.sequence_parallel import ReplicatedFallback
 
 log = logging.getLogger("dualkv_compile")
 
@@ -79,6 +82,8 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
             fused = fuse_linear_log_prob(packed, cfg.log_prob_chunk_bytes, example_inputs)
             report.fused_log_probs = fused.count
             scalar_checks += tuple(fused.scalar_checks)
+        # Under sequence parallelism the runner runs the packed graph split over the group.
+        runs = packed if cfg.sequence_parallel is None else shard_packed_graph(packed, cfg.sequence_parallel)
     except Refusal as e:
         report.reason = str(e)
         if Role.INPUT_IDS not in find_token_inputs(gm.graph):
@@ -89,13 +94,15 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
             if hint:
                 report.reason = f"{report.reason}; {hint}"
         log.warning("dualkv: graph %d refused, running it unchanged: %s", report.graph_id, report.reason)
+        if cfg.sequence_parallel is not None:  # every rank runs it whole: each keeps its share of the gradients
+            return ReplicatedFallback(fallback, cfg.sequence_parallel.world)
         return fallback
     report.rewritten = True
     log.info(
         "dualkv: graph %d rewritten (%d attention, %d next-token log-probs fused with the lm_head)",
         report.graph_id, len(axes.attention), report.fused_log_probs,
     )
-    return Runner(gm, result, packed, fallback, cfg, mode, report, scalar_checks)
+    return Runner(gm, result, packed, fallback, cfg, mode, report, scalar_checks, runs=runs)
 
 
 def _resolve_attention_backend(backend: str, attention) -> str:

@@ -30,6 +30,11 @@ class DualKVConfig:
                          log-probs exist a chunk of tokens at a time and none are kept for the
                          backward, which recomputes them (one extra lm_head matmul); False keeps
                          the unfused graph
+    sequence_parallel    None, or the sequence-parallel group (a ProcessGroup or a 1-D DeviceMesh): Ulysses over
+                         the packed stream (rewrite.sequence_parallel). Every rank of the group calls with the
+                         same batch and holds 1/world of the packed tokens; a parameter's gradient on a rank is
+                         its share, their sum over the group the single-process gradient. Normalised to an
+                         ``SPGroup`` (None for a group of one)
     log_prob_chunk_bytes that op's chunk: as many tokens as one [C, V] float32 buffer (float64 for a
                          float64 model) holds in this many bytes, at least one; its working set is a
                          few such buffers
@@ -44,6 +49,7 @@ class DualKVConfig:
     verify_max_elements: int = 1 << 26
     chunked_log_probs: bool = True
     log_prob_chunk_bytes: int = 1 << 30
+    sequence_parallel: Optional[object] = None
 
     @classmethod
     def from_options(cls, options: Optional[dict]) -> "DualKVConfig":
@@ -81,4 +87,14 @@ class DualKVConfig:
             raise bad("verify_max_elements", "a non-negative int")
         if not (is_int(cfg.log_prob_chunk_bytes) and cfg.log_prob_chunk_bytes > 0):
             raise bad("log_prob_chunk_bytes", "a positive int")
+        if cfg.sequence_parallel is not None:
+            from .ops.sp_collectives import SPGroup
+
+            if not isinstance(cfg.sequence_parallel, SPGroup):
+                try:
+                    cfg.sequence_parallel = SPGroup.of(cfg.sequence_parallel)
+                except ValueError as e:
+                    raise ValueError(f"options['sequence_parallel']: {e}") from None
+            if cfg.sequence_parallel.world == 1:
+                cfg.sequence_parallel = None
         return cfg

@@ -41,6 +41,7 @@ from .inline_checkpoint import RECOMPUTE_META, TAGGED_OPS
 from .packed_inputs import PackedInputs
 from .packed_ops import gather_columns, gather_previous, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
 from .weighted_reductions import emit_weighted
+from .sp_meta import HEADS_META
 from ..analysis.node_info import Kind, Refusal, shape_of
 from ..analysis.token_axes import TokenAxes
 from ..analysis.token_inputs import Role
@@ -261,6 +262,7 @@ class _Packer:
         # casts its inputs to the autocast dtype (HF's fp32 RMSNorm and rotary leave q, k in float32
         # and v in bfloat16), which an opaque op does not do; so the cast is made here, in the graph.
         want = _ev(m.output).dtype
+        kv_heads = int(_ev(_unrepeated_kv(m.k, self.axes)).shape[1])
         q, k, v = (self._in_dtype(_unrepeated_kv(x, self.axes), want) for x in (m.q, m.k, m.v))
         scale = m.scale if m.scale is not None else default_scale(m.q)
         # The backend was resolved from q alone: v's head dim (MLA) is checked here, on this attention.
@@ -275,6 +277,7 @@ class _Packer:
             (q, k, v, i["seg_start"], i["seg_len"], i["parent"], i["prefix_len"], i["subtree_end"],
              i["max_seg_len"], i["max_prefix_len"], float(scale), float(m.softcap), self.backend),
         )
+        res.meta[HEADS_META] = (int(_ev(m.q).shape[1]), kv_heads)  # for rewrite.sequence_parallel
         return self.g.call_function(operator.getitem, (res, 0), name=m.output.name + "_packed")
 
     def _in_dtype(self, n: fx.Node, dtype: torch.dtype) -> fx.Node:

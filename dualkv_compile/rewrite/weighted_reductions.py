@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from ..analysis.node_info import arg, ev, reduced_dims, shape_of
 from .packed_ops import token_weights, weighted_histc
+from .sp_meta import TOKEN_SUM_META
 
 __all__ = ["emit_weighted", "WEIGHTED_META"]
 
@@ -61,6 +62,7 @@ def emit_weighted(p, n: fx.Node) -> fx.Node:
         bins, lo, hi = arg(n, 1, "bins", 100), arg(n, 2, "min", 0), arg(n, 3, "max", 0)
         res = g.call_function(weighted_histc, (xp, w, bins, lo, hi))
         res.meta[WEIGHTED_META] = (xi.shift, truncate, merged, leading)
+        res.meta[TOKEN_SUM_META] = "sum"
         return _cast(g, res, ev(n).dtype, x_dtype)
 
     prod = g.call_function(operator.mul, (xp, w))
@@ -68,15 +70,19 @@ def emit_weighted(p, n: fx.Node) -> fx.Node:
     if weighted.op in ("scatter_add", "index_add"):
         base, dim, index = n.args[:3]
         prod = _cast(g, prod, x_dtype, wdtype)  # the source must have the base's dtype
-        return g.create_node(n.op, n.target, (p.orig_of(base), dim, p.packed_of(index), prod), name=n.name)
+        res = g.create_node(n.op, n.target, (p.orig_of(base), dim, p.packed_of(index), prod), name=n.name)
+        res.meta[TOKEN_SUM_META] = "accumulate"
+        return res
 
     args = fx.map_arg(tuple(n.args[1:]), p.orig_of)
     kwargs = fx.map_arg(dict(n.kwargs), p.orig_of)
     if weighted.op == "sum":
         res = g.create_node(n.op, n.target, (prod, *args), kwargs, name=n.name)
+        res.meta[TOKEN_SUM_META] = "sum"
         return _cast(g, res, ev(n).dtype, kwargs.get("dtype", wdtype))
     # mean: the weighted sum over the same dims, divided by the original count of their entries.
     total = g.call_method("sum", (prod, *args), kwargs)
+    total.meta[TOKEN_SUM_META] = "sum"
     count = _original_count(p, n, x, xp, ids, truncate or xi.shift)
     return _cast(g, g.call_function(operator.truediv, (total, count), name=n.name), ev(n).dtype, kwargs.get("dtype", wdtype))
 

@@ -30,6 +30,7 @@ from ..rewrite.packed_ops import gather_columns, unpack_merged, unpack_tokens
 from .layout_source import FromCarried, FromTokenIds
 from .nested_compile import is_dynamic, nested_compile
 from .padding_reads import find_padding_reads, tainted
+from .sequence_parallel import agree, local_token_count, parameters_shared, shard_packed_inputs
 from .side_graphs import factor_graph
 
 log = logging.getLogger("dualkv_compile")
@@ -40,8 +41,15 @@ __all__ = ["Runner", "unpacked_output_positions"]
 class Runner:
     """Runtime wrapper: layout, decide, pack, run, unpack (see the module docstring)."""
 
-    def __init__(self, gm, analysis: Analysis, packed: fx.GraphModule, fallback, cfg: DualKVConfig, mode, report: GraphReport, scalar_checks=()):
+    def __init__(
+        self, gm, analysis: Analysis, packed: fx.GraphModule, fallback, cfg: DualKVConfig, mode, report: GraphReport,
+        scalar_checks=(), runs: Optional[fx.GraphModule] = None,
+    ):
+        # ``packed`` is analysed (padding reads, outputs); ``runs`` (default: it) is compiled and run: under
+        # sequence parallelism, the packed graph split over the group (rewrite.sequence_parallel).
         self.packed_gm, self.fallback, self.cfg, self.mode, self.report = packed, fallback, cfg, mode, report
+        self.run_gm = packed if runs is None else runs
+        self.sp = cfg.sequence_parallel
         self.scalar_checks = list(scalar_checks)
         source = FromTokenIds if Role.INPUT_IDS in analysis.token_inputs else FromCarried
         self.layout_source = source(gm, analysis, cfg, report)
@@ -81,16 +89,18 @@ class Runner:
         # then (parameters stay static: force_parameter_static_shapes). A static one: only the
         # packed layout's per-token and per-segment sizes, marked per call.
         dynamic = True if self.outer_dynamic else None
-        return nested_compile(self.packed_gm, self.cfg, self.mode, dynamic=dynamic, on_compile=count)
+        return nested_compile(self.run_gm, self.cfg, self.mode, dynamic=dynamic, on_compile=count)
 
     def __call__(self, *args):
         self.report.calls += 1
         if self.disabled:
-            return self.fallback(*args)
+            return self._run_fallback(args)
         for index, value, what in self.scalar_checks:
             if float(args[index]) != value:
                 return self._unpacked(args, f"{what} is {float(args[index])}, the packed graph was built for {value}")
         layout = self.layout_source(args)
+        if self.sp is not None:  # the group takes one path, on one layout (runtime.sequence_parallel)
+            agree(layout, self.sp, _device_of(args))
         if isinstance(layout, str):
             return self._unpacked(args, layout)
         stats = layout.stats()
@@ -108,6 +118,9 @@ class Runner:
         if self.compiled is None:
             self.compiled = self._compile_packed()
         extra = PackedInputs.of(layout)
+        if self.sp is not None:
+            extra = shard_packed_inputs(extra, layout.num_tokens, self.sp)
+            self.report.local_tokens = local_token_count(layout.num_tokens, self.sp.world)
         # T and the segment count change every step; B * S (unpack_index,
         # valid) follows the outer graph, static or symbolic as Dynamo made it.
         for name in PER_TOKEN_OR_SEGMENT:
@@ -169,12 +182,21 @@ class Runner:
         self.report.rewritten = False
         self.report.reason = why
         log.warning("dualkv: graph %d runs unchanged from now on: %s", self.report.graph_id, why)
-        return self.fallback(*args)
+        return self._run_fallback(args)
 
     def _unpacked(self, args, why: str):
         self.report.fallback_reasons.append(why)
         log.info("dualkv: graph %d runs unpacked: %s", self.report.graph_id, why)
-        return self.fallback(*args)
+        return self._run_fallback(args)
+
+    def _run_fallback(self, args):
+        # Under sequence parallelism every rank computes the whole unpacked program: each keeps its share of the
+        # parameters' gradients, as the packed path's ranks do.
+        return self.fallback(*(args if self.sp is None else parameters_shared(args, self.sp.world)))
+
+
+def _device_of(args) -> torch.device:
+    return next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
 
 def unpacked_output_positions(packed: fx.GraphModule) -> tuple[int, ...]:
     """Positions, among the packed graph's tensor outputs in ``layout.carried.leaves`` order, made by ``unpack``.

@@ -1,0 +1,223 @@
+"""The collectives of Ulysses sequence parallelism, as ``dualkv::`` ops with fake implementations and autograd.
+
+Under sequence parallelism (DESIGN.md, semantics 13) every rank of a group
+holds one contiguous chunk of the packed stream: rank ``r`` of ``world`` the
+tokens ``[r * Tl, (r + 1) * Tl)``. These ops move values between that
+sharded form and the whole stream; they are opaque to Inductor (a blocking
+``torch.distributed`` call inside), so a compiled graph calls them like any
+custom op and traces with dynamic token counts.
+
+Gradient convention (what makes the group's result the single-process one)
+    On every rank the backward starts from the same loss (a replicated value,
+    computed the same way on every rank). A *sharded* value's gradient on
+    rank ``r`` is the loss's gradient with respect to its own chunk; a
+    *replicated* value's gradient is the loss's whole gradient with respect to
+    it. Each op's backward keeps that convention:
+
+    ``sp_all_gather(x, backward="slice")``  sharded -> replicated, read by
+        replicated code (the unpacked outputs): the backward takes this
+        rank's chunk of the (whole) gradient.
+    ``sp_all_gather(x, backward="sum")``  sharded -> the whole stream, read
+        by sharded code at other tokens (each token's predecessor): each rank's
+        gradient is partial, the backward sums them (reduce-scatter).
+    ``sp_all_reduce``  a sum over this rank's tokens -> the sum over all
+        tokens (replicated): the backward passes the gradient through.
+    ``sp_all_to_all``  tokens for heads and back: the backward is the inverse
+        exchange.
+
+    A parameter's gradient on a rank is then its share; the sum over the
+    group is the single-process gradient (``ScaleGrad`` gives a replicated
+    reader of a parameter its ``1 / world`` share).
+
+Gloo (CPU) and NCCL both run every call used here.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["SPGroup", "ScaleGrad", "all_gather_flat", "process_group", "scale_grad", "sp_all_gather", "sp_all_reduce", "sp_all_to_all", "sp_reduce_scatter"]
+
+
+class SPGroup(NamedTuple):
+    """A sequence-parallel group as the graph passes and ops take it: plain values, no process group object."""
+
+    world: int
+    rank: int
+    group_name: str
+
+    @classmethod
+    def of(cls, group) -> "SPGroup":
+        """From a ``ProcessGroup`` or a 1-D ``DeviceMesh``; ``ValueError`` names what was expected."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("sequence_parallel needs an initialised torch.distributed process group")
+        try:
+            from torch.distributed.device_mesh import DeviceMesh
+        except ImportError:  # pragma: no cover - every supported torch has it
+            DeviceMesh = ()
+        if isinstance(group, DeviceMesh):
+            if group.ndim != 1:
+                raise ValueError(
+                    f"sequence_parallel must be a ProcessGroup or a 1-D DeviceMesh (the sequence-parallel dimension, "
+                    f"mesh['sp']), got a {group.ndim}-D DeviceMesh"
+                )
+            group = group.get_group()
+        if not isinstance(group, dist.ProcessGroup):
+            raise ValueError(f"sequence_parallel must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}")
+        return cls(dist.get_world_size(group), dist.get_rank(group), group.group_name)
+
+
+def process_group(group_name: str):
+    """The process group of that name (its ops take names: plain values for graphs and custom op schemas)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def all_gather_flat(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """Every rank's ``x`` concatenated along dim 0 into ``out`` (torch 2.13 renamed the call ``all_gather_single``)."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
+
+
+def _gather(x: torch.Tensor, dim: int, world: int, group_name: str) -> torch.Tensor:
+    xm = x.movedim(dim, 0).contiguous()
+    out = xm.new_empty((world * xm.shape[0], *xm.shape[1:]))
+    all_gather_flat(out, xm, process_group(group_name))
+    return out.movedim(0, dim).contiguous()
+
+
+@torch.library.custom_op("dualkv::sp_all_gather", mutates_args=())
+def sp_all_gather(x: torch.Tensor, dim: int, world: int, rank: int, group_name: str, backward: str) -> torch.Tensor:
+    """The whole stream along ``dim`` (chunks in rank order); ``backward`` "slice" or "sum" (module docstring)."""
+    return _gather(x, dim, world, group_name)
+
+
+@sp_all_gather.register_fake
+def _(x, dim, world, rank, group_name, backward):
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * world
+    return x.new_empty(shape)
+
+
+def _gather_setup(ctx, inputs, output):
+    _, ctx.dim, ctx.world, ctx.rank, ctx.group_name, ctx.mode = inputs
+
+
+def _gather_backward(ctx, grad):
+    if ctx.mode == "slice":
+        n = grad.shape[ctx.dim] // ctx.world
+        g = grad.narrow(ctx.dim, ctx.rank * n, n).contiguous()
+    else:
+        g = sp_reduce_scatter(grad, ctx.dim, ctx.world, ctx.rank, ctx.group_name)
+    return g, None, None, None, None, None
+
+
+sp_all_gather.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+@torch.library.custom_op("dualkv::sp_reduce_scatter", mutates_args=())
+def sp_reduce_scatter(x: torch.Tensor, dim: int, world: int, rank: int, group_name: str) -> torch.Tensor:
+    """This rank's chunk along ``dim`` of the sum of ``x`` over the group."""
+    import torch.distributed as dist
+
+    xm = x.movedim(dim, 0).contiguous()
+    out = xm.new_empty((xm.shape[0] // world, *xm.shape[1:]))
+    dist.reduce_scatter_tensor(out, xm, group=process_group(group_name))
+    return out.movedim(0, dim).contiguous()
+
+
+@sp_reduce_scatter.register_fake
+def _(x, dim, world, rank, group_name):
+    shape = list(x.shape)
+    shape[dim] = shape[dim] // world
+    return x.new_empty(shape)
+
+
+def _reduce_scatter_backward(ctx, grad):
+    return sp_all_gather(grad, ctx.dim, ctx.world, ctx.rank, ctx.group_name, "sum"), None, None, None, None
+
+
+def _reduce_scatter_setup(ctx, inputs, output):
+    _, ctx.dim, ctx.world, ctx.rank, ctx.group_name = inputs
+
+
+sp_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_reduce_scatter_setup)
+
+
+@torch.library.custom_op("dualkv::sp_all_reduce", mutates_args=())
+def sp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum of ``x`` over the group (a new tensor); the backward passes the gradient through."""
+    import torch.distributed as dist
+
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=process_group(group_name))
+    return out
+
+
+@sp_all_reduce.register_fake
+def _(x, group_name):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+sp_all_reduce.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
+
+
+@torch.library.custom_op("dualkv::sp_all_to_all", mutates_args=())
+def sp_all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, world: int, group_name: str) -> torch.Tensor:
+    """Chunk ``i`` of ``x`` along ``scatter_dim`` goes to rank ``i``; the chunks received are joined along ``gather_dim``
+    in rank order. ``x``: rank-4 ``[1, H, T, D]`` (heads for tokens: scatter 1, gather 2; and back)."""
+    import torch.distributed as dist
+
+    chunks = x.movedim(scatter_dim, 0)
+    n = chunks.shape[0] // world
+    send = chunks.reshape(world, n, *chunks.shape[1:]).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=process_group(group_name))
+    # recv[i]: rank i's chunk, scatter_dim first; put it back in place and join along gather_dim.
+    parts = [recv[i].movedim(0, scatter_dim) for i in range(world)]
+    return torch.cat(parts, dim=gather_dim).contiguous()
+
+
+@sp_all_to_all.register_fake
+def _(x, scatter_dim, gather_dim, world, group_name):
+    shape = list(x.shape)
+    shape[scatter_dim] = shape[scatter_dim] // world
+    shape[gather_dim] = shape[gather_dim] * world
+    return x.new_empty(shape)
+
+
+def _a2a_setup(ctx, inputs, output):
+    _, ctx.scatter_dim, ctx.gather_dim, ctx.world, ctx.group_name = inputs
+
+
+def _a2a_backward(ctx, grad):
+    return sp_all_to_all(grad, ctx.gather_dim, ctx.scatter_dim, ctx.world, ctx.group_name), None, None, None, None
+
+
+sp_all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup)
+
+
+class ScaleGrad(torch.autograd.Function):
+    """The identity, with the gradient multiplied by ``factor``: a replicated reader's share of a replicated value
+    whose gradient the group sums (a parameter read after the outputs were gathered; the unpacked fallback)."""
+
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``ScaleGrad.apply(x, factor)``: a plain function, for graphs to call."""
+    return ScaleGrad.apply(x, factor)

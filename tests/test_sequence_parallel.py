@@ -1,0 +1,195 @@
+"""Ulysses sequence parallelism on CPU (gloo): 2 ranks (sp 2) and 4 ranks (dp 2 x sp 2), against one process.
+
+Each rank runs ``@policy_loss(sequence_parallel=...)`` (or the compiled model) on its data-parallel
+group's batch: a prefix forest of depth 2 (a system prompt, two group prompts, ragged responses) in
+shuffled rows. The expected values are the unmodified model's on the same batch in the same process,
+without dualkv: the loss on every rank, and every parameter gradient summed over the sequence-parallel
+group (each rank holds its share). Each rank holds ceil(T / sp) packed tokens. Assertions run inside the
+ranks; a failure fails ``mp.spawn`` with the rank's traceback.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import random
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")
+
+VOCAB = 101
+
+
+def _spawn(world, fn, *args):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_init_and_run, args=(world, fn, os.path.join(tmp, "store"), args), nprocs=world, join=True)
+
+
+def _init_and_run(rank, world, fn, store_path, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        torch._dynamo.reset()
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def forest_batch(seed: int):
+    """Rows of a depth-2 forest, shuffled and padded on both sides: a 6-token system prompt, then two group
+    prompts (4 and 6 tokens) with ragged responses. Returns ids, mask and the forest's packed token count."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    tok = lambda n: torch.randint(1, VOCAB, (n,), generator=g).tolist()  # noqa: E731
+    system = tok(6)  # 31 packed tokens: not a multiple of 2, so the last rank holds a padding token
+    groups = [(tok(4), [tok(n) for n in (3, 1, 4)]), (tok(6), [tok(n) for n in (2, 5)])]
+    rows = [system + prompt + resp for prompt, resps in groups for resp in resps]
+    total = len(system) + sum(len(p) + sum(len(r) for r in rs) for p, rs in groups)
+    rng.shuffle(rows)
+    S = max(map(len, rows)) + 3
+    ids = torch.zeros(len(rows), S, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        left = rng.randint(0, S - len(row))
+        ids[b, left : left + len(row)] = torch.tensor(row)
+        mask[b, left : left + len(row)] = 1
+    return ids, mask, total
+
+
+def tiny_model(family: str):
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, use_cache=False,
+    )
+    if family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                                          decoder_sparse_step=1, norm_topk_prob=True, output_router_logits=True)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        cfg = transformers.Qwen3Config(**common)
+        cls = transformers.Qwen3ForCausalLM
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return cls(cfg).train()
+
+
+def grpo_loss(model, input_ids, attention_mask, position_ids, advantages):
+    """Token-mean clipped GRPO loss at temperature 0.7 (plus the router's load-balancing loss for MoE)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    logp = torch.log_softmax(out.logits[:, :-1].float() / 0.7, dim=-1)
+    token_logp = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    ratio = torch.exp(token_logp - token_logp.detach())
+    adv = advantages[:, None]
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    m = (attention_mask[:, 1:] * attention_mask[:, :-1]).float()  # tokens whose previous column is a token
+    loss = (per_token * m).sum() / m.sum()
+    aux = getattr(out, "aux_loss", None)
+    return loss if aux is None else loss + 0.01 * aux
+
+
+def _check_family(family, mesh, sp):
+    import dualkv_compile
+
+    sp_group = mesh["sp"].get_group()
+    dp_rank = mesh.get_local_rank("dp")
+    model = tiny_model(family)
+    ref = copy.deepcopy(model)
+    ids, mask, total = forest_batch(seed=20 + dp_rank)  # the same batch on every rank of a sequence-parallel group
+    pos = (mask.cumsum(1) - 1).clamp(min=0)  # each row's positions count from its first token, as veRL's do
+    adv = torch.randn(ids.shape[0], generator=torch.Generator().manual_seed(3 + dp_rank))
+    loss_fn = dualkv_compile.policy_loss(grpo_loss, sequence_parallel=mesh["sp"], inner="aot_eager")
+    before = len(dualkv_compile.reports())
+    for step in range(2):  # the second call runs the compiled graphs again
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        loss = loss_fn(model, ids, mask, pos, adv)
+        want = grpo_loss(ref, ids, mask, pos, adv)
+        assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item()), (family, step, loss.item(), want.item())
+        loss.backward()
+        want.backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            g = p.grad.clone()
+            dist.all_reduce(g, group=sp_group)
+            err = ((g - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
+            assert err <= 1e-5, (family, step, name, err)
+    new = dualkv_compile.reports()[before:]
+    packed = [r for r in new if r.num_attention]
+    assert packed and all(r.packed_calls == 2 for r in packed), [str(r) for r in new]
+    for r in packed:
+        assert r.last_stats.tokens_after == total
+        assert r.local_tokens == -(-total // sp), (r.local_tokens, total)
+
+
+def _sp_rank(rank, world, sp):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world // sp, sp), mesh_dim_names=("dp", "sp"))
+    for family in ("qwen3", "qwen3_moe"):
+        _check_family(family, mesh, sp)
+        torch._dynamo.reset()
+
+
+def test_sp2_matches_one_process():
+    """2 ranks, one sequence-parallel group of 2: a tiny Qwen3 and a tiny Qwen3-MoE."""
+    _spawn(2, _sp_rank, 2)
+
+
+def test_dp2_sp2_matches_one_process():
+    """4 ranks, 2 data-parallel groups of 2 sequence-parallel ranks, each group its own batch."""
+    _spawn(4, _sp_rank, 2)
+
+
+def _disagreeing_rank(rank, world):
+    import dualkv_compile
+
+    model = tiny_model("qwen3")
+    ids, mask, _ = forest_batch(seed=rank)  # a different batch on each rank: a data loader bug
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    adv = torch.ones(ids.shape[0])
+    loss_fn = dualkv_compile.policy_loss(grpo_loss, sequence_parallel=dist.group.WORLD, inner="aot_eager")
+    with pytest.raises(Exception, match="see different batches"):
+        loss_fn(model, ids, mask, pos, adv)
+
+
+def test_ranks_with_different_batches_raise():
+    _spawn(2, _disagreeing_rank)
+
+
+def _three_heads_rank(rank, world):
+    """3 query heads cannot be split over 2 ranks: the graph is refused with the reason, and runs unpacked,
+    each rank keeping half of every gradient."""
+    import dualkv_compile
+    import transformers
+
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=24, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=3, num_key_value_heads=1, head_dim=8, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(cfg).train()
+    ref = copy.deepcopy(model)
+    ids, mask, _ = forest_batch(seed=5)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    adv = torch.linspace(-1, 1, ids.shape[0])
+    before = len(dualkv_compile.reports())
+    loss = dualkv_compile.policy_loss(grpo_loss, sequence_parallel=dist.group.WORLD, inner="aot_eager")(model, ids, mask, pos, adv)
+    report = dualkv_compile.reports()[before]
+    assert not report.rewritten and "does not divide the 3 query heads" in report.reason, report
+    want = grpo_loss(ref, ids, mask, pos, adv)
+    loss.backward()
+    want.backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad * 2, q.grad)
+
+
+def test_heads_the_degree_does_not_divide_are_refused():
+    _spawn(2, _three_heads_rank)
