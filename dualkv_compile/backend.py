@@ -45,7 +45,6 @@ from .rewrite.pack_graph import pack_graph
 from .rewrite.sequence_parallel import shard_packed_graph
 from .runtime.nested_compile import LazyCompile
 from .runtime.runner import Runner
-from .runtime.sequence_parallel import ReplicatedFallback
 
 log = logging.getLogger("dualkv_compile")
 
@@ -94,8 +93,6 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
             if hint:
                 report.reason = f"{report.reason}; {hint}"
         log.warning("dualkv: graph %d refused, running it unchanged: %s", report.graph_id, report.reason)
-        if cfg.sequence_parallel is not None:  # every rank runs it whole: each keeps its share of the gradients
-            return ReplicatedFallback(fallback, cfg.sequence_parallel.world)
         return fallback
     report.rewritten = True
     log.info(

@@ -32,9 +32,9 @@ class DualKVConfig:
                          the unfused graph
     sequence_parallel    None, or the sequence-parallel group (a ProcessGroup or a 1-D DeviceMesh): Ulysses over
                          the packed stream (rewrite.sequence_parallel). Every rank of the group calls with the
-                         same batch and holds 1/world of the packed tokens; a parameter's gradient on a rank is
-                         its share, their sum over the group the single-process gradient. Normalised to an
-                         ``SPGroup`` (None for a group of one)
+                         same batch and holds 1/world of the packed tokens; the mean of a parameter's
+                         gradients over the group (what FSDP2 and DDP reduce) is the single-process gradient.
+                         Normalised to an ``SPGroup`` (None for a group of one)
     log_prob_chunk_bytes that op's chunk: as many tokens as one [C, V] float32 buffer (float64 for a
                          float64 model) holds in this many bytes, at least one; its working set is a
                          few such buffers

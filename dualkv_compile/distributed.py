@@ -192,3 +192,4 @@ def graph_split_hint(gm) -> Optional[str]:
             "a graph like this one is left unchanged"
         )
     return None
+

@@ -74,6 +74,8 @@ def parse(argv=None):
     ap.add_argument("--rollouts", type=int, default=4, help="responses per prompt")
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--response-len", type=int, default=8, help="longest response; responses are ragged")
+    ap.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (Ulysses): ranks in groups of N on a (world/N) x N "
+                    "mesh; a group's ranks read the same batch, dualkv splits its packed stream over them")
     ap.add_argument("--iters", type=int, default=0, help="timed steps per variant after the parity step (0: none)")
     ap.add_argument("--inner", choices=["inductor", "aot_eager"], default=None, help="default: inductor on cuda, aot_eager on cpu")
     ap.add_argument("--tol", type=float, default=None, help="relative tolerance (default 1e-4 fp32, 5e-2 bf16)")
@@ -100,7 +102,10 @@ def build_model(args, device):
 
 
 def make_batch(args, rank, device):
-    """This rank's micro-batch: [left pad | prompt | response | right pad], all rollouts of a prompt here, consecutive."""
+    """Data rank ``rank``'s micro-batch: rows [prompt | response | pad], all rollouts of a prompt here, consecutive.
+
+    Right-padded: no row starts with padding, so the plain side's fused SDPA never sees a query with every key
+    masked (left-padded rows gave NaN gradients on CUDA), and the default positions (0, 1, ...) are each token's."""
     g = torch.Generator().manual_seed(1000 + rank)
     rows = []
     for _ in range(args.prompts):
@@ -109,17 +114,16 @@ def make_batch(args, rank, device):
         for _ in range(args.rollouts):
             R = int(torch.randint(1, args.response_len + 1, (1,), generator=g))
             rows.append((prompt, torch.randint(1, args.vocab, (R,), generator=g)))
-    Pmax = max(len(p) for p, _ in rows)
-    S = Pmax + max(len(r) for _, r in rows)
+    S = max(len(p) + len(r) for p, r in rows)
     B = len(rows)
     ids = torch.full((B, S), PAD)
     mask = torch.zeros(B, S, dtype=torch.long)
     resp = torch.zeros(B, S, dtype=torch.long)
     for b, (p, r) in enumerate(rows):
-        lp = Pmax - len(p)
-        ids[b, lp:Pmax], ids[b, Pmax : Pmax + len(r)] = p, r
-        mask[b, lp : Pmax + len(r)] = 1
-        resp[b, Pmax : Pmax + len(r)] = 1
+        P, n = len(p), len(p) + len(r)
+        ids[b, :P], ids[b, P:n] = p, r
+        mask[b, :n] = 1
+        resp[b, P:n] = 1
     return {
         "input_ids": ids.to(device),
         "attention_mask": mask.to(device),
@@ -192,8 +196,8 @@ class Timer:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    if args.mode == "ddp" and (args.bf16 or args.per_layer):
-        raise SystemExit("--bf16 and --per-layer apply to --mode fsdp")
+    if args.mode == "ddp" and (args.bf16 or args.per_layer or args.sp > 1):
+        raise SystemExit("--bf16, --per-layer and --sp apply to --mode fsdp")
     backend = "nccl" if args.device == "cuda" else "gloo"
     if args.device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -226,13 +230,25 @@ def run_rank(args, device) -> int:
     inner = args.inner or ("inductor" if args.device == "cuda" else "aot_eager")
     # DDP's Dynamo optimizer splits the graph at gradient buckets; only the first piece would hold the token ids.
     torch._dynamo.config.optimize_ddp = False
+    if world % args.sp:
+        raise SystemExit(f"--sp {args.sp} must divide the number of ranks {world}")
+    dp = world // args.sp
+    sp_mesh = None
+    data_rank = rank
+    if args.sp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (dp, args.sp), mesh_dim_names=("dp", "sp"))
+        sp_mesh, data_rank = mesh["sp"], mesh.get_local_rank("dp")
     base = build_model(args, device)
     plain_model, dk_model = wrap(copy.deepcopy(base), args, device), wrap(base, args, device)
     plain_step = torch.compile(grpo_loss, backend=inner)
-    dk_step = dualkv_compile.policy_loss(grpo_loss, inner=inner)
+    dk_step = dualkv_compile.policy_loss(grpo_loss, inner=inner, sequence_parallel=sp_mesh)
 
-    batch = make_batch(args, rank, device)
-    report = check_groups_on_rank(batch["input_ids"], batch["attention_mask"], response_mask=batch["response_mask"])
+    batch = make_batch(args, data_rank, device)  # the ranks of a sequence-parallel group read the same batch
+    # Prompts split across data-parallel ranks (the ranks of a sequence-parallel group share theirs by design).
+    dp_group = mesh["dp"].get_group() if args.sp > 1 else None
+    report = check_groups_on_rank(batch["input_ids"], batch["attention_mask"], response_mask=batch["response_mask"], process_group=dp_group)
     stats = dualkv_compile.detect(batch["input_ids"], batch["attention_mask"]).stats()
     say(f"layout: {stats}")
     say(f"groups: {'all rollouts of each prompt on this rank' if report.ok else report}")
@@ -279,7 +295,7 @@ def run_rank(args, device) -> int:
         result[name] = {"ms": ms, "peak_mib": peak}
 
     mine = {
-        "rank": rank, "packed": packed, "loss_rel_err": loss_err, "grad_max_rel_err": grad_err, "missing_grads": missing,
+        "rank": rank, "packed": packed, "local_tokens": max((r.local_tokens or 0 for r in graphs), default=0) or None, "loss_rel_err": loss_err, "grad_max_rel_err": grad_err, "missing_grads": missing,
         "nonfinite_grads": nonfinite, "stats": {"rows": stats.num_rows, "groups": stats.num_groups, "tokens_before": stats.tokens_before,
                   "tokens_after": stats.tokens_after, "rho": stats.rho, "attention_ratio": stats.attention_ratio},
         "split_prompts": [str(s) for s in report.split], **result,
@@ -294,7 +310,7 @@ def run_rank(args, device) -> int:
         summary = {
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "device": args.device,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "mode": args.mode, "per_layer": args.per_layer, "bf16": args.bf16, "checkpoint": args.checkpoint, "world_size": world, "inner": inner,
+            "mode": args.mode, "per_layer": args.per_layer, "bf16": args.bf16, "checkpoint": args.checkpoint, "world_size": world, "sp": args.sp, "inner": inner,
             "shape": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "vocab", "prompts", "rollouts", "prompt_len", "response_len")},
             "tolerance": tol, "parity": ok_parity, "packed_on_every_rank": all_packed, "mean_speedup": speedup, "ranks": everyone,
         }
@@ -313,7 +329,7 @@ def run_rank(args, device) -> int:
         rho = statistics.mean(r["stats"]["rho"] for r in everyone)
         speed = f", speedup {speedup:.2f}x" if speedup else ""
         print(
-            f"{args.mode}{' bf16' if args.bf16 else ''}{' checkpoint' if args.checkpoint else ''} x{world} ({args.device}): rho {rho:.2f}x{speed}, "
+            f"{args.mode}{' bf16' if args.bf16 else ''}{' checkpoint' if args.checkpoint else ''} x{world}{f' sp {args.sp}' if args.sp > 1 else ''} ({args.device}): rho {rho:.2f}x{speed}, "
             f"loss rel err {worst_loss:.1e}, max grad rel err {worst_grad:.1e} (tol {tol:.0e}) - fsdp_grpo: {verdict}",
             flush=True,
         )
@@ -323,12 +339,13 @@ def run_rank(args, device) -> int:
 def markdown(s: dict) -> str:
     shape = ", ".join(f"{k}={v}" for k, v in s["shape"].items())
     lines = [
-        f"# fsdp_grpo: {s['mode']}{' (fully_shard per layer)' if s['per_layer'] else ''}{', bf16 MixedPrecisionPolicy' if s['bf16'] else ''}{', activation checkpointing' if s.get('checkpoint') else ''}, {s['world_size']} ranks",
+        f"# fsdp_grpo: {s['mode']}{' (fully_shard per layer)' if s['per_layer'] else ''}{', bf16 MixedPrecisionPolicy' if s['bf16'] else ''}{', activation checkpointing' if s.get('checkpoint') else ''}, {s['world_size']} ranks"
+        + (f", sequence parallel {s['sp']}" if s.get("sp", 1) > 1 else ""),
         "",
         f"{s['date']}; torch {s['torch']}; device {s['gpu'] or s['device']}; inner compiler {s['inner']}; {shape}.",
         f"Parity (relative, tolerance {s['tolerance']:.0e}): {'holds' if s['parity'] else 'FAILS'}; packed on every rank: {s['packed_on_every_rank']}.",
         "",
-        "| rank | rows | groups | tokens before -> after | rho | loss rel err | max grad rel err | plain ms | dualkv ms | speedup | plain peak MiB | dualkv peak MiB |",
+        "| rank | rows | groups | tokens before -> after (per rank) | rho | loss rel err | max grad rel err | plain ms | dualkv ms | speedup | plain peak MiB | dualkv peak MiB |",
         "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
@@ -339,7 +356,8 @@ def markdown(s: dict) -> str:
         st, p, d = r["stats"], r["plain"], r["dualkv"]
         sp = p["ms"] / d["ms"] if p["ms"] and d["ms"] else None
         lines.append(
-            f"| {r['rank']} | {st['rows']} | {st['groups']} | {st['tokens_before']} -> {st['tokens_after']} | {st['rho']:.2f}x | "
+            f"| {r['rank']} | {st['rows']} | {st['groups']} | {st['tokens_before']} -> {st['tokens_after']}"
+            f"{' (' + str(r['local_tokens']) + ')' if r.get('local_tokens') else ''} | {st['rho']:.2f}x | "
             f"{r['loss_rel_err']:.1e} | {r['grad_max_rel_err']:.1e} | {f(p['ms'], '.2f')} | {f(d['ms'], '.2f')} | {f(sp, '.2f')} | "
             f"{f(p['peak_mib'], '.0f')} | {f(d['peak_mib'], '.0f')} |"
         )

@@ -3,8 +3,8 @@
 Each rank runs ``@policy_loss(sequence_parallel=...)`` (or the compiled model) on its data-parallel
 group's batch: a prefix forest of depth 2 (a system prompt, two group prompts, ragged responses) in
 shuffled rows. The expected values are the unmodified model's on the same batch in the same process,
-without dualkv: the loss on every rank, and every parameter gradient summed over the sequence-parallel
-group (each rank holds its share). Each rank holds ceil(T / sp) packed tokens. Assertions run inside the
+without dualkv: the loss on every rank, and the mean of every parameter gradient over the
+sequence-parallel group (what FSDP2 and DDP reduce; ``ops.sp_collectives`` states the convention). Each rank holds ceil(T / sp) packed tokens. Assertions run inside the
 ranks; a failure fails ``mp.spawn`` with the rank's traceback.
 """
 
@@ -120,6 +120,7 @@ def _check_family(family, mesh, sp):
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             g = p.grad.clone()
             dist.all_reduce(g, group=sp_group)
+            g /= sp  # the mean over the group, as FSDP2 and DDP take it
             err = ((g - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
             assert err <= 1e-5, (family, step, name, err)
     new = dualkv_compile.reports()[before:]
@@ -167,7 +168,7 @@ def test_ranks_with_different_batches_raise():
 
 def _three_heads_rank(rank, world):
     """3 query heads cannot be split over 2 ranks: the graph is refused with the reason, and runs unpacked,
-    each rank keeping half of every gradient."""
+    with the whole gradient on each rank (their mean over the group is the gradient)."""
     import dualkv_compile
     import transformers
 
@@ -188,7 +189,7 @@ def _three_heads_rank(rank, world):
     loss.backward()
     want.backward()
     for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad * 2, q.grad)
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 def test_heads_the_degree_does_not_divide_are_refused():

@@ -8,26 +8,31 @@ sharded form and the whole stream; they are opaque to Inductor (a blocking
 custom op and traces with dynamic token counts.
 
 Gradient convention (what makes the group's result the single-process one)
-    On every rank the backward starts from the same loss (a replicated value,
-    computed the same way on every rank). A *sharded* value's gradient on
-    rank ``r`` is the loss's gradient with respect to its own chunk; a
-    *replicated* value's gradient is the loss's whole gradient with respect to
-    it. Each op's backward keeps that convention:
+    The backward starts on every rank from the same loss, a replicated value
+    (computed the same way on every rank), as data-parallel training does. A
+    *replicated* value's gradient is then the loss's whole gradient with
+    respect to it, on every rank. A *sharded* value's gradient on a rank is
+    ``world`` times the loss's gradient with respect to its chunk; so is a
+    parameter's, whose share of the gradient comes from this rank's tokens:
+    the *mean* of a parameter's gradients over the group, what FSDP2's and
+    DDP's reductions take (over data-parallel ranks too), is the gradient of
+    the group's batch. veRL's Ulysses scales the same way. Each op's backward
+    keeps that convention:
 
     ``sp_all_gather(x, backward="slice")``  sharded -> replicated, read by
         replicated code (the unpacked outputs): the backward takes this
-        rank's chunk of the (whole) gradient.
+        rank's chunk of the (whole) gradient, times ``world``.
     ``sp_all_gather(x, backward="sum")``  sharded -> the whole stream, read
         by sharded code at other tokens (each token's predecessor): each rank's
         gradient is partial, the backward sums them (reduce-scatter).
     ``sp_all_reduce``  a sum over this rank's tokens -> the sum over all
-        tokens (replicated): the backward passes the gradient through.
+        tokens (replicated): the backward passes the gradient on, times ``world``.
     ``sp_all_to_all``  tokens for heads and back: the backward is the inverse
         exchange.
-
-    A parameter's gradient on a rank is then its share; the sum over the
-    group is the single-process gradient (``ScaleGrad`` gives a replicated
-    reader of a parameter its ``1 / world`` share).
+    ``sp_shard``  replicated -> this rank's chunk, where an activation input
+        (not a parameter) enters the packed stream: the backward gathers the
+        chunks' gradients, divided by ``world``, the whole gradient its
+        producer (an earlier graph's gather, or replicated code) expects.
 
 Gloo (CPU) and NCCL both run every call used here.
 """
@@ -38,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["SPGroup", "ScaleGrad", "all_gather_flat", "process_group", "scale_grad", "sp_all_gather", "sp_all_reduce", "sp_all_to_all", "sp_reduce_scatter"]
+__all__ = ["SPGroup", "all_gather_flat", "process_group", "sp_shard", "sp_all_gather", "sp_all_reduce", "sp_all_to_all", "sp_reduce_scatter"]
 
 
 class SPGroup(NamedTuple):
@@ -113,7 +118,7 @@ def _gather_setup(ctx, inputs, output):
 def _gather_backward(ctx, grad):
     if ctx.mode == "slice":
         n = grad.shape[ctx.dim] // ctx.world
-        g = grad.narrow(ctx.dim, ctx.rank * n, n).contiguous()
+        g = grad.narrow(ctx.dim, ctx.rank * n, n) * ctx.world
     else:
         g = sp_reduce_scatter(grad, ctx.dim, ctx.world, ctx.rank, ctx.group_name)
     return g, None, None, None, None, None
@@ -152,8 +157,8 @@ sp_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_red
 
 
 @torch.library.custom_op("dualkv::sp_all_reduce", mutates_args=())
-def sp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """The sum of ``x`` over the group (a new tensor); the backward passes the gradient through."""
+def sp_all_reduce(x: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
+    """The sum of ``x`` over the group (a new tensor); the backward passes the gradient on times the group's size."""
     import torch.distributed as dist
 
     out = x.clone(memory_format=torch.contiguous_format)
@@ -162,11 +167,15 @@ def sp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 @sp_all_reduce.register_fake
-def _(x, group_name):
+def _(x, world, group_name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-sp_all_reduce.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
+def _all_reduce_setup(ctx, inputs, output):
+    ctx.world = inputs[1]
+
+
+sp_all_reduce.register_autograd(lambda ctx, grad: (grad * ctx.world, None, None), setup_context=_all_reduce_setup)
 
 
 @torch.library.custom_op("dualkv::sp_all_to_all", mutates_args=())
@@ -204,20 +213,30 @@ def _a2a_backward(ctx, grad):
 sp_all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup)
 
 
-class ScaleGrad(torch.autograd.Function):
-    """The identity, with the gradient multiplied by ``factor``: a replicated reader's share of a replicated value
-    whose gradient the group sums (a parameter read after the outputs were gathered; the unpacked fallback)."""
-
-    @staticmethod
-    def forward(ctx, x, factor: float):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
+@torch.library.custom_op("dualkv::sp_shard", mutates_args=())
+def sp_shard(x: torch.Tensor, dim: int, world: int, rank: int, group_name: str) -> torch.Tensor:
+    """This rank's chunk along ``dim`` of a replicated ``x`` (a new tensor); the backward gathers the chunks'
+    gradients and divides by ``world``: a replicated input's whole gradient, on every rank."""
+    n = x.shape[dim] // world
+    return x.narrow(dim, rank * n, n).clone(memory_format=torch.contiguous_format)
 
 
-def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
-    """``ScaleGrad.apply(x, factor)``: a plain function, for graphs to call."""
-    return ScaleGrad.apply(x, factor)
+@sp_shard.register_fake
+def _(x, dim, world, rank, group_name):
+    shape = list(x.shape)
+    shape[dim] = shape[dim] // world
+    return x.new_empty(shape)
+
+
+def _shard_setup(ctx, inputs, output):
+    _, ctx.dim, ctx.world, ctx.rank, ctx.group_name = inputs
+
+
+def _shard_backward(ctx, grad):
+    # Through the op, not _gather: a backward formula is traced, and a collective traced inline puts the
+    # process group object into the backward graph (which AOTAutograd then fails to deep-copy).
+    whole = sp_all_gather(grad, ctx.dim, ctx.world, ctx.rank, ctx.group_name, "slice")
+    return whole / ctx.world, None, None, None, None
+
+
+sp_shard.register_autograd(_shard_backward, setup_context=_shard_setup)

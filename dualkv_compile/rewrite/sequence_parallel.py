@@ -6,14 +6,17 @@ Contract
     the same original inputs and ``runtime.sequence_parallel.shard_packed_inputs`` of the same layout (the
     per-token index inputs are this rank's chunk of a stream padded to ``world * Tl`` tokens, the segments
     cover the padding with a root of its own), it returns on every rank the values the packed graph returns.
-    A parameter's gradient on a rank is its share: their sum over the group is the packed graph's gradient.
+    Gradients follow ``ops.sp_collectives``' convention: a parameter's gradient on a rank is ``world`` times
+    its share, so their mean over the group (what FSDP2 and DDP take) is the packed graph's gradient; a
+    gradient the graph returns for an input that is not a parameter is the packed graph's.
     ``Refusal`` names what cannot be split (heads the degree does not divide; a value reduced over all
     tokens that per-token code reads again).
 
 How
-    Every per-token op already runs on whatever tokens its operands hold: with this rank's chunk of
-    ``pack_index``/``col_index`` every packed value is this rank's chunk, and ``T`` (the size of
-    ``pack_index``) is the chunk's length, so reshapes follow. What reads other tokens is rewritten:
+    Every per-token op already runs on whatever tokens its operands hold. The inputs enter the packed
+    stream as this rank's chunk (``pack_tokens`` of the whole padded stream, then this rank's slice;
+    ``col_index`` is given as this rank's chunk), and ``T`` (the size of ``pack_index``) becomes the
+    chunk's length ``Tl``, so reshapes follow. What reads other tokens is rewritten:
 
     - attention -> ``ops.ulysses_attention`` (heads exchanged for tokens, the kernel over the whole forest);
     - a read of each token's predecessor (``previous_tokens``, ``gather_previous``, the fused
@@ -23,35 +26,34 @@ How
       replicated, the same on every rank;
     - a sum over tokens (``weighted_reductions``, marked ``TOKEN_SUM_META``) is this rank's partial sum,
       then ``sp_all_reduce``; its token weights are this rank's chunk of the whole stream's;
-    - a value of parameters alone read by replicated code (after a gather or a reduction), or returned, is
-      read through ``scale_grad(x, 1 / world)``: every rank runs that code, and a parameter's gradient is
-      summed over the group, so each rank adds its share. Other replicated values (activations an earlier
-      graph gathered, the caller's inputs) get their whole gradient on every rank, as their producers'
-      gathers expect.
+    - an input that is not a parameter and has a gradient (hidden states from an earlier graph) enters
+      through ``sp_shard``, whose backward gives it its whole gradient on every rank, as its producer
+      expects.
 """
 
 from __future__ import annotations
 
 import operator
+from typing import Optional
 
 import torch
 import torch.fx as fx
 
 from ..analysis.node_info import Refusal
 from ..ops import sp_collectives as _collectives  # noqa: F401  (registers torch.ops.dualkv.sp_*)
-from ..ops.sp_collectives import SPGroup, scale_grad
+from ..ops.sp_collectives import SPGroup
 from ..ops.ulysses_attention import check_heads, ulysses_attention
 from .graph_copy import copy_graph_module
 from .inline_checkpoint import RECOMPUTE_META
 from .sp_meta import HEADS_META, TOKEN_SUM_META
-from .packed_ops import gather_previous, previous_tokens, token_weights, unpack_merged, unpack_tokens
+from .packed_ops import gather_columns, gather_previous, pack_tokens, previous_tokens, token_weights, unpack_merged, unpack_tokens
 
 __all__ = ["shard_packed_graph", "local_token_weights"]
 
-# Per-token index inputs the runner gives as this rank's chunk.
-SHARDED_INPUTS = ("pack_index", "col_index", "prev_index")
+# Per-token index inputs the runner gives as this rank's chunk (pack_index is the whole padded stream's).
+SHARDED_INPUTS = ("col_index", "prev_index")
 
-# Per token chunk; gathered or reduced over the group; of parameters (and inputs); of other inputs alone.
+# Per token chunk; gathered or reduced over the group; of parameters (and other inputs); of non-parameter inputs alone.
 _S, _R, _P, _C = "sharded", "replicated", "of parameters", "constant"
 
 
@@ -82,6 +84,10 @@ def _unpack_dim(n: fx.Node):
     return None
 
 
+def _is_placeholder(n, name: str) -> bool:
+    return isinstance(n, fx.Node) and n.op == "placeholder" and n.name == name
+
+
 def _is_parameter(n: fx.Node) -> bool:
     return isinstance(n.meta.get("example_value"), torch.nn.Parameter)
 
@@ -95,6 +101,7 @@ class _Sharder:
     def __init__(self, gm: fx.GraphModule, sp: SPGroup):
         self.gm, self.sp, self.g = gm, sp, gm.graph
         self.kind: dict[fx.Node, str] = {}
+        self.n_local: Optional[fx.Node] = None
 
     def emit(self, where: fx.Node, target, args, name: str) -> fx.Node:
         """A call inserted before ``where``, in ``where``'s checkpoint region if it has one."""
@@ -117,8 +124,14 @@ class _Sharder:
             if n.op == "placeholder":
                 self.kind[n] = _S if n.name in SHARDED_INPUTS else _P if _is_parameter(n) else _C
                 continue
+            if n.op == "call_method" and n.target == "size" and _is_placeholder(n.args[0], "pack_index"):
+                if n.args[1:] != (0,):
+                    raise Refusal(f"sequence_parallel: {n.name} reads the size of pack_index in another way")
+                n.replace_all_uses_with(self.local_count(n))  # T: this rank's count
+                self.kind[n] = _C
+                continue
             if n.op == "output":
-                self.scale_constant_reads(n, outputs=True)
+                self.check_outputs(n)
                 continue
             if n.op == "call_function" and n.target is torch.ops.dualkv.attention_fwd.default:
                 heads = n.meta.get(HEADS_META)
@@ -138,7 +151,6 @@ class _Sharder:
             if dim is not None:
                 self.gathered(n, 0, dim, "slice")
                 self.kind[n] = _R
-                self.scale_constant_reads(n)
                 continue
             read = _predecessor_read(n)
             if read is not None:
@@ -153,8 +165,12 @@ class _Sharder:
                     "all tokens; it cannot be split over the group"
                 )
             self.kind[n] = _S if _S in kinds else _R if _R in kinds else _P if _P in kinds else _C
-            if self.kind[n] == _R:
-                self.scale_constant_reads(n)
+            if n.op == "call_function" and n.target is pack_tokens:
+                self.chunk_of_packed_input(n)
+            elif n.op == "call_function" and n.target is gather_columns:
+                x = n.args[0]
+                if self.kind.get(x) != _P and _requires_grad(x):
+                    raise Refusal(f"sequence_parallel: {n.name} reads a per-column value with a gradient ({x.name})")
         self.g.lint()
         self.gm.recompile()
         return self.gm
@@ -170,7 +186,7 @@ class _Sharder:
             zeros = self.emit(n, torch.zeros_like, (base,), f"{n.name}_zeros")
             n.update_arg(0, zeros)
         with self.g.inserting_after(n):
-            total = self.g.call_function(torch.ops.dualkv.sp_all_reduce.default, (n, sp.group_name), name=f"{n.name}_over_group")
+            total = self.g.call_function(torch.ops.dualkv.sp_all_reduce.default, (n, sp.world, sp.group_name), name=f"{n.name}_over_group")
         result = total
         if accumulate:
             with self.g.inserting_after(total):
@@ -183,24 +199,46 @@ class _Sharder:
         self.kind[n], self.kind[total], self.kind[result] = _S, _R, _R
         if accumulate:
             self.kind[zeros] = _C
-            if self.kind.get(base) == _P and _requires_grad(base):
-                scaled = self.emit(result, scale_grad, (base, 1.0 / sp.world), f"{base.name}_share")
-                result.update_arg(0, scaled)
 
-    def scale_constant_reads(self, n: fx.Node, outputs: bool = False) -> None:
-        """Read each operand of the replicated node ``n`` computed from parameters alone through ``scale_grad``.
-
-        Only those: a replicated value's gradient is whole on every rank (an activation that an earlier graph
-        gathered, or the caller's input, gets it whole, as its producer expects), while a parameter's
-        gradient is summed over the group, so a reader that every rank runs adds ``1 / world`` of it on each."""
-        for a in list(n.all_input_nodes):
-            if self.kind.get(a, _C) == _S and outputs:
+    def check_outputs(self, n: fx.Node) -> None:
+        for a in n.all_input_nodes:
+            if self.kind.get(a) == _S:
                 raise Refusal(f"sequence_parallel: the graph returns {a.name}, a per-token value of the packed stream")
-            if self.kind.get(a, _C) != _P or not _requires_grad(a):
-                continue
-            scaled = self.emit(n, scale_grad, (a, 1.0 / self.sp.world), f"{a.name}_share")
-            self.kind[scaled] = _C
-            n.replace_input_with(a, scaled)
+
+    def chunk_of_packed_input(self, n: fx.Node) -> None:
+        """After ``n = pack_tokens(x, pack_index)`` (the whole padded stream): this rank's chunk of it.
+
+        For an activation input with a gradient, through ``sp_shard``: its producer (an earlier graph's
+        gather, or replicated code) gets the whole gradient on every rank. Otherwise a plain slice."""
+        x, s_dim = n.args[0], n.args[3]
+        sp = self.sp
+        users = list(n.users)
+        n_local = self.local_count(n)
+        with self.g.inserting_after(n):
+            if self.kind.get(x) != _P and _requires_grad(x):
+                chunk = self.g.call_function(
+                    torch.ops.dualkv.sp_shard.default, (n, s_dim, sp.world, sp.rank, sp.group_name), name=f"{n.name}_chunk"
+                )
+            else:
+                start = self.g.call_function(operator.mul, (n_local, sp.rank))
+                with self.g.inserting_after(start):
+                    chunk = self.g.create_node("call_method", "narrow", (n, s_dim, start, n_local), name=f"{n.name}_chunk")
+        chunk.meta.update({k: n.meta[k] for k in RECOMPUTE_META if k in n.meta})
+        for u in users:
+            u.replace_input_with(n, chunk)
+        self.kind[n], self.kind[chunk] = _C, _S
+
+    def local_count(self, where: fx.Node) -> fx.Node:
+        """The node of ``Tl``, this rank's packed token count (the padded stream's length over ``world``)."""
+        if self.n_local is None:
+            placeholders = list(self.g.find_nodes(op="placeholder"))
+            index = next(p for p in placeholders if p.name == "pack_index")
+            with self.g.inserting_after(placeholders[-1]):
+                total = self.g.call_method("size", (index, 0))
+            with self.g.inserting_after(total):
+                self.n_local = self.g.call_function(operator.floordiv, (total, self.sp.world), name="local_tokens")
+            self.kind[total] = self.kind[self.n_local] = _C  # sizes: read by per-token shapes and token weights alike
+        return self.n_local
 
 
 def shard_packed_graph(packed: fx.GraphModule, sp: SPGroup) -> fx.GraphModule:

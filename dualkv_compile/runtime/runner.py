@@ -30,7 +30,7 @@ from ..rewrite.packed_ops import gather_columns, unpack_merged, unpack_tokens
 from .layout_source import FromCarried, FromTokenIds
 from .nested_compile import is_dynamic, nested_compile
 from .padding_reads import find_padding_reads, tainted
-from .sequence_parallel import agree, local_token_count, parameters_shared, shard_packed_inputs
+from .sequence_parallel import agree, local_token_count, shard_packed_inputs
 from .side_graphs import factor_graph
 
 log = logging.getLogger("dualkv_compile")
@@ -190,9 +190,7 @@ class Runner:
         return self._run_fallback(args)
 
     def _run_fallback(self, args):
-        # Under sequence parallelism every rank computes the whole unpacked program: each keeps its share of the
-        # parameters' gradients, as the packed path's ranks do.
-        return self.fallback(*(args if self.sp is None else parameters_shared(args, self.sp.world)))
+        return self.fallback(*args)
 
 
 def _device_of(args) -> torch.device:

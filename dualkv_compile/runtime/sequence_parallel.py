@@ -1,4 +1,4 @@
-"""Per call under sequence parallelism: the layout agreed by the group, this rank's chunk of the inputs, the fallback's share.
+"""Per call under sequence parallelism: the layout agreed by the group, and this rank's chunk of the packed inputs.
 
 Assumes every rank of the group calls the runner with the same batch (as
 veRL's Ulysses and ``examples/fsdp_grpo.py --sp`` give it: the ranks of a
@@ -15,20 +15,15 @@ Guarantees
       on different layouts.
     * ``shard_packed_inputs``: the stream is padded to ``world * Tl`` tokens,
       ``Tl = ceil(T / world)``; rank ``r`` gets the tokens ``[r * Tl, (r + 1) * Tl)``
-      of ``pack_index``, ``col_index`` and ``prev_index``. A padding token is a
+      of ``col_index`` and ``prev_index``, and the whole padded ``pack_index``
+      (the sharded graph packs its inputs whole, then slices them). A padding token is a
       copy of the first packed token (a valid one, so its values are finite),
       is its own predecessor and a root segment of its own (nothing real reads
       it), and no output or sum reads it (``unpack_index`` never names it, its
       token weight is zero). The segments cover the padded stream.
-    * ``parameters_shared``: the unpacked fallback computes everything on
-      every rank; the parameters it reads pass their gradient on times
-      ``1 / world``, so the group's gradients sum to the single-process one,
-      as on the packed path. Other inputs get their whole gradient (an
-      activation from an earlier packed graph, whose gather takes this rank's
-      chunk of it). Known limit: a caller's own activation input with a
-      gradient (embeddings computed outside the compiled model) gets its
-      whole gradient where the graph runs unpacked and this rank's share where
-      it runs packed; pass token ids instead.
+    * The unpacked fallback needs nothing: every rank computes the whole
+      program and gets whole gradients, whose mean over the group is the
+      single-process one (``ops.sp_collectives``' convention).
 """
 
 from __future__ import annotations
@@ -39,10 +34,10 @@ from typing import Union
 import torch
 
 from ..layout import SharedPromptLayout
-from ..ops.sp_collectives import SPGroup, scale_grad
+from ..ops.sp_collectives import SPGroup
 from ..rewrite.packed_inputs import PackedInputs
 
-__all__ = ["agree", "local_token_count", "shard_packed_inputs", "parameters_shared", "ReplicatedFallback"]
+__all__ = ["agree", "local_token_count", "shard_packed_inputs"]
 
 
 def local_token_count(num_tokens: int, world: int) -> int:
@@ -90,7 +85,7 @@ def shard_packed_inputs(extra: PackedInputs, num_tokens: int, sp: SPGroup) -> Pa
     first = extra.pack_index[:1].expand(pad)
     own = torch.arange(num_tokens, num_tokens + pad, device=extra.prev_index.device, dtype=extra.prev_index.dtype)
     fields = extra._replace(
-        pack_index=chunk(extra.pack_index, first),
+        pack_index=torch.cat([extra.pack_index, first]) if pad else extra.pack_index,  # whole: the graph slices it
         col_index=chunk(extra.col_index, extra.col_index[:1].expand(pad)),
         prev_index=chunk(extra.prev_index, own),
     )
@@ -107,27 +102,3 @@ def shard_packed_inputs(extra: PackedInputs, num_tokens: int, sp: SPGroup) -> Pa
             max_seg_len=max(extra.max_seg_len, pad),
         )
     return fields
-
-
-def parameters_shared(args, world: int) -> list:
-    """``args`` with each parameter that has a gradient read through ``scale_grad(p, 1 / world)``.
-
-    For a graph every rank of the group runs whole (unpacked): a parameter's gradient is summed over the
-    group, so each rank keeps ``1 / world`` of it, as on the packed path. Other inputs keep their whole
-    gradient, as the gathers of an earlier packed graph that produced them expect.
-    """
-    return [
-        scale_grad(a, 1.0 / world) if isinstance(a, torch.nn.Parameter) and a.requires_grad and torch.is_grad_enabled() else a
-        for a in args
-    ]
-
-
-class ReplicatedFallback:
-    """A refused graph's fallback under sequence parallelism: run whole on every rank, each keeping its share of the
-    parameters' gradients (``parameters_shared``)."""
-
-    def __init__(self, fallback, world: int):
-        self.fallback, self.world = fallback, world
-
-    def __call__(self, *args):
-        return self.fallback(*parameters_shared(args, self.world))
