@@ -5,6 +5,7 @@
 set -u
 OUT=${1:-fsdp_sp_runs}
 mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this checkout (not installed there)
 SHAPE="--device cuda --mode fsdp --bf16 --layers 4 --hidden 1024 --heads 16 --kv-heads 8 --vocab 32000 --prompts 2 --rollouts 8 --prompt-len 1024 --response-len 256 --iters 5"
 run() {
   name=$1; shift
