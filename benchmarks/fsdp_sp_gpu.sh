@@ -1,21 +1,39 @@
 #!/usr/bin/env bash
-# examples/fsdp_grpo.py on 2 GPUs (NCCL): FSDP2 on the root, per layer, and sequence parallelism (--sp 2),
-# each against the plain step on the same shape. Logs and each run's fsdp_grpo.md/json go under $1 (default
-# ./fsdp_sp_runs); the last lines of each log are printed. Usage: bash benchmarks/fsdp_sp_gpu.sh OUTDIR
+# examples/fsdp_grpo.py on GPUs (NCCL): FSDP2 on the root, per layer, and sequence parallelism (--sp 2), each
+# against the plain step on the same shape. Usage: bash benchmarks/fsdp_sp_gpu.sh OUTDIR [SET]
+#   SET small      (default) the shape: 4 layers, hidden 1024, 2 x 8 rollouts, 1K prompts, 256 responses;
+#                  root, per layer, --sp 2, per layer with --sp 2
+#   SET profile    the small shape on the root, 1 and 2 GPUs, with --profile (torch.profiler tables)
+#   SET realistic  a Qwen3-1.7B-wide shape (hidden 2048, 16 / 8 heads, 4 layers, vocab 32000), 2 x 8 rollouts,
+#                  4K prompts, 1K responses per rank: 1 GPU, 2 GPUs on the root, per layer, --sp 2
+# Logs and each run's fsdp_grpo.md/json (and profile tables) go under OUTDIR; each log's last lines are printed.
 set -u
 OUT=${1:-fsdp_sp_runs}
+SET=${2:-small}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this checkout (not installed there)
-SHAPE="--device cuda --mode fsdp --bf16 --layers 4 --hidden 1024 --heads 16 --kv-heads 8 --vocab 32000 --prompts 2 --rollouts 8 --prompt-len 1024 --response-len 256 --iters 5"
+SMALL="--device cuda --mode fsdp --bf16 --layers 4 --hidden 1024 --heads 16 --kv-heads 8 --vocab 32000 --prompts 2 --rollouts 8 --prompt-len 1024 --response-len 256 --iters 5"
+REAL="--device cuda --mode fsdp --bf16 --layers 4 --hidden 2048 --heads 16 --kv-heads 8 --vocab 32000 --prompts 2 --rollouts 8 --prompt-len 4096 --response-len 1024 --iters 3"
 run() {
-  name=$1; shift
-  echo "=== $name: $*" | tee "$OUT/$name.log"
-  PYTHONUNBUFFERED=1 timeout 170 torchrun --nproc-per-node 2 examples/fsdp_grpo.py "$@" --out "$OUT/$name" >>"$OUT/$name.log" 2>&1
+  name=$1; gpus=$2; shift 2
+  echo "=== $name ($gpus GPU): $*" | tee "$OUT/$name.log"
+  PYTHONUNBUFFERED=1 timeout 170 torchrun --nproc-per-node "$gpus" examples/fsdp_grpo.py "$@" --out "$OUT/$name" >>"$OUT/$name.log" 2>&1
   echo "exit $?" >>"$OUT/$name.log"
-  grep -E "fsdp_grpo:|parity|Error|error:" "$OUT/$name.log" | grep -v Warning | tail -4
+  grep -E "fsdp_grpo:|Error|error:" "$OUT/$name.log" | grep -v Warning | tail -3
 }
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0), torch.cuda.device_count())"
-run sp2 $SHAPE --sp 2
-run root $SHAPE
-run per_layer $SHAPE --per-layer
-run per_layer_sp2 $SHAPE --per-layer --sp 2
+case "$SET" in
+  small)
+    run sp2 2 $SMALL --sp 2
+    run root 2 $SMALL
+    run per_layer 2 $SMALL --per-layer
+    run per_layer_sp2 2 $SMALL --per-layer --sp 2 ;;
+  profile)
+    run profile_1gpu 1 $SMALL --profile
+    run profile_root 2 $SMALL --profile ;;
+  realistic)
+    run real_1gpu 1 $REAL
+    run real_root 2 $REAL
+    run real_per_layer 2 $REAL --per-layer
+    run real_sp2 2 $REAL --sp 2 ;;
+esac

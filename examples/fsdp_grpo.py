@@ -79,6 +79,8 @@ def parse(argv=None):
     ap.add_argument("--iters", type=int, default=0, help="timed steps per variant after the parity step (0: none)")
     ap.add_argument("--inner", choices=["inductor", "aot_eager"], default=None, help="default: inductor on cuda, aot_eager on cpu")
     ap.add_argument("--tol", type=float, default=None, help="relative tolerance (default 1e-4 fp32, 5e-2 bf16)")
+    ap.add_argument("--profile", action="store_true", help="after timing, profile 3 steps of each variant (torch.profiler); "
+                    "rank 0 writes the tables (by self CPU time and by device time) to --out")
     ap.add_argument("--out", default=None, help="directory for fsdp_grpo.json / .md (rank 0)")
     return ap.parse_args(argv)
 
@@ -294,6 +296,9 @@ def run_rank(args, device) -> int:
         peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
         result[name] = {"ms": ms, "peak_mib": peak}
 
+    if args.profile:
+        profile_steps(args, rank, (("plain", step(plain_step, plain_model)), ("dualkv", step(dk_step, dk_model))))
+
     mine = {
         "rank": rank, "packed": packed, "local_tokens": max((r.local_tokens or 0 for r in graphs), default=0) or None, "loss_rel_err": loss_err, "grad_max_rel_err": grad_err, "missing_grads": missing,
         "nonfinite_grads": nonfinite, "stats": {"rows": stats.num_rows, "groups": stats.num_groups, "tokens_before": stats.tokens_before,
@@ -334,6 +339,28 @@ def run_rank(args, device) -> int:
             flush=True,
         )
     return 0 if ok_parity and all_packed else 1
+
+
+def profile_steps(args, rank, steps) -> None:
+    """3 steps of each variant under torch.profiler; rank 0 writes two tables per variant to ``--out``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    for name, run in steps:
+        with profile(activities=activities) as prof:
+            for _ in range(3):
+                run()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+        if rank == 0 and args.out:
+            os.makedirs(args.out, exist_ok=True)
+            events = prof.key_averages()
+            with open(os.path.join(args.out, f"profile_{name}.txt"), "w") as f:
+                f.write(f"{name}: 3 steps, by self CPU time\n")
+                f.write(events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
+                if args.device == "cuda":
+                    f.write(f"\n{name}: 3 steps, by device time\n")
+                    f.write(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
 
 
 def markdown(s: dict) -> str:
