@@ -300,7 +300,8 @@ def run_rank(args, device) -> int:
         profile_steps(args, rank, (("plain", step(plain_step, plain_model)), ("dualkv", step(dk_step, dk_model))))
 
     mine = {
-        "rank": rank, "packed": packed, "local_tokens": max((r.local_tokens or 0 for r in graphs), default=0) or None, "loss_rel_err": loss_err, "grad_max_rel_err": grad_err, "missing_grads": missing,
+        # Per rank under --sp: the model graph's packed tokens (the one with attention; a loss graph after a graph break has its own layout).
+        "rank": rank, "packed": packed, "local_tokens": max((r.local_tokens or 0 for r in graphs if r.num_attention), default=0) or None, "loss_rel_err": loss_err, "grad_max_rel_err": grad_err, "missing_grads": missing,
         "nonfinite_grads": nonfinite, "stats": {"rows": stats.num_rows, "groups": stats.num_groups, "tokens_before": stats.tokens_before,
                   "tokens_after": stats.tokens_after, "rho": stats.rho, "attention_ratio": stats.attention_ratio},
         "split_prompts": [str(s) for s in report.split], **result,
