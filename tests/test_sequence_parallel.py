@@ -194,3 +194,37 @@ def _three_heads_rank(rank, world):
 
 def test_heads_the_degree_does_not_divide_are_refused():
     _spawn(2, _three_heads_rank)
+
+
+def _ulysses_rank(rank, world):
+    """The attention op alone: 4 query heads, 1 key/value head (repeated to 2 for the exchange), a forest of 19
+    tokens padded to 20; each rank's output chunk and q/k/v gradients equal the whole-stream reference's."""
+    from dualkv_compile.layout import tree_segments
+    from dualkv_compile.ops.attention import shared_prompt_attention
+    from dualkv_compile.ops.ulysses_attention import ulysses_attention
+
+    seg_len, parent = [6, 3, 5, 4, 1], [-1, 0, 0, -1, 3]
+    T = sum(seg_len)
+    n = -(-T // world)
+    pad = n * world - T
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, h, T, 8, generator=g, dtype=torch.float64) for h in (4, 1, 1))
+    dout = torch.randn(1, 4, T, 8, generator=g, dtype=torch.float64)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = shared_prompt_attention(*ref, tree_segments(seg_len, parent), backend="reference")
+    want.backward(dout)
+
+    padded = [torch.cat([t, t[:, :, :1].expand(-1, -1, pad, -1)], dim=2) for t in (q, k, v)]
+    mine = [t[:, :, rank * n : (rank + 1) * n].clone().requires_grad_() for t in padded]
+    segs = tree_segments(seg_len + [pad], parent + [-1])
+    (out,) = ulysses_attention(*mine, *segs, 8 ** -0.5, 0.0, "reference", world, dist.group.WORLD.group_name)
+    lo, hi = rank * n, min((rank + 1) * n, T)
+    torch.testing.assert_close(out[:, :, : hi - lo], want[:, :, lo:hi])
+    d = torch.cat([dout, dout.new_zeros(1, 4, pad, 8)], dim=2)[:, :, rank * n : (rank + 1) * n]
+    out.backward(d)
+    for t, r in zip(mine, ref):
+        torch.testing.assert_close(t.grad[:, :, : hi - lo], r.grad[:, :, lo:hi])
+
+
+def test_ulysses_attention_matches_the_whole_stream():
+    _spawn(2, _ulysses_rank)

@@ -171,6 +171,7 @@ class _Sharder:
                 x = n.args[0]
                 if self.kind.get(x) != _P and _requires_grad(x):
                     raise Refusal(f"sequence_parallel: {n.name} reads a per-column value with a gradient ({x.name})")
+        self.g.eliminate_dead_code()  # the replaced size of pack_index
         self.g.lint()
         self.gm.recompile()
         return self.gm
