@@ -67,6 +67,7 @@ def parse(argv=None):
     ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing per decoder layer (Hugging Face gradient checkpointing, non-reentrant)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--intermediate", type=int, default=None, help="MLP width (default 2 x hidden; Qwen3-8B: 12288)")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=256)
@@ -76,6 +77,12 @@ def parse(argv=None):
     ap.add_argument("--response-len", type=int, default=8, help="longest response; responses are ragged")
     ap.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (Ulysses): ranks in groups of N on a (world/N) x N "
                     "mesh; a group's ranks read the same batch, dualkv splits its packed stream over them")
+    ap.add_argument("--baseline", choices=["plain", "ulysses"], default="plain",
+                    help="the side dualkv is compared with: plain torch.compile of the duplicated rows (each rank of a "
+                    "sequence-parallel group computes all of them), or 'ulysses': the duplicated rows as remove-padding "
+                    "sequences, nothing shared (dualkv with min_shared past every prompt: each row its own tree, the same "
+                    "kernels and chunked log-probs), split over the group by the same Ulysses code")
+    ap.add_argument("--fixed-lengths", action="store_true", help="prompts of exactly --prompt-len tokens, responses of exactly --response-len")
     ap.add_argument("--iters", type=int, default=0, help="timed steps per variant after the parity step (0: none)")
     ap.add_argument("--inner", choices=["inductor", "aot_eager"], default=None, help="default: inductor on cuda, aot_eager on cpu")
     ap.add_argument("--tol", type=float, default=None, help="relative tolerance (default 1e-4 fp32, 5e-2 bf16)")
@@ -90,7 +97,7 @@ def build_model(args, device):
 
     head_dim = args.hidden // args.heads
     cfg = Qwen3Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate or 2 * args.hidden, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=head_dim,
         max_position_embeddings=max(4096, args.prompt_len + args.response_len + 8), use_cache=False, pad_token_id=PAD,
     )
@@ -111,10 +118,10 @@ def make_batch(args, rank, device):
     g = torch.Generator().manual_seed(1000 + rank)
     rows = []
     for _ in range(args.prompts):
-        P = int(torch.randint(args.prompt_len // 2, args.prompt_len + 1, (1,), generator=g))
+        P = args.prompt_len if args.fixed_lengths else int(torch.randint(args.prompt_len // 2, args.prompt_len + 1, (1,), generator=g))
         prompt = torch.randint(1, args.vocab, (P,), generator=g)
         for _ in range(args.rollouts):
-            R = int(torch.randint(1, args.response_len + 1, (1,), generator=g))
+            R = args.response_len if args.fixed_lengths else int(torch.randint(1, args.response_len + 1, (1,), generator=g))
             rows.append((prompt, torch.randint(1, args.vocab, (R,), generator=g)))
     S = max(len(p) + len(r) for p, r in rows)
     B = len(rows)
@@ -159,6 +166,39 @@ def wrap(model, args, device):
             fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
+
+
+def first_step(fn, model, batch, device, say, name):
+    """The parity step's loss (backward done), or None if it ran out of GPU memory (said, memory freed)."""
+    try:
+        loss = fn(model, batch)
+        loss.backward()
+        return loss
+    except torch.OutOfMemoryError as e:
+        say(f"{name}: out of memory ({str(e).splitlines()[0][:160]})")
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return None
+
+
+def out_of_memory_summary(args, rank, world, dk_loss, plain_loss, device) -> int:
+    """One side ran out of memory: say which, with each rank's peak; the other side's step time if it ran."""
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+    mine = {"rank": rank, "dualkv_oom": dk_loss is None, "baseline_oom": plain_loss is None, "peak_mib": peak}
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        line = ", ".join(f"rank {r['rank']}: dualkv {'OOM' if r['dualkv_oom'] else 'ran'}, {args.baseline} "
+                         f"{'OOM' if r['baseline_oom'] else 'ran'} (peak {r['peak_mib'] or 0:.0f} MiB)" for r in everyone)
+        verdict = "OK (baseline out of memory)" if not any(r["dualkv_oom"] for r in everyone) else "DUALKV OUT OF MEMORY"
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "fsdp_grpo_oom.json"), "w") as f:
+                json.dump({"date": datetime.date.today().isoformat(), "torch": torch.__version__, "args": vars(args), "ranks": everyone}, f, indent=2)
+        print(f"{args.mode} x{world}{f' sp {args.sp}' if args.sp > 1 else ''}: {line} - fsdp_grpo: {verdict}", flush=True)
+    return 0 if not any(r["dualkv_oom"] for r in everyone) else 1
 
 
 def local_grads(model):
@@ -244,7 +284,12 @@ def run_rank(args, device) -> int:
         sp_mesh, data_rank = mesh["sp"], mesh.get_local_rank("dp")
     base = build_model(args, device)
     plain_model, dk_model = wrap(copy.deepcopy(base), args, device), wrap(base, args, device)
-    plain_step = torch.compile(grpo_loss, backend=inner)
+    if args.baseline == "ulysses":
+        # Nothing is shared (min_shared past every prompt), so dualkv packs the duplicated rows as remove-padding
+        # does: each row its own sequence, causal varlen attention, Ulysses over the group.
+        plain_step = dualkv_compile.policy_loss(grpo_loss, inner=inner, sequence_parallel=sp_mesh, min_shared=10**9, min_rho=1.0)
+    else:
+        plain_step = torch.compile(grpo_loss, backend=inner)
     dk_step = dualkv_compile.policy_loss(grpo_loss, inner=inner, sequence_parallel=sp_mesh)
 
     batch = make_batch(args, data_rank, device)  # the ranks of a sequence-parallel group read the same batch
@@ -257,11 +302,14 @@ def run_rank(args, device) -> int:
 
     # Parity: one step each, from the same weights, on the same per-rank batch.
     start = len(dualkv_compile.reports())
-    dk_loss = dk_step(dk_model, batch)
-    dk_loss.backward()
-    plain_loss = plain_step(plain_model, batch)
-    plain_loss.backward()
+    dk_loss = first_step(dk_step, dk_model, batch, device, say, "dualkv")
     graphs = dualkv_compile.reports()[start:]
+    mid = len(dualkv_compile.reports())
+    plain_loss = first_step(plain_step, plain_model, batch, device, say, args.baseline)
+    for r in dualkv_compile.reports()[mid:]:  # the ulysses baseline's graphs (nothing shared)
+        say(f"{args.baseline} baseline: " + str(r).replace("\n", "\n    "))
+    if dk_loss is None or plain_loss is None:
+        return out_of_memory_summary(args, rank, world, dk_loss, plain_loss, device)
     packed = any(r.rewritten and r.packed_calls > 0 for r in graphs)
     for r in graphs:
         say(str(r).replace("\n", "\n    "))
@@ -316,8 +364,8 @@ def run_rank(args, device) -> int:
         summary = {
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "device": args.device,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "mode": args.mode, "per_layer": args.per_layer, "bf16": args.bf16, "checkpoint": args.checkpoint, "world_size": world, "sp": args.sp, "inner": inner,
-            "shape": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "vocab", "prompts", "rollouts", "prompt_len", "response_len")},
+            "mode": args.mode, "per_layer": args.per_layer, "bf16": args.bf16, "checkpoint": args.checkpoint, "world_size": world, "sp": args.sp, "baseline": args.baseline, "inner": inner,
+            "shape": {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "prompts", "rollouts", "prompt_len", "response_len", "fixed_lengths")},
             "tolerance": tol, "parity": ok_parity, "packed_on_every_rank": all_packed, "mean_speedup": speedup, "ranks": everyone,
         }
         if args.out:
@@ -335,7 +383,7 @@ def run_rank(args, device) -> int:
         rho = statistics.mean(r["stats"]["rho"] for r in everyone)
         speed = f", speedup {speedup:.2f}x" if speedup else ""
         print(
-            f"{args.mode}{' bf16' if args.bf16 else ''}{' checkpoint' if args.checkpoint else ''} x{world}{f' sp {args.sp}' if args.sp > 1 else ''} ({args.device}): rho {rho:.2f}x{speed}, "
+            f"{args.mode}{' bf16' if args.bf16 else ''}{' checkpoint' if args.checkpoint else ''} x{world}{f' sp {args.sp}' if args.sp > 1 else ''} ({args.device}, against {args.baseline}): rho {rho:.2f}x{speed}, "
             f"loss rel err {worst_loss:.1e}, max grad rel err {worst_grad:.1e} (tol {tol:.0e}) - fsdp_grpo: {verdict}",
             flush=True,
         )
@@ -368,7 +416,7 @@ def markdown(s: dict) -> str:
     shape = ", ".join(f"{k}={v}" for k, v in s["shape"].items())
     lines = [
         f"# fsdp_grpo: {s['mode']}{' (fully_shard per layer)' if s['per_layer'] else ''}{', bf16 MixedPrecisionPolicy' if s['bf16'] else ''}{', activation checkpointing' if s.get('checkpoint') else ''}, {s['world_size']} ranks"
-        + (f", sequence parallel {s['sp']}" if s.get("sp", 1) > 1 else ""),
+        + (f", sequence parallel {s['sp']}" if s.get("sp", 1) > 1 else "") + f"; baseline: {s.get('baseline', 'plain')}",
         "",
         f"{s['date']}; torch {s['torch']}; device {s['gpu'] or s['device']}; inner compiler {s['inner']}; {shape}.",
         f"Parity (relative, tolerance {s['tolerance']:.0e}): {'holds' if s['parity'] else 'FAILS'}; packed on every rank: {s['packed_on_every_rank']}.",
