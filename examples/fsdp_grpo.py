@@ -83,6 +83,8 @@ def parse(argv=None):
                     "sequences, nothing shared (dualkv with min_shared past every prompt: each row its own tree, the same "
                     "kernels and chunked log-probs), split over the group by the same Ulysses code")
     ap.add_argument("--fixed-lengths", action="store_true", help="prompts of exactly --prompt-len tokens, responses of exactly --response-len")
+    ap.add_argument("--logprobs-in-model", action="store_true", help="compute the next-token log-probs inside the "
+                    "FSDP-wrapped module's forward (LogProbPolicy): no [B, S, V] logits cross FSDP2's graph break")
     ap.add_argument("--iters", type=int, default=0, help="timed steps per variant after the parity step (0: none)")
     ap.add_argument("--inner", choices=["inductor", "aot_eager"], default=None, help="default: inductor on cuda, aot_eager on cpu")
     ap.add_argument("--tol", type=float, default=None, help="relative tolerance (default 1e-4 fp32, 5e-2 bf16)")
@@ -142,10 +144,34 @@ def make_batch(args, rank, device):
     }
 
 
-def grpo_loss(model, batch, clip=0.2):
+class LogProbPolicy(torch.nn.Module):
+    """The model with each next token's log-prob computed in its forward, as veRL's fused kernels return them.
+
+    FSDP2's hooks run outside Dynamo, so on the module ``fully_shard`` wraps they break the graph: with the
+    log-probs after the model's call, its ``[B, S, V]`` logits leave the model's graph unpacked (153 GiB at
+    8 x 67K tokens and a 151,936-token vocabulary). Inside the wrapped forward, the lm_head, log-softmax and
+    gather trace into the model's graph (one chunked op under dualkv) and only ``[B, S - 1]`` log-probs cross."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def token_log_probs(model, batch):
+    if isinstance(model, LogProbPolicy):
+        return model(batch["input_ids"], batch["attention_mask"])
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    logp = logp.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    return logp.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def grpo_loss(model, batch, clip=0.2):
+    logp = token_log_probs(model, batch)
     ratio = torch.exp(logp - batch["old_logp"])
     adv = batch["advantages"][:, None]
     per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
@@ -162,7 +188,7 @@ def wrap(model, args, device):
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
     if args.per_layer:
-        for layer in model.model.layers:
+        for layer in (model.model if isinstance(model, LogProbPolicy) else model).model.layers:
             fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
@@ -283,6 +309,8 @@ def run_rank(args, device) -> int:
         mesh = init_device_mesh(device.type, (dp, args.sp), mesh_dim_names=("dp", "sp"))
         sp_mesh, data_rank = mesh["sp"], mesh.get_local_rank("dp")
     base = build_model(args, device)
+    if args.logprobs_in_model:
+        base = LogProbPolicy(base)
     plain_model, dk_model = wrap(copy.deepcopy(base), args, device), wrap(base, args, device)
     if args.baseline == "ulysses":
         # Nothing is shared (min_shared past every prompt), so dualkv packs the duplicated rows as remove-padding
@@ -364,7 +392,7 @@ def run_rank(args, device) -> int:
         summary = {
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "device": args.device,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "mode": args.mode, "per_layer": args.per_layer, "bf16": args.bf16, "checkpoint": args.checkpoint, "world_size": world, "sp": args.sp, "baseline": args.baseline, "inner": inner,
+            "mode": args.mode, "per_layer": args.per_layer, "bf16": args.bf16, "checkpoint": args.checkpoint, "world_size": world, "sp": args.sp, "baseline": args.baseline, "logprobs_in_model": args.logprobs_in_model, "inner": inner,
             "shape": {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "prompts", "rollouts", "prompt_len", "response_len", "fixed_lengths")},
             "tolerance": tol, "parity": ok_parity, "packed_on_every_rank": all_packed, "mean_speedup": speedup, "ranks": everyone,
         }
