@@ -129,9 +129,13 @@ class Runner:
             # The first packed call traces and compiles the packed graph. If
             # that fails (an op the analysis let through but the packed shapes
             # break), run this graph unchanged from now on rather than fail
-            # the step.
+            # the step. Not on running out of memory: the unpacked program needs
+            # more, and the caller must see the error (it once ran a 153 GiB
+            # unpacked allocation after the packed graph's OOM, and hid why).
             try:
                 out = self.compiled(*args, *extra)
+            except torch.OutOfMemoryError:
+                raise
             except Exception as e:  # noqa: BLE001 - reported, then the original program runs
                 first_line = (str(e).splitlines() or [""])[0][:300]
                 return self._disable(args, f"the packed graph failed on its first call: {type(e).__name__}: {first_line}")

@@ -212,3 +212,27 @@ def test_chain_of_layers_reads_inputs_once_and_catches_in_place_changes(one_thre
     assert rel(out[keep], ref[keep]) <= 1e-5
     layer = [r for r in dualkv_compile.reports() if r.num_attention == 1]
     assert any("differ across the rows of a group" in w for r in layer for w in r.not_carried), [str(r) for r in layer]
+
+
+def test_out_of_memory_on_the_first_packed_call_is_raised(one_thread, monkeypatch):
+    """A first packed call that runs out of memory raises it: running the original program instead (what other
+    first-call failures do) needs more memory still and hid the error (the 2 x H200 run of 2026-11-26)."""
+    import dualkv_compile.runtime.runner as runner
+
+    def out_of_memory(*args, **kwargs):
+        def run(*a):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 153.01 GiB")
+        return run
+
+    monkeypatch.setattr(runner, "nested_compile", out_of_memory)
+    torch._dynamo.reset()
+    from tests.tiny_decoder import TinyDecoder
+
+    model = TinyDecoder()
+    ids, _, pos = grpo_batch([(5, [3, 2, 4])], 61, left_pad=0)  # right-padded: causal attention needs no mask
+    compiled = torch.compile(model, backend=functools.partial(dualkv_backend, options={"inner": "aot_eager"}))
+    before = len(dualkv_compile.reports())
+    with pytest.raises(torch.OutOfMemoryError, match="153.01 GiB"):
+        compiled(ids, pos)
+    report = dualkv_compile.reports()[before]
+    assert report.rewritten and report.packed_calls == 0, str(report)
