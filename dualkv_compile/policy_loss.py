@@ -43,7 +43,8 @@ def policy_loss(
 
     ``options`` are further ``DualKVConfig`` fields (``inner``, ``verify``,
     ``attention_backend``, ``min_shared``, ``chunked_log_probs``,
-    ``log_prob_chunk_bytes``). The result is a
+    ``log_prob_chunk_bytes``, ``sequence_parallel``: a ProcessGroup or 1-D
+    DeviceMesh to split the packed stream over, Ulysses). The result is a
     ``torch.compile``-d function with the same signature.
     """
     if group_size is not None:
