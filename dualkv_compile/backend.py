@@ -95,11 +95,37 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
         log.warning("dualkv: graph %d refused, running it unchanged: %s", report.graph_id, report.reason)
         return fallback
     report.rewritten = True
+    for hint in _vocabulary_outputs(gm, axes):
+        report.hints.append(hint)
+        log.warning("dualkv: graph %d: %s", report.graph_id, hint)
     log.info(
         "dualkv: graph %d rewritten (%d attention, %d next-token log-probs fused with the lm_head)",
         report.graph_id, len(axes.attention), report.fused_log_probs,
     )
     return Runner(gm, result, packed, fallback, cfg, mode, report, scalar_checks, runs=runs)
+
+
+# A last dim above this on a [B, S, X] output is a vocabulary (hidden sizes reach 16,384; vocabularies start near 32K).
+_VOCABULARY_DIM = 16384
+
+
+def _vocabulary_outputs(gm: fx.GraphModule, axes) -> list[str]:
+    """A hint for each ``[B, S, V]`` token value the graph returns: packing must unpack it whole for the caller."""
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    hints = []
+    for leaf in carried.leaves(out.args[0]):
+        ev = leaf.meta.get("example_value") if isinstance(leaf, fx.Node) else None
+        info = axes.info.get(leaf) if isinstance(leaf, fx.Node) else None
+        if not (isinstance(ev, torch.Tensor) and ev.dim() == 3 and info is not None and info.kind is Kind.TOKEN):
+            continue
+        if info.tags[:2] == ("b", "s") and ev.shape[-1] > _VOCABULARY_DIM and ev.dtype.is_floating_point:
+            hints.append(
+                f"returns {leaf.name} of shape {list(ev.shape)}, built whole in the caller's layout (every row's copy "
+                "of a shared prompt); if a loss in another graph reads it (a graph break: FSDP2's hooks at the module "
+                "it wraps), compute the next-token log-probs inside that module's forward, so only they cross "
+                "(README: Multi-GPU)"
+            )
+    return hints
 
 
 def _resolve_attention_backend(backend: str, attention) -> str:

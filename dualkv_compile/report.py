@@ -31,6 +31,7 @@ class GraphReport:
     layout_source: Optional[str] = None  # the last packed call's: "detected from ..." or "carried from graph k ..."
     not_carried: list[str] = dataclasses.field(default_factory=list)  # why a current layout was not used
     fused_log_probs: int = 0  # next-token log-prob gathers fused with the lm_head (chunked_log_probs)
+    hints: list[str] = dataclasses.field(default_factory=list)  # what the caller may change to save memory or time
     local_tokens: Optional[int] = None  # under sequence parallelism: packed tokens this rank held on its last packed call
 
     def __str__(self) -> str:
@@ -48,6 +49,8 @@ class GraphReport:
             source = f", {self.layout_source}" if self.layout_source else ""
             lines.append(f"  last layout: {self.last_layout}{source}")
             lines.append(f"  {self.last_stats}")
+        for h in self.hints:
+            lines.append(f"  hint: {h}")
         for r in self.fallback_reasons[-3:]:
             lines.append(f"  ran unpacked: {r}")
         for r in self.not_carried[-3:]:

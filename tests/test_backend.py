@@ -233,3 +233,33 @@ def test_refused_graph_with_data_dependent_sizes_runs_as_the_inner_compiler_woul
         again = compiled(ids, mask.flip(1))
     assert torch.equal(got, unpad(ids, mask)) and torch.equal(again, unpad(ids, mask.flip(1)))
     assert [r.rewritten for r in dualkv_compile.reports()[start:]] == [False]
+
+
+def test_a_graph_returning_full_vocabulary_logits_gets_a_hint():
+    """A compiled model returns [B, S, V] logits: the report says they are built whole and what to change if a loss in
+    another graph reads them (FSDP2). A [B, S, H] output of a hidden size gets none."""
+    import transformers
+
+    from tests.helpers import grpo_batch
+
+    cfg = transformers.Qwen3Config(vocab_size=16400, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    ids, mask, _ = grpo_batch([(6, [3, 4])], 16400)
+    torch._dynamo.reset()
+    before = len(dualkv_compile.reports())
+    compiled = torch.compile(model, backend=functools.partial(dualkv_backend, options={"inner": "aot_eager"}))
+    with torch.no_grad():
+        compiled(input_ids=ids, attention_mask=mask)
+    (report,) = dualkv_compile.reports()[before:]
+    assert len(report.hints) == 1 and str([*ids.shape, 16400]) in report.hints[0] and "FSDP2" in report.hints[0], report.hints
+    assert "hint: returns" in str(report)
+    torch._dynamo.reset()
+    before = len(dualkv_compile.reports())
+    body = torch.compile(model.model, backend=functools.partial(dualkv_backend, options={"inner": "aot_eager"}))
+    with torch.no_grad():
+        body(input_ids=ids, attention_mask=mask)
+    (report,) = dualkv_compile.reports()[before:]
+    assert report.rewritten and not report.hints, report.hints
