@@ -159,6 +159,45 @@ def _check_compiled_model(mesh, sp):
     assert report.packed_calls == 1 and report.local_tokens is not None, str(report)
 
 
+def _check_fsdp_per_layer(mesh, sp):
+    """FSDP2 on each decoder layer and the root (the graph breaks at every layer: the layer graphs pack on a layout
+    carried from graph to graph), Ulysses over the same 2 ranks: the loss, and FSDP2's reduced gradients (the mean
+    over the ranks) equal one process's. The group checks its layout once per layout, not once per graph."""
+    import dualkv_compile
+    import dualkv_compile.runtime.runner as runner
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_model("qwen3")
+    ref = copy.deepcopy(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    ids, mask, _ = forest_batch(seed=60)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    adv = torch.randn(ids.shape[0], generator=torch.Generator().manual_seed(61))
+    checks = []
+    real_agree = runner.agree
+    runner.agree = lambda *a: (checks.append(a[0]), real_agree(*a))[1]
+    before = len(dualkv_compile.reports())
+    try:
+        loss = dualkv_compile.policy_loss(grpo_loss, sequence_parallel=mesh["sp"], inner="aot_eager")(model, ids, mask, pos, adv)
+        loss.backward()
+    finally:
+        runner.agree = real_agree
+    want = grpo_loss(ref, ids, mask, pos, adv)
+    want.backward()
+    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item()), (loss.item(), want.item())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        g = p.grad.full_tensor()
+        err = ((g - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
+        assert err <= 1e-5, (name, err)
+    new = dualkv_compile.reports()[before:]
+    layers = [r for r in new if r.num_attention]
+    assert layers and all(r.packed_calls >= 1 for r in layers), [str(r) for r in new]
+    calls = sum(r.calls for r in new if r.rewritten)
+    assert len(checks) < calls, (len(checks), calls)  # carried layouts reuse the check
+
+
 def _sp_rank(rank, world, sp):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -170,6 +209,8 @@ def _sp_rank(rank, world, sp):
         torch._dynamo.reset()
     if world == 2:
         _check_compiled_model(mesh, sp)
+        torch._dynamo.reset()
+        _check_fsdp_per_layer(mesh, sp)
         torch._dynamo.reset()
         _ulysses_rank(rank, world)
         _three_heads_rank(rank, world)

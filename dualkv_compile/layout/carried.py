@@ -63,6 +63,7 @@ class ActiveLayout:
     # a packed graph (equal by construction) and inputs that passed the check.
     _equal: dict = dataclasses.field(default_factory=dict)
     share_reads: int = 0  # calls of share_mismatch that had to read tensors (one host sync each)
+    sp_agreed: bool = False  # the sequence-parallel group checked that every rank holds this layout
 
     def matches(self, batch_size: int, seq_len: int, device: torch.device) -> bool:
         L = self.layout

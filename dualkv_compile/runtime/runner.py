@@ -100,7 +100,7 @@ class Runner:
                 return self._unpacked(args, f"{what} is {float(args[index])}, the packed graph was built for {value}")
         layout = self.layout_source(args)
         if self.sp is not None:  # the group takes one path, on one layout (runtime.sequence_parallel)
-            agree(layout, self.sp, _device_of(args))
+            self._agree(args, layout)
         if isinstance(layout, str):
             return self._unpacked(args, layout)
         stats = layout.stats()
@@ -192,6 +192,19 @@ class Runner:
         self.report.fallback_reasons.append(why)
         log.info("dualkv: graph %d runs unpacked: %s", self.report.graph_id, why)
         return self._run_fallback(args)
+
+    def _agree(self, args, layout) -> None:
+        """Check that the group holds this layout (or this reason for none): once per layout, not per graph.
+
+        Graphs that carry an earlier graph's layout (FSDP2 per layer) reuse its check: one collective and one
+        host sync per step for the layout, not one per layer."""
+        active = self.layout_source.active
+        same = not isinstance(layout, str) and active is not None and active.layout is layout
+        if same and active.sp_agreed:
+            return
+        agree(layout, self.sp, _device_of(args))
+        if same:
+            active.sp_agreed = True
 
     def _run_fallback(self, args):
         return self.fallback(*args)
