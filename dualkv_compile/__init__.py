@@ -11,6 +11,7 @@ from .explain import Explanation, explain
 from .ops.attention import shared_prompt_attention
 from .layout import Segments, SharedPromptLayout, detect, pack, unpack
 from .policy_loss import policy_loss
+from .runtime.exactness_check import ExactnessError
 from . import distributed  # check_groups_on_rank: the data-parallel data-loader check
 from . import integrations  # integrations.trl.enable(trainer)
 
@@ -18,6 +19,7 @@ _register()
 
 __all__ = [
     "DualKVConfig",
+    "ExactnessError",
     "Explanation",
     "Segments",
     "SharedPromptLayout",

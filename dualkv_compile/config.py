@@ -30,6 +30,10 @@ class DualKVConfig:
                          log-probs exist a chunk of tokens at a time and none are kept for the
                          backward, which recomputes them (one extra lm_head matmul); False keeps
                          the unfused graph
+    check_exact          None (off), "first" or an int N: on the first packed call of each graph (and, for N,
+                         every Nth), run the original program beside the packed one and compare outputs and
+                         parameter gradients within a tolerance that follows the dtype; a mismatch raises
+                         ``ExactnessError`` naming the first diverging output or input (runtime.exactness_check)
     sequence_parallel    None, or the sequence-parallel group (a ProcessGroup or a 1-D DeviceMesh): Ulysses over
                          the packed stream (rewrite.sequence_parallel). Every rank of the group calls with the
                          same batch and holds 1/world of the packed tokens; the mean of a parameter's
@@ -50,6 +54,7 @@ class DualKVConfig:
     chunked_log_probs: bool = True
     log_prob_chunk_bytes: int = 1 << 30
     sequence_parallel: Optional[object] = None
+    check_exact: Optional[object] = None
 
     @classmethod
     def from_options(cls, options: Optional[dict]) -> "DualKVConfig":
@@ -87,6 +92,9 @@ class DualKVConfig:
             raise bad("verify_max_elements", "a non-negative int")
         if not (is_int(cfg.log_prob_chunk_bytes) and cfg.log_prob_chunk_bytes > 0):
             raise bad("log_prob_chunk_bytes", "a positive int")
+        ce = cfg.check_exact
+        if not (ce is None or ce == "first" or (is_int(ce) and ce >= 1)):
+            raise bad("check_exact", "None, 'first' or a positive int N (the first packed call, then every Nth)")
         if cfg.sequence_parallel is not None:
             from .ops.sp_collectives import SPGroup
 

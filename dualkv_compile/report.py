@@ -32,6 +32,7 @@ class GraphReport:
     not_carried: list[str] = dataclasses.field(default_factory=list)  # why a current layout was not used
     fused_log_probs: int = 0  # next-token log-prob gathers fused with the lm_head (chunked_log_probs)
     hints: list[str] = dataclasses.field(default_factory=list)  # what the caller may change to save memory or time
+    exactness_checks: list[str] = dataclasses.field(default_factory=list)  # option check_exact: each check's summary
     local_tokens: Optional[int] = None  # under sequence parallelism: packed tokens this rank held on its last packed call
 
     def __str__(self) -> str:
@@ -49,6 +50,8 @@ class GraphReport:
             source = f", {self.layout_source}" if self.layout_source else ""
             lines.append(f"  last layout: {self.last_layout}{source}")
             lines.append(f"  {self.last_stats}")
+        for c in self.exactness_checks[-3:]:
+            lines.append(f"  checked exact on {c}")
         for h in self.hints:
             lines.append(f"  hint: {h}")
         for r in self.fallback_reasons[-3:]:

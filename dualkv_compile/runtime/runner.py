@@ -12,6 +12,7 @@ disables the rewrite for that graph.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, Optional
 
@@ -30,6 +31,7 @@ from ..rewrite.packed_ops import gather_columns, unpack_merged, unpack_tokens
 from .layout_source import FromCarried, FromTokenIds
 from .nested_compile import is_dynamic, nested_compile
 from .padding_reads import find_padding_reads, tainted
+from . import exactness_check
 from .sequence_parallel import agree, local_token_count, shard_packed_inputs
 from .side_graphs import factor_graph
 
@@ -49,6 +51,7 @@ class Runner:
         # sequence parallelism, the packed graph split over the group (rewrite.sequence_parallel).
         self.packed_gm, self.fallback, self.cfg, self.mode, self.report = packed, fallback, cfg, mode, report
         self.run_gm = packed if runs is None else runs
+        self.input_names = [n.name for n in gm.graph.find_nodes(op="placeholder")]  # for check_exact's messages
         self.sp = cfg.sequence_parallel
         self.scalar_checks = list(scalar_checks)
         source = FromTokenIds if Role.INPUT_IDS in analysis.token_inputs else FromCarried
@@ -141,6 +144,10 @@ class Runner:
                 return self._disable(args, f"the packed graph failed on its first call: {type(e).__name__}: {first_line}")
         else:
             out = self.compiled(*args, *extra)
+        if exactness_check.due(self.cfg.check_exact, self.report.packed_calls):
+            rerun = functools.partial(self.compiled, *args, *extra)
+            summary = exactness_check.check(self.fallback, args, layout, out, rerun, self.input_names, self.sp is not None)
+            self.report.exactness_checks.append(f"call {self.report.calls}: {summary}")
         self.report.packed_calls += 1
         self.report.layout_source = self.layout_source.source
         # Later graphs of this forward may carry the layout to the tensors made here (layout.carried: ActiveLayout.produced).
