@@ -263,3 +263,24 @@ def test_a_graph_returning_full_vocabulary_logits_gets_a_hint():
         body(input_ids=ids, attention_mask=mask)
     (report,) = dualkv_compile.reports()[before:]
     assert report.rewritten and not report.hints, report.hints
+
+
+@pytest.mark.parametrize("bad_id", [-1, 101])
+def test_an_out_of_range_id_at_padding_raises_as_the_model_does(bad_id):
+    """A token id outside the embedding at a padding position: the unmodified model raises IndexError; packing
+    would drop the position unread and run. The layout reads the ids on the host anyway, so it checks their
+    range, and the original program runs (and raises) instead."""
+    model = hf_model("qwen3", "sdpa")
+    ids, mask, _ = grpo_batch([(5, [3, 4])], 101, left_pad=2)
+    assert mask[0, 0] == 0
+    ids[0, 0] = bad_id
+    with pytest.raises(IndexError):
+        model(input_ids=ids, attention_mask=mask)
+    torch._dynamo.reset()
+    before = len(dualkv_compile.reports())
+    compiled = torch.compile(model, backend=functools.partial(dualkv_backend, options={"inner": "aot_eager"}))
+    with pytest.raises(IndexError):
+        compiled(input_ids=ids, attention_mask=mask)
+    (report,) = dualkv_compile.reports()[before:]
+    assert report.packed_calls == 0 and "input_ids must hold token ids in [0, 101)" in report.fallback_reasons[-1]
+    assert f"got {bad_id} at row 0, column 0" in report.fallback_reasons[-1]

@@ -32,6 +32,7 @@ def detect(
     min_shared: int = 1,
     same_columns: bool = True,
     split_at_restarts: bool = True,
+    vocab_size: Optional[int] = None,
 ) -> SharedPromptLayout:
     """The prefix forest of a ``[B, S]`` batch's sequences, in any row order, and its packed layout.
 
@@ -42,7 +43,11 @@ def detect(
     ``group_size``, when the caller knows the batch is made of groups of that
     many consecutive rows, is verified: each group's rows must share at least
     ``min_shared`` leading tokens, else ``ValueError`` (sharing is still found
-    across groups, where it holds).
+    across groups, where it holds). ``vocab_size``, when given, is the number of
+    rows of the embedding that reads ``input_ids``: an id outside ``[0, vocab_size)``
+    anywhere, padding included, is a ``ValueError`` (the model's embedding raises
+    on it; packing would drop a padding position's id unread). Read off the one
+    host copy of the batch: no extra transfer.
     """
     B = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else None
     if group_size is not None and (not isinstance(group_size, int) or group_size < 1 or (B is not None and B % group_size)):
@@ -52,11 +57,24 @@ def detect(
     batch = read_sequences(
         input_ids, attention_mask, position_ids, same_columns=same_columns, split_at_restarts=split_at_restarts
     )
+    if vocab_size is not None:
+        _check_ids(batch.keys[..., 0], vocab_size)
     nodes, leaf = build_forest(batch, min_shared)
     layout = _build(batch, nodes, leaf, input_ids.device)
     if group_size is not None:
         _check_groups(layout, group_size, min_shared)
     return layout
+
+
+def _check_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    """``ValueError`` naming the first id of the host ``[B, S]`` ids outside ``[0, vocab_size)``."""
+    bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
+    if len(bad):
+        b, c = bad[0].tolist()
+        raise ValueError(
+            f"input_ids must hold token ids in [0, {vocab_size}) (the embedding's rows), padding positions included; "
+            f"got {int(ids[b, c])} at row {b}, column {c}"
+        )
 
 
 def _check_groups(layout: SharedPromptLayout, group_size: int, min_shared: int) -> None:

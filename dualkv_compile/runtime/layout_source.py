@@ -84,6 +84,10 @@ class LayoutSource:
 class FromTokenIds(LayoutSource):
     def __init__(self, gm, analysis: Analysis, cfg: DualKVConfig, report: GraphReport):
         super().__init__(gm, analysis, cfg, report, masks=cfg.verify)
+        # The embedding's row count, where it reads the ids directly: an id out of its range (at padding too)
+        # makes the layout fail, so the original program runs and raises as the unmodified model does.
+        ids = next(n for n, i in self.position.items() if i == self.index[Role.INPUT_IDS])
+        self.vocab_size = _embedding_rows(ids)
 
     def __call__(self, args) -> "SharedPromptLayout | str":
         ids = args[self.index[Role.INPUT_IDS]]
@@ -93,7 +97,7 @@ class FromTokenIds(LayoutSource):
             layout = detect(
                 ids, mask, pos, group_size=self.cfg.group_size, min_shared=self.cfg.min_shared, same_columns=self.same_columns,
                 # Causal attention without a mask spans the whole row: then a row is one sequence.
-                split_at_restarts=self.causal_unmasked is None,
+                split_at_restarts=self.causal_unmasked is None, vocab_size=self.vocab_size,
             )
         except ValueError as e:
             active_layout.clear()
@@ -119,6 +123,18 @@ class FromTokenIds(LayoutSource):
             return None
         # The mask was made for this batch: rows of valid queries must match, padding rows are unspecified.
         return mask_mismatch(self.masks(args), self.mask_names, layout, pin_padding=False)
+
+
+def _embedding_rows(ids: fx.Node) -> Optional[int]:
+    """The row count of the one embedding that reads ``ids`` directly, or None (none, several, or no shape)."""
+    rows = set()
+    for user in ids.users:
+        if user.op == "call_function" and user.target in (torch.nn.functional.embedding, torch.embedding):
+            weight = user.args[1] if user.target is torch.nn.functional.embedding else user.args[0]
+            ev = weight.meta.get("example_value") if isinstance(weight, fx.Node) else None
+            if isinstance(ev, torch.Tensor) and ev.dim() == 2:
+                rows.add(int(ev.shape[0]))
+    return rows.pop() if len(rows) == 1 else None
 
 
 class FromCarried(LayoutSource):

@@ -111,3 +111,17 @@ def test_bad_arguments_name_the_argument():
         read_sequences(IDS, T([[1, 0, 1], [1, 1, 0]]))
     with pytest.raises(ValueError, match=r"position_ids must have shape \[B, S\] = \[2, 3\] or \[1, S\], got \[2, 2\]"):
         read_sequences(IDS, MASK, POS[:, :2])
+
+
+def test_detect_checks_the_ids_range_when_given_a_vocabulary():
+    from dualkv_compile import detect
+
+    ids = torch.tensor([[7, 3, 4, 0], [7, 3, 5, 9]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    detect(ids, mask, vocab_size=10)  # every id, padding included, in range
+    with pytest.raises(ValueError, match=r"in \[0, 9\) .* got 9 at row 1, column 3"):
+        detect(ids, mask, vocab_size=9)
+    ids[0, 3] = -5  # at padding
+    with pytest.raises(ValueError, match="got -5 at row 0, column 3"):
+        detect(ids, mask, vocab_size=10)
+    detect(ids, mask)  # no vocabulary: no range check (the ids are keys only)
