@@ -20,6 +20,7 @@ under the key) ``input_ids``, ``attention_mask``, ``position_ids``.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable, Optional
 
 import torch
@@ -27,7 +28,9 @@ import torch
 from .backend import dualkv_backend
 from .config import DualKVConfig
 
-__all__ = ["policy_loss"]
+__all__ = ["policy_loss", "check_token_inputs"]
+
+_TOKEN_NAMES = ("input_ids", "attention_mask", "position_ids")
 
 
 def policy_loss(
@@ -58,6 +61,59 @@ def policy_loss(
             raise ValueError(f"policy_loss decorates a function, got {type(f).__name__}")
         backend = functools.partial(dualkv_backend, options=dict(options))
         compiled = torch.compile(f, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
-        return functools.wraps(f)(compiled)
+        try:
+            signature = inspect.signature(f)
+        except (TypeError, ValueError):  # a builtin or C callable: positional arguments cannot be named
+            signature = None
+
+        @functools.wraps(f)
+        def run(*args, **kwargs):
+            check_token_inputs(_named_token_inputs(signature, args, kwargs))
+            return compiled(*args, **kwargs)
+
+        return run
 
     return decorate(fn) if fn is not None else decorate
+
+
+def _named_token_inputs(signature, args, kwargs) -> dict:
+    """The tensors the call passes as (or under the key) ``input_ids``, ``attention_mask``, ``position_ids``."""
+    found = {}
+    values = list(kwargs.items())
+    if signature is not None:
+        try:
+            values = list(signature.bind_partial(*args, **kwargs).arguments.items())
+        except TypeError:  # a call that does not bind: torch.compile raises the same error below
+            pass
+    values += [(None, a) for a in args]
+    for name, value in values:
+        if name in _TOKEN_NAMES and isinstance(value, torch.Tensor):
+            found.setdefault(name, value)
+        elif isinstance(value, dict):
+            for key in _TOKEN_NAMES:
+                if isinstance(value.get(key), torch.Tensor):
+                    found.setdefault(key, value[key])
+    return found
+
+
+def check_token_inputs(inputs: dict) -> None:
+    """``ValueError`` naming the argument when the token inputs cannot be a ``[B, S]`` batch: ``input_ids`` not 2-D,
+    an ``attention_mask`` that is neither ``[B, S]`` nor a 4-D ``[B, 1, S, S]`` mask, ``position_ids`` not
+    ``[B, S]`` or ``[1, S]``. Checked before tracing, where a bad shape fails deep inside Dynamo or the model."""
+    ids = inputs.get("input_ids")
+    if ids is not None and ids.dim() != 2:
+        raise ValueError(f"input_ids must be a 2-D tensor [B, S] of token ids, got shape {list(ids.shape)}")
+    if ids is None:
+        return
+    B, S = ids.shape
+    mask = inputs.get("attention_mask")
+    if mask is not None:
+        ok = tuple(mask.shape) == (B, S) or (mask.dim() == 4 and mask.shape[0] == B and tuple(mask.shape[-2:]) == (S, S))
+        if not ok:
+            raise ValueError(
+                f"attention_mask must have the shape of input_ids [B, S] = {[B, S]} (or be a 4-D [B, 1, S, S] mask), "
+                f"got {list(mask.shape)}"
+            )
+    pos = inputs.get("position_ids")
+    if pos is not None and not (pos.dim() == 2 and pos.shape[1] == S and pos.shape[0] in (1, B)):
+        raise ValueError(f"position_ids must have shape [B, S] = {[B, S]} or [1, S], got {list(pos.shape)}")

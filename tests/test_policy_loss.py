@@ -118,3 +118,39 @@ class TestLossGraph(expecttest.TestCase):
         source = unpacks[0].args[0]
         while source.op != "call_function" or source.target is not torch.ops.dualkv.linear_log_prob.default:
             source = source.args[0]  # getitem / unsqueeze / squeeze back to the fused op
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda b: b.update(attention_mask=b["attention_mask"][:-1]), r"attention_mask must have the shape of input_ids"),
+        (lambda b: b.update(attention_mask=b["attention_mask"][:, None]), r"attention_mask must .* got \[\d+, 1, \d+\]"),
+        (lambda b: b.update(input_ids=b["input_ids"][None]), r"input_ids must be a 2-D tensor"),
+    ],
+    ids=["mask_row_short", "mask_3d", "ids_3d"],
+)
+def test_bad_token_inputs_are_named_at_the_call(change, match):
+    """Issue 35, defect 4: a mask of the wrong shape failed deep inside Dynamo or the model without naming it."""
+    from tests.helpers import GROUPS, grpo_token_mean, hf_model, make_batch
+
+    batch = make_batch(GROUPS)
+    change(batch)
+    with pytest.raises(ValueError, match=match):
+        dualkv_compile.policy_loss(grpo_token_mean, inner="aot_eager")(hf_model("qwen3", "sdpa"), batch)
+
+
+def test_the_original_programs_error_says_why_it_ran():
+    """torch.compile(model): a mask with a row too few runs the original program (the layout names the mask), whose
+    IndexError now carries that reason as a note."""
+    import functools
+
+    from dualkv_compile.backend import dualkv_backend
+    from tests.helpers import grpo_batch, hf_model
+
+    model = hf_model("qwen3", "sdpa")
+    ids, mask, _ = grpo_batch([(5, [3, 4, 2])], 101)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=functools.partial(dualkv_backend, options={"inner": "aot_eager"}))
+    with pytest.raises(IndexError) as info:
+        compiled(input_ids=ids, attention_mask=mask[:-1])
+    assert any("attention_mask must have shape [B, S] = [3, 12], got [2, 12]" in n for n in info.value.__notes__)

@@ -198,7 +198,13 @@ class Runner:
     def _unpacked(self, args, why: str):
         self.report.fallback_reasons.append(why)
         log.info("dualkv: graph %d runs unpacked: %s", self.report.graph_id, why)
-        return self._run_fallback(args)
+        try:
+            return self._run_fallback(args)
+        except Exception as e:
+            # The original program's own error (an IndexError deep in the model) may not name the input; the
+            # reason it ran unpacked often does (a mask of the wrong shape).
+            e.add_note(f"dualkv ran graph {self.report.graph_id}'s original program because: {why}")
+            raise
 
     def _agree(self, args, layout) -> None:
         """Check that the group holds this layout (or this reason for none): once per layout, not per graph.
