@@ -232,8 +232,11 @@ def test_check_groups_single_process_and_bad_argument():
 # test_ddp_and_fsdp2_parity checks the parity of each in-process in `make test`.
 @pytest.mark.parametrize(
     "extra",
-    [pytest.param(x, marks=pytest.mark.slow) for x in ([], ["--checkpoint"], ["--per-layer"])],
-    ids=["plain", "checkpoint", "per_layer"],
+    [pytest.param(x, marks=pytest.mark.slow) for x in (
+        [], ["--checkpoint"], ["--per-layer"], ["--sp", "2", "--per-layer"],
+        ["--sp", "2", "--baseline", "ulysses", "--logprobs-in-model", "--fixed-lengths"],
+    )],
+    ids=["plain", "checkpoint", "per_layer", "sp2_per_layer", "sp2_against_ulysses"],
 )
 def test_example_fsdp_grpo_torchrun(tmp_path, extra):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
