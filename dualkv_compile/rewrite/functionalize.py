@@ -44,6 +44,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..analysis.node_info import ev as _ev
 from .graph_copy import copy_graph_module
 
 log = logging.getLogger("dualkv_compile")
@@ -73,10 +74,6 @@ class Mutation:
     target: fx.Node
     aliases: list[fx.Node]
     why: str
-
-
-def _ev(n):
-    return n.meta.get("example_value") if isinstance(n, fx.Node) else None
 
 
 def _storage(n) -> Optional[StorageWeakRef]:

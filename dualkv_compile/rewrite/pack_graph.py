@@ -42,7 +42,7 @@ from .packed_inputs import PackedInputs
 from .packed_ops import gather_columns, gather_previous, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
 from .weighted_reductions import emit_weighted
 from .sp_meta import HEADS_META
-from ..analysis.node_info import Kind, Refusal, shape_of
+from ..analysis.node_info import Kind, Refusal, shape_of, ev as _ev
 from ..analysis.token_axes import TokenAxes
 from ..analysis.token_inputs import Role
 
@@ -51,10 +51,6 @@ log = logging.getLogger("dualkv_compile")
 __all__ = ["pack_graph", "PACKED_INPUTS"]
 
 PACKED_INPUTS = PackedInputs._fields
-
-
-def _ev(n):
-    return n.meta.get("example_value") if isinstance(n, fx.Node) else None
 
 
 class _Packer:
