@@ -107,7 +107,8 @@ def _check_family(family, mesh, sp, layers):
     ids, mask, total = forest_batch(seed=20 + dp_rank)  # the same batch on every rank of a sequence-parallel group
     pos = (mask.cumsum(1) - 1).clamp(min=0)  # each row's positions count from its first token, as veRL's do
     adv = torch.randn(ids.shape[0], generator=torch.Generator().manual_seed(3 + dp_rank))
-    loss_fn = dualkv_compile.policy_loss(grpo_loss, sequence_parallel=mesh["sp"], inner="aot_eager")
+    # check_exact: the first call also runs the original program and compares (gradients as the group's mean).
+    loss_fn = dualkv_compile.policy_loss(grpo_loss, sequence_parallel=mesh["sp"], inner="aot_eager", check_exact="first")
     before = len(dualkv_compile.reports())
     for step in range(2):  # the second call runs the compiled graphs again
         model.zero_grad(set_to_none=True)
@@ -126,6 +127,8 @@ def _check_family(family, mesh, sp, layers):
     new = dualkv_compile.reports()[before:]
     packed = [r for r in new if r.num_attention]
     assert packed and all(r.packed_calls == 2 for r in packed), [str(r) for r in new]
+    checks = [c for r in packed for c in r.exactness_checks]
+    assert len(checks) == len(packed) and all("the group mean" in c for c in checks), checks
     for r in packed:
         assert r.last_stats.tokens_after == total
         assert r.local_tokens == -(-total // sp), (r.local_tokens, total)

@@ -5,14 +5,16 @@ calls ``check`` with the call's arguments, its layout and the packed program's o
 original (unpacked) program on the same arguments and compares:
 
     outputs     every floating-point tensor output; those laid out ``[B, S, ...]`` (or ``[B, S - 1, ...]``,
-                next-token values) at the positions the original program defines (non-padding; for next-token
-                values, where the token and the one before it are both tokens), others whole;
-    gradients   where autograd is on: the gradient of every input that requires one (the parameters) of
+                next-token values; or with those axes merged, ``[B * S, ...]``) at the positions the original
+                program defines (non-padding; for next-token values, where the token and the one before it are
+                both tokens), others whole;
+    gradients   where autograd is on: the gradient of every parameter among the inputs of
                 ``sum(<output, w>)`` over those outputs, ``w`` a fixed random weight at those positions, zero
                 elsewhere, taken on a second run of the packed program (``rerun``): the caller's outputs keep
                 their graph for the caller's backward (compiled backwards donate buffers, so one graph cannot
                 be differentiated twice).
-                Not under sequence parallelism (each rank holds ``world`` times its share there).
+                Under sequence parallelism the packed gradients are averaged over the group first (each rank
+                holds ``world`` times its share; ``ops.sp_collectives``), one all-reduce per input.
 
 Each comparison is ``|a - b| / |b|`` (Frobenius norms) against a tolerance that follows the dtype (float64
 1e-9, float32 1e-4, bfloat16 and float16 5e-2: two exact programs that sum in different orders). A
@@ -59,15 +61,19 @@ def due(setting, packed_calls: int) -> bool:
 
 
 def _positions(t: torch.Tensor, layout: SharedPromptLayout) -> Optional[torch.Tensor]:
-    """A bool mask of ``t``'s leading ``[B, S]`` (or ``[B, S - 1]``) axes where the original program defines it,
-    broadcastable to ``t``; None for a value without token axes there (compared whole)."""
+    """A bool mask of ``t``'s leading ``[B, S]`` (or ``[B, S - 1]``) axes, or of a leading axis that merges them
+    (``[B * S, E]`` router logits), where the original program defines it, broadcastable to ``t``; None for a value
+    without token axes there (compared whole)."""
     B, S = layout.batch_size, layout.seq_len
-    if t.dim() < 2 or t.shape[0] != B or t.shape[1] not in (S, S - 1):
-        return None
     valid = layout.valid.view(B, S).to(t.device)
-    if t.shape[1] == S - 1:  # next-token values: column c holds token c + 1, read from column c
-        valid = valid[:, 1:] & valid[:, :-1]
-    return valid.view(B, t.shape[1], *([1] * (t.dim() - 2)))
+    nxt = valid[:, 1:] & valid[:, :-1]  # next-token values: column c holds token c + 1, read from column c
+    if t.dim() >= 2 and t.shape[0] == B and t.shape[1] in (S, S - 1):
+        v = valid if t.shape[1] == S else nxt
+        return v.reshape(B, t.shape[1], *([1] * (t.dim() - 2)))
+    if t.dim() >= 1 and t.shape[0] in (B * S, B * (S - 1)) and B * S > 1:
+        v = valid if t.shape[0] == B * S else nxt
+        return v.reshape(t.shape[0], *([1] * (t.dim() - 1)))
+    return None
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -78,10 +84,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def check(fallback, args, layout: SharedPromptLayout, packed_out, rerun, input_names, sequence_parallel: bool) -> str:
+def check(fallback, args, layout: SharedPromptLayout, packed_out, rerun, input_names, sequence_parallel=None) -> str:
     """Compare ``packed_out`` with ``fallback(*args)`` (module docstring); returns a one-line summary for the report.
 
-    ``rerun()`` runs the packed program again on the same arguments (for the gradients)."""
+    ``rerun()`` runs the packed program again on the same arguments (for the gradients); ``sequence_parallel``: the
+    ``SPGroup`` the packed program is split over, or None."""
     start = time.perf_counter()
     ref_out = fallback(*args)
     mine = [t for t in leaves(packed_out) if isinstance(t, torch.Tensor)]
@@ -107,12 +114,17 @@ def check(fallback, args, layout: SharedPromptLayout, packed_out, rerun, input_n
             w = torch.randn(b.shape, generator=gen).to(b.device, b.dtype)
             weights.append((i, w if where is None else w * where))
     grads = 0
-    wrt = [(k, x) for k, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if weights and wrt and torch.is_grad_enabled() and not sequence_parallel:
+    # Parameters only: an activation input's gradient may differ per position and still be exact (a graph that
+    # packs hidden states carried from an earlier graph puts a shared token's gradient on the copy it keeps; the
+    # earlier graph's unpack sums the copies either way).
+    wrt = [(k, x) for k, x in enumerate(args) if isinstance(x, torch.nn.Parameter) and x.requires_grad]
+    if weights and wrt and torch.is_grad_enabled():
         inputs = [x for _, x in wrt]
         again = [t for t in leaves(rerun()) if isinstance(t, torch.Tensor)]
         ga = torch.autograd.grad(sum((again[i] * w).sum() for i, w in weights), inputs, allow_unused=True)
         gb = torch.autograd.grad(sum((theirs[i] * w).sum() for i, w in weights), inputs, allow_unused=True)
+        if sequence_parallel is not None:
+            ga = tuple(None if g is None else _group_mean(g, sequence_parallel) for g in ga)
         for (k, x), da, db in zip(wrt, ga, gb):
             if da is None and db is None:
                 continue
@@ -123,13 +135,21 @@ def check(fallback, args, layout: SharedPromptLayout, packed_out, rerun, input_n
             worst_grad = max(worst_grad, err)
             if err > tolerance(x.dtype):
                 raise ExactnessError(
-                    f"the gradient of input {input_names[k]} (shape {list(x.shape)}, {x.dtype}) differs from the "
+                    f"the gradient of parameter {input_names[k]} (shape {list(x.shape)}, {x.dtype}) differs from the "
                     f"original program's by {err:.2e} relative (tolerance {tolerance(x.dtype):.0e}); {REPORT_HOW}"
                 )
     ms = (time.perf_counter() - start) * 1e3
     what = f"{len(mine)} outputs (worst rel err {worst_out:.1e})"
     if grads:
-        what += f", {grads} input gradients (worst {worst_grad:.1e})"
-    elif sequence_parallel:
-        what += ", gradients not compared (sequence parallel)"
+        what += f", {grads} parameter gradients (worst {worst_grad:.1e}{', the group mean' if sequence_parallel else ''})"
     return f"{what}, against the original program in {ms:.0f} ms"
+
+
+def _group_mean(g: torch.Tensor, sp) -> torch.Tensor:
+    import torch.distributed as dist
+
+    from ..ops.sp_collectives import process_group
+
+    g = g.detach().clone()
+    dist.all_reduce(g, group=process_group(sp.group_name))
+    return g / sp.world

@@ -146,7 +146,7 @@ class Runner:
             out = self.compiled(*args, *extra)
         if exactness_check.due(self.cfg.check_exact, self.report.packed_calls):
             rerun = functools.partial(self.compiled, *args, *extra)
-            summary = exactness_check.check(self.fallback, args, layout, out, rerun, self.input_names, self.sp is not None)
+            summary = exactness_check.check(self.fallback, args, layout, out, rerun, self.input_names, self.sp)
             self.report.exactness_checks.append(f"call {self.report.calls}: {summary}")
         self.report.packed_calls += 1
         self.report.layout_source = self.layout_source.source

@@ -43,7 +43,7 @@ def test_first_call_is_checked_and_reported():
     (report,) = _reports_since(before)
     assert report.packed_calls == 2 and len(report.exactness_checks) == 1, report.exactness_checks
     summary = report.exactness_checks[0]
-    assert "input gradients" in summary and "against the original program" in summary, summary
+    assert "parameter gradients" in summary and "against the original program" in summary, summary
     assert "checked exact on call 1" in str(report)
 
 
@@ -68,7 +68,7 @@ def test_a_wrong_gradient_raises_naming_the_input(monkeypatch):
     # Same values, half the gradient: only the gradient comparison sees it.
     _perturbed(monkeypatch, lambda out: (out[0].detach() + 0.5 * (out[0] - out[0].detach()), *out[1:]))
     torch._dynamo.reset()
-    with pytest.raises(dualkv_compile.ExactnessError, match=r"the gradient of input \S+ .* differs .* by 5\.00e-01"):
+    with pytest.raises(dualkv_compile.ExactnessError, match=r"the gradient of parameter \S+ .* differs .* by 5\.00e-01"):
         _loss("first")(hf_model("qwen3", "sdpa"), make_batch(GROUPS))
 
 
@@ -90,3 +90,23 @@ def test_off_by_default_and_every_nth_call():
 def test_bad_setting_is_named(bad):
     with pytest.raises(ValueError, match="check_exact"):
         dualkv_compile.DualKVConfig.from_options({"check_exact": bad})
+
+
+def test_moe_split_in_two_graphs_checks_clean():
+    """Qwen3-MoE with router logits: the decoder graph, then the lm_head and loss graph that packs hidden states
+    carried from it. That graph's gradient for the hidden states sits on the copies it keeps (exact once the
+    decoder's unpack sums the copies), so only parameter gradients are compared: no false alarm (the first
+    version compared every input's gradient and raised here), and the router logits [B * S, E] are compared
+    at non-padding rows only."""
+    from tests.test_sequence_parallel import forest_batch, grpo_loss, tiny_model
+
+    torch._dynamo.reset()
+    model = tiny_model("qwen3_moe")
+    ids, mask, _ = forest_batch(seed=20)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    adv = torch.randn(ids.shape[0], generator=torch.Generator().manual_seed(3))
+    before = len(dualkv_compile.reports())
+    dualkv_compile.policy_loss(grpo_loss, inner="aot_eager", check_exact="first")(model, ids, mask, pos, adv).backward()
+    checked = [r for r in _reports_since(before) if r.packed_calls]
+    assert len(checked) >= 2 and all(len(r.exactness_checks) == 1 for r in checked), [str(r) for r in checked]
+    assert any("parameter gradients" in r.exactness_checks[0] for r in checked)
