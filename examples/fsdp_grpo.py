@@ -28,7 +28,15 @@ norm / lm_head graphs carry it (``dualkv_compile.layout.carried``), each
 checking that it holds for its inputs; the loss graph detects it again from
 the token ids. The summary lists every graph and its layout source.
 
+``--sp N`` adds Ulysses sequence parallelism: a (world / N) x N mesh, the ranks of a sequence-parallel group
+read the same batch and dualkv splits its packed stream over them (``options["sequence_parallel"]``); gradients
+are reduced by FSDP2 with its defaults. ``--baseline ulysses`` compares with the same batch as remove-padding
+sequences, nothing shared, split by the same Ulysses code (the way veRL runs it) instead of plain
+``torch.compile`` of the duplicated rows; ``--logprobs-in-model`` computes the log-probs inside the wrapped
+module's forward (``LogProbPolicy``), so FSDP2's graph break passes log-probs, not ``[B, S, V]`` logits.
+
     torchrun --nproc-per-node 2 examples/fsdp_grpo.py --device cpu --mode ddp
+    torchrun --nproc-per-node 4 examples/fsdp_grpo.py --device cpu --mode fsdp --sp 2 --prompts 2 --rollouts 4
     torchrun --nproc-per-node 2 examples/fsdp_grpo.py --device cuda --mode fsdp --bf16 \\
         --layers 8 --hidden 1024 --prompt-len 1024 --response-len 256 --out results/
 
