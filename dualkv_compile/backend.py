@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from .analysis.analyze import analyze
-from .analysis.node_info import Kind, Refusal
+from .analysis.node_info import Kind, Refusal, ev
 from .analysis.token_inputs import Role, find_token_inputs
 from .config import DualKVConfig
 from .layout import carried
@@ -114,13 +114,13 @@ def _vocabulary_outputs(gm: fx.GraphModule, axes) -> list[str]:
     out = next(iter(gm.graph.find_nodes(op="output")))
     hints = []
     for leaf in carried.leaves(out.args[0]):
-        ev = leaf.meta.get("example_value") if isinstance(leaf, fx.Node) else None
+        value = ev(leaf)
         info = axes.info.get(leaf) if isinstance(leaf, fx.Node) else None
-        if not (isinstance(ev, torch.Tensor) and ev.dim() == 3 and info is not None and info.kind is Kind.TOKEN):
+        if not (isinstance(value, torch.Tensor) and value.dim() == 3 and info is not None and info.kind is Kind.TOKEN):
             continue
-        if info.tags[:2] == ("b", "s") and ev.shape[-1] > _VOCABULARY_DIM and ev.dtype.is_floating_point:
+        if info.tags[:2] == ("b", "s") and value.shape[-1] > _VOCABULARY_DIM and value.dtype.is_floating_point:
             hints.append(
-                f"returns {leaf.name} of shape {list(ev.shape)}, built whole in the caller's layout (every row's copy "
+                f"returns {leaf.name} of shape {list(value.shape)}, built whole in the caller's layout (every row's copy "
                 "of a shared prompt); if a loss in another graph reads it (a graph break: FSDP2's hooks at the module "
                 "it wraps), compute the next-token log-probs inside that module's forward, so only they cross "
                 "(README: Multi-GPU)"

@@ -192,4 +192,3 @@ def graph_split_hint(gm) -> Optional[str]:
             "a graph like this one is left unchanged"
         )
     return None
-

@@ -79,15 +79,14 @@ def policy_loss(
 def _named_token_inputs(signature, args, kwargs) -> dict:
     """The tensors the call passes as (or under the key) ``input_ids``, ``attention_mask``, ``position_ids``."""
     found = {}
-    values = list(kwargs.items())
-    if signature is not None:
-        try:
-            values = list(signature.bind_partial(*args, **kwargs).arguments.items())
-        except TypeError:  # a call that does not bind: torch.compile raises the same error below
-            pass
-    values += [(None, a) for a in args]
+    try:
+        values = list(signature.bind_partial(*args, **kwargs).arguments.items())
+    except (AttributeError, TypeError):  # no signature, or a call that does not bind (torch.compile raises below)
+        values = [(None, a) for a in args] + list(kwargs.items())
     for name, value in values:
-        if name in _TOKEN_NAMES and isinstance(value, torch.Tensor):
+        if isinstance(value, tuple) and name not in _TOKEN_NAMES:  # a *args parameter: its elements, unnamed
+            values.extend((None, v) for v in value)
+        elif name in _TOKEN_NAMES and isinstance(value, torch.Tensor):
             found.setdefault(name, value)
         elif isinstance(value, dict):
             for key in _TOKEN_NAMES:

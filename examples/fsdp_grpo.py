@@ -165,17 +165,19 @@ class LogProbPolicy(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids, attention_mask):
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        return next_token_log_probs(self.model(input_ids=input_ids, attention_mask=attention_mask).logits, input_ids)
+
+
+def next_token_log_probs(logits, input_ids):
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
 def token_log_probs(model, batch):
     if isinstance(model, LogProbPolicy):
         return model(batch["input_ids"], batch["attention_mask"])
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return logp.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    return next_token_log_probs(logits, batch["input_ids"])
 
 
 def grpo_loss(model, batch, clip=0.2):

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import copy
 import functools
-import gc
 import os
 import socket
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")
+
+from tests.gloo_ranks import spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 2
@@ -34,24 +33,7 @@ def _free_port() -> int:
 
 
 def _spawn(fn, *args):
-    # A file store, not a TCP store: rank 0 hosting the TCP store's server
-    # thread aborted now and then at exit ("terminate called without an
-    # active exception") when the other rank disconnected at the same time.
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_init_and_run, args=(fn, os.path.join(tmp, "store"), args), nprocs=WORLD, join=True)
-
-
-def _init_and_run(rank, fn, store_path, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
-    try:
-        fn(rank, *args)
-    finally:
-        # Free what holds the group (FSDP state, device meshes, compiled graphs) before teardown, not at exit.
-        torch._dynamo.reset()
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+    spawn(fn, *args, world=WORLD)
 
 
 def _rank_batch(rank):

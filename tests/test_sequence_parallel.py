@@ -11,15 +11,13 @@ ranks; a failure fails ``mp.spawn`` with the rank's traceback.
 from __future__ import annotations
 
 import copy
-import gc
-import os
 import random
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.gloo_ranks import spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")
 
@@ -27,20 +25,8 @@ VOCAB = 101
 
 
 def _spawn(world, fn, *args):
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_init_and_run, args=(world, fn, os.path.join(tmp, "store"), args), nprocs=world, join=True)
-
-
-def _init_and_run(rank, world, fn, store_path, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        torch._dynamo.reset()
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks."""
+    spawn(fn, world, *args, world=world)
 
 
 def forest_batch(seed: int):

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..analysis.node_info import Refusal
+from ..analysis.node_info import Refusal, ev
 from ..ops import sp_collectives as _collectives  # noqa: F401  (registers torch.ops.dualkv.sp_*)
 from ..ops.sp_collectives import SPGroup
 from ..ops.ulysses_attention import check_heads, ulysses_attention
@@ -89,12 +89,16 @@ def _is_placeholder(n, name: str) -> bool:
 
 
 def _is_parameter(n: fx.Node) -> bool:
-    return isinstance(n.meta.get("example_value"), torch.nn.Parameter)
+    return isinstance(ev(n), torch.nn.Parameter)
 
 
 def _requires_grad(n) -> bool:
-    ev = n.meta.get("example_value") if isinstance(n, fx.Node) else None
-    return isinstance(ev, torch.Tensor) and ev.requires_grad
+    return isinstance(ev(n), torch.Tensor) and ev(n).requires_grad
+
+
+def _recompute_tags(n: fx.Node) -> dict:
+    """``n``'s activation-checkpoint tags, for the nodes inserted in its place (recomputed as it is)."""
+    return {k: n.meta[k] for k in RECOMPUTE_META if k in n.meta}
 
 
 class _Sharder:
@@ -107,7 +111,7 @@ class _Sharder:
         """A call inserted before ``where``, in ``where``'s checkpoint region if it has one."""
         with self.g.inserting_before(where):
             new = self.g.call_function(target, args, name=name)
-        new.meta.update({k: where.meta[k] for k in RECOMPUTE_META if k in where.meta})
+        new.meta.update(_recompute_tags(where))
         return new
 
     def gathered(self, n: fx.Node, i: int, dim: int, backward: str) -> None:
@@ -192,9 +196,8 @@ class _Sharder:
         if accumulate:
             with self.g.inserting_after(total):
                 result = self.g.call_function(operator.add, (base, total), name=f"{n.name}_plus_base")
-        for k in RECOMPUTE_META:
-            if k in n.meta:
-                total.meta[k] = result.meta[k] = n.meta[k]
+        total.meta.update(_recompute_tags(n))
+        result.meta.update(_recompute_tags(n))
         for u in users:
             u.replace_input_with(n, result)
         self.kind[n], self.kind[total], self.kind[result] = _S, _R, _R
@@ -224,7 +227,7 @@ class _Sharder:
                 start = self.g.call_function(operator.mul, (n_local, sp.rank))
                 with self.g.inserting_after(start):
                     chunk = self.g.create_node("call_method", "narrow", (n, s_dim, start, n_local), name=f"{n.name}_chunk")
-        chunk.meta.update({k: n.meta[k] for k in RECOMPUTE_META if k in n.meta})
+        chunk.meta.update(_recompute_tags(n))
         for u in users:
             u.replace_input_with(n, chunk)
         self.kind[n], self.kind[chunk] = _C, _S

@@ -53,7 +53,7 @@ def tolerance(dtype: torch.dtype) -> float:
 
 def due(setting, packed_calls: int) -> bool:
     """Whether the packed call numbered ``packed_calls`` (0-based) is checked under ``check_exact=setting``."""
-    if setting is None or setting is False:
+    if setting is None:
         return False
     if setting == "first":
         return packed_calls == 0

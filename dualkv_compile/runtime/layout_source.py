@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.analyze import Analysis, floating_carried
+from ..analysis.node_info import ev
 from ..analysis.token_inputs import NAMED_ROLES, Role
 from ..config import DualKVConfig
 from ..layout import carried as active_layout
@@ -130,10 +131,9 @@ def _embedding_rows(ids: fx.Node) -> Optional[int]:
     rows = set()
     for user in ids.users:
         if user.op == "call_function" and user.target in (torch.nn.functional.embedding, torch.embedding):
-            weight = user.args[1] if user.target is torch.nn.functional.embedding else user.args[0]
-            ev = weight.meta.get("example_value") if isinstance(weight, fx.Node) else None
-            if isinstance(ev, torch.Tensor) and ev.dim() == 2:
-                rows.add(int(ev.shape[0]))
+            weight = ev(user.args[1] if user.target is torch.nn.functional.embedding else user.args[0])
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                rows.add(int(weight.shape[0]))
     return rows.pop() if len(rows) == 1 else None
 
 

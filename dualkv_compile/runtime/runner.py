@@ -97,7 +97,7 @@ class Runner:
     def __call__(self, *args):
         self.report.calls += 1
         if self.disabled:
-            return self._run_fallback(args)
+            return self.fallback(*args)
         for index, value, what in self.scalar_checks:
             if float(args[index]) != value:
                 return self._unpacked(args, f"{what} is {float(args[index])}, the packed graph was built for {value}")
@@ -193,13 +193,13 @@ class Runner:
         self.report.rewritten = False
         self.report.reason = why
         log.warning("dualkv: graph %d runs unchanged from now on: %s", self.report.graph_id, why)
-        return self._run_fallback(args)
+        return self.fallback(*args)
 
     def _unpacked(self, args, why: str):
         self.report.fallback_reasons.append(why)
         log.info("dualkv: graph %d runs unpacked: %s", self.report.graph_id, why)
         try:
-            return self._run_fallback(args)
+            return self.fallback(*args)
         except Exception as e:
             # The original program's own error (an IndexError deep in the model) may not name the input; the
             # reason it ran unpacked often does (a mask of the wrong shape).
@@ -218,9 +218,6 @@ class Runner:
         agree(layout, self.sp, _device_of(args))
         if same:
             active.sp_agreed = True
-
-    def _run_fallback(self, args):
-        return self.fallback(*args)
 
 
 def _device_of(args) -> torch.device:

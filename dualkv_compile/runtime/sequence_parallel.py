@@ -6,10 +6,11 @@ sequence-parallel group read the same micro-batch). Each rank detects the
 layout from its own copy: detection is deterministic, so the ranks agree.
 
 Guarantees
-    * ``agree`` checks that agreement on every call with one small
-      all-gather (a fingerprint of the layout: sizes, token and segment
-      counts, a digest of the segments; or of the reason nothing was
-      packed), so the ranks take the same path (packed: the same
+    * ``agree`` checks that agreement with one small all-gather (a
+      fingerprint of the layout: sizes, token and node counts, a digest of
+      the forest's nodes and sequences; or of the reason nothing was
+      packed), once per layout (the runner skips it for a graph that carries
+      a layout already checked), so the ranks take the same path (packed: the same
       collectives; unpacked: none); ranks that disagree raise ``RuntimeError``
       naming both fingerprints instead of waiting on each other or computing
       on different layouts.
