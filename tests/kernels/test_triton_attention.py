@@ -190,13 +190,17 @@ def test_ancestors_with_only_full_or_only_ragged_blocks():
 def test_very_negative_scores_give_finite_gradients(config):
     # Every visible score near -200: lse is too, and a zero-loaded column past a ragged
     # prefix block scores 0, whose exp(0 - lse) overflows float32 unless it is masked.
+    # The large common direction sits in q, not k: dQ = scale * sum_j dS_ij k_j with
+    # sum_j dS_ij = 0, so a large shared part of k cancels there, and float32 rounding of the
+    # scores (~2e-5 at magnitude 200) then left dQ ill-conditioned (relative error up to 0.17,
+    # depending on the block shapes and on the CPU's BLAS), with no kernel error at all.
     segs, T = make_segments([(21, [7, 13]), (5, [9])], DEVICE)
     D = 64
     _, _, v, do = qkv(T, 2, 1, D, torch.float32, seed=4)
     u = torch.ones(1, 1, T, D, device=DEVICE) / math.sqrt(D)
-    jitter = torch.randn(1, 1, T, D, generator=torch.Generator().manual_seed(0)).to(DEVICE) * 0.01
-    q = (u * 120 + jitter).expand(1, 2, T, D).contiguous()
-    k = -u * 120 + jitter
+    jitter = torch.randn(1, 1, T, D, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    q = (u * 1600 + jitter * 0.01).expand(1, 2, T, D).contiguous()
+    k = -u + jitter * 0.05
     scale = 1 / math.sqrt(D)
     ref_out, ref_lse, ref_grads = reference_all(q, k, v, do, segs, scale)
     assert ref_lse.max() < -150
