@@ -12,7 +12,7 @@ TORCH_CPU ?= torch==2.13.0
 LATEST := .venv-latest
 LATEST_STAMP := $(LATEST)/.installed
 
-.PHONY: demo test test-slow test-latest lock venv clean
+.PHONY: demo test test-slow test-verl test-latest lock venv clean
 
 # PIP_CONSTRAINT reaches pip's isolated build environment too (setuptools, wheel).
 $(STAMP): pyproject.toml Makefile $(LOCK)
@@ -35,6 +35,26 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
 
+# veRL 0.9.1's own FSDP engine with dualkv (tests/integrations/test_verl.py), in .venv-verl: a venv over .venv's
+# packages (site.addsitedir) plus veRL and the imports its engine needs, without veRL's pins (it asks for
+# transformers<5.11; the suite's transformers runs its engine). The versions are the ones this target passed with.
+VERL := .venv-verl
+VERL_STAMP := $(VERL)/.installed
+VERL_PKGS := verl==0.9.1 ray==2.60.0 tensordict==0.15.3 hydra-core==1.3.8 omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 \
+	codetiming==1.4.0 pylatexenc==2.11 msgpack==1.2.4 protobuf==7.36.2 requests==2.34.2 urllib3==2.8.0 \
+	certifi==2026.10.19.post1 charset-normalizer==3.5.3 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
+	referencing==0.37.0 rpds-py==2026.9.1 pyvers==0.2.3 cloudpickle==3.1.3 peft==0.21.2 orjson==3.13.0 attrs==26.1.0
+
+$(VERL_STAMP): $(STAMP)
+	test -x $(VERL)/bin/python || $(PYTHON) -m venv --without-pip $(VERL)
+	echo "import site; site.addsitedir('$$($(PY) -c 'import site; print(site.getsitepackages()[0])')')" \
+		> "$$($(VERL)/bin/python -c 'import site; print(site.getsitepackages()[0])')/dualkv_base_venv.pth"
+	$(PY) -m pip --python $(VERL)/bin/python install -q --no-deps $(VERL_PKGS)
+	touch $(VERL_STAMP)
+
+test-verl: $(VERL_STAMP)
+	$(VERL)/bin/python -m pytest -q tests/integrations/test_verl.py
+
 # The suite against the newest releases of everything but torch (not run by CI): breakage is seen before a pin moves.
 $(LATEST_STAMP): pyproject.toml Makefile
 	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
@@ -55,4 +75,4 @@ lock: $(LATEST_STAMP)
 	mv $(LOCK).new $(LOCK)
 
 clean:
-	rm -rf $(VENV) $(LATEST) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LATEST) $(VERL) *.egg-info .pytest_cache .hypothesis

@@ -134,8 +134,11 @@ def _resolve_attention_backend(backend: str, attention) -> str:
 
     if not attention:
         return backend  # unused: a graph without attention (the lm_head after a graph break)
+    from .analysis.node_info import hint
+
     q = attention[0].q.meta["example_value"]
-    probe = torch.empty((1, q.shape[1], 1, q.shape[3]), dtype=q.dtype, device=q.device)
+    # hint: under dynamic=True Dynamo may make the head count and head dim symbolic too.
+    probe = torch.empty((1, hint(q.shape[1]), 1, hint(q.shape[3])), dtype=q.dtype, device=q.device)
     why = unsupported_reason(backend, probe)
     if why is not None:
         # A Refusal, not a ValueError: the graph runs unchanged and its report (explain()) says why.

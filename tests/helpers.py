@@ -235,6 +235,8 @@ def packed_loss_graph(loss_fn, model, batch, chunked_log_probs=True):
     packed = pack_graph(gm, axes, "reference")
     if chunked_log_probs:
         fuse_linear_log_prob(packed)
-    layout = dualkv_compile.detect(batch["input_ids"], batch["attention_mask"])
+    # Sequences packed into rows (position ids given) share across columns, as the backend detects them.
+    pos = batch.get("position_ids")
+    layout = dualkv_compile.detect(batch["input_ids"], batch.get("attention_mask"), pos, same_columns=pos is None)
     ShapeProp(packed).propagate(*example_inputs, *PackedInputs.of(layout))
     return packed, layout

@@ -136,7 +136,12 @@ def _move(node, info, B, S) -> NodeInfo:
         in_shape = shape_of(src)
         dims = args if args else tuple(range(n))
         dims = {d % n for d in (dims[0] if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims)}
+        dropped = [tag for d, tag in enumerate(t) if d in dims and in_shape[d] == 1]
         t = [tag for d, tag in enumerate(t) if not (d in dims and in_shape[d] == 1)]
+        if "b" in dropped and "s" in t:
+            # A one-row batch's [1, S, ...] squeezed to [S, ...] (veRL's remove-padding row, logits.squeeze(0)):
+            # the sequence axis is then the merged one, as reshape makes it.
+            t[t.index("s")] = "bs"
         assert len(t) == out_ev.dim()
     elif target == "expand":
         sizes = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args

@@ -64,6 +64,10 @@ class ActiveLayout:
     _equal: dict = dataclasses.field(default_factory=dict)
     share_reads: int = 0  # calls of share_mismatch that had to read tensors (one host sync each)
     sp_agreed: bool = False  # the sequence-parallel group checked that every rank holds this layout
+    # Published by a caller that built the batch (integrations.verl): every [B, S] value of the calls made while
+    # it is current is laid out on it, so a graph need not trace its inputs to a packed graph (FSDP2's hooks
+    # between graphs hand tensors on through autograd functions); the share check still runs.
+    trusted: bool = False
 
     def matches(self, batch_size: int, seq_len: int, device: torch.device) -> bool:
         L = self.layout
@@ -163,6 +167,8 @@ class ActiveLayout:
         return self._share
 
     def describe(self) -> str:
+        if self.trusted:
+            return self.how  # a caller's layout (integrations.verl: "veRL's remove-padding row")
         what = "its token ids" if self.how == "input_ids" else "its hidden states and mask"
         return f"graph {self.graph_id} (detected from {what})"
 
@@ -211,9 +217,9 @@ def current() -> Optional[ActiveLayout]:
     return _state.current
 
 
-def publish(layout: SharedPromptLayout, graph_id: int, how: str) -> ActiveLayout:
-    """Make ``layout`` the current one (replacing any other); returns its record."""
-    active = ActiveLayout(layout, graph_id, how)
+def publish(layout: SharedPromptLayout, graph_id: int, how: str, trusted: bool = False) -> ActiveLayout:
+    """Make ``layout`` the current one (replacing any other); returns its record (``trusted``: see ActiveLayout)."""
+    active = ActiveLayout(layout, graph_id, how, trusted=trusted)
     _state.current = active
     return active
 

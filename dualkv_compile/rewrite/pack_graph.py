@@ -39,7 +39,7 @@ from ..ops import attention as _attention_op  # noqa: F401  (registers torch.ops
 from ..analysis.attention_match import AttentionMatch, default_scale
 from .inline_checkpoint import RECOMPUTE_META, TAGGED_OPS
 from .packed_inputs import PackedInputs
-from .packed_ops import gather_columns, gather_previous, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
+from .packed_ops import gather_columns, gather_previous, gather_unpacked, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
 from .weighted_reductions import emit_weighted
 from .sp_meta import HEADS_META
 from ..analysis.node_info import Kind, Refusal, shape_of, ev as _ev
@@ -163,7 +163,7 @@ class _Packer:
             elif info.weighted is not None:  # a sum over tokens: weighted on the packed stream, never unpacked
                 self.orig[n] = emit_weighted(self, n)
             else:
-                self.orig[n] = self.copy(n, self.orig_of)
+                self.orig[n] = self.emit_gather_unpacked(n) or self.copy(n, self.orig_of)
                 if info.kind is Kind.BCAST:  # both forms; DCE keeps what is read
                     self.packed[n] = self.emit_packed(n)
             _inherit_recompute_tags(n, last)
@@ -252,6 +252,32 @@ class _Packer:
         return self.g.call_function(
             gather_previous, (self.packed_of(src), self.inp["prev_index"], self.packed_of(index)), name=n.name + "_packed"
         )
+
+    def emit_gather_unpacked(self, n: fx.Node) -> Optional[fx.Node]:
+        """``src.gather(-1, index)`` with ``src`` a ``[B, S, V]`` (or one-row ``[S, V]``) value of each token and
+        ``index`` in the original layout (labels computed outside the graph): pick the entries from the packed
+        rows (``gather_unpacked``) instead of unpacking ``src`` whole. None where the pattern differs."""
+        is_gather = (n.op == "call_method" and n.target == "gather") or (n.op == "call_function" and n.target is torch.gather)
+        if not is_gather or len(n.args) != 3 or n.kwargs:
+            return None
+        src, dim, index = n.args
+        if not isinstance(src, fx.Node) or not isinstance(index, fx.Node) or dim not in (-1, len(shape_of(src)) - 1):
+            return None
+        s_info, i_info = self.axes.info[src], self.axes.info[index]
+        if s_info.kind is not Kind.TOKEN or s_info.shift or s_info.slen != self.S or i_info.kind is Kind.TOKEN:
+            return None
+        merged = s_info.tags == ("bs", None)
+        if not merged and s_info.tags != ("b", "s", None):
+            return None
+        lead = (self.B * self.S,) if merged else (self.B, self.S)
+        if tuple(shape_of(index)[:-1]) != lead or tuple(shape_of(src)[:-1]) != lead:
+            return None
+        picked = self.g.call_function(
+            gather_unpacked, (self.packed_of(src), self.inp["unpack_index"], self.inp["valid"], self.orig_of(index)),
+            name=n.name,
+        )
+        picked.meta["unpacked_rank"] = len(shape_of(n))  # for runtime.padding_reads, as on unpack nodes
+        return picked
 
     def emit_attention(self, m: AttentionMatch) -> fx.Node:
         # The kernel takes q, k, v in the attention output's dtype. They differ under autocast: SDPA

@@ -15,8 +15,8 @@ import torch
 from ..layout import gather_valid
 
 __all__ = [
-    "pack_tokens", "gather_columns", "unpack_tokens", "previous_tokens", "gather_previous", "unpack_merged",
-    "token_weights", "weighted_histc",
+    "pack_tokens", "gather_columns", "unpack_tokens", "previous_tokens", "gather_previous", "gather_unpacked",
+    "unpack_merged", "token_weights", "weighted_histc",
 ]
 
 
@@ -82,6 +82,22 @@ def gather_previous(x: torch.Tensor, prev_index: torch.Tensor, index: torch.Tens
     its backward adds a second ``[T, V]`` buffer.
     """
     return x[0][prev_index.unsqueeze(-1), index[0]].unsqueeze(0)
+
+
+def gather_unpacked(x: torch.Tensor, unpack_index: torch.Tensor, valid: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``unpack(x).gather(-1, index)`` without building ``unpack(x)``: the entries an original-layout index picks.
+
+    ``x`` is a packed ``[1, T, V]`` (token axes b, s) or ``[T, V]`` (the merged axis of a one-row batch squeezed,
+    veRL's ``logits.squeeze(0)``) value of each token; ``index`` is in the original layout, ``[B, S, K]`` or
+    ``[B * S, K]`` (labels computed outside the graph: veRL's ``input_ids_rmpad_rolled``). Entry ``[p, k]``
+    reads row ``unpack_index[p]`` at column ``index[p, k]``; zeros at padding positions, as ``unpack`` gives.
+    One advanced index reads the ``B * S * K`` entries; the backward adds each into its packed row, so the rows
+    of a shared token sum the gradients of every position that reads it (one value, several labels).
+    """
+    k = index.shape[-1]
+    picked = x.reshape(-1, x.shape[-1])[unpack_index.unsqueeze(-1), index.reshape(-1, k)]
+    picked = torch.where(valid.unsqueeze(-1), picked, picked.new_zeros(()))
+    return picked.reshape(index.shape)
 
 
 def unpack_merged(

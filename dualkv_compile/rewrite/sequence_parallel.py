@@ -22,8 +22,8 @@ How
     - a read of each token's predecessor (``previous_tokens``, ``gather_previous``, the fused
       ``linear_log_prob``'s hidden rows) reads the gathered stream (``sp_all_gather``, backward "sum"),
       indexed by this rank's chunk of ``prev_index``;
-    - ``unpack`` reads the gathered stream (``sp_all_gather``, backward "slice"): its result is
-      replicated, the same on every rank;
+    - ``unpack`` (and ``gather_unpacked``) reads the gathered stream (``sp_all_gather``, backward "slice"):
+      its result is replicated, the same on every rank;
     - a sum over tokens (``weighted_reductions``, marked ``TOKEN_SUM_META``) is this rank's partial sum,
       then ``sp_all_reduce``; its token weights are this rank's chunk of the whole stream's;
     - an input that is not a parameter and has a gradient (hidden states from an earlier graph) enters
@@ -46,7 +46,9 @@ from ..ops.ulysses_attention import check_heads, ulysses_attention
 from .graph_copy import copy_graph_module
 from .inline_checkpoint import RECOMPUTE_META
 from .sp_meta import HEADS_META, TOKEN_SUM_META
-from .packed_ops import gather_columns, gather_previous, pack_tokens, previous_tokens, token_weights, unpack_merged, unpack_tokens
+from .packed_ops import (
+    gather_columns, gather_previous, gather_unpacked, pack_tokens, previous_tokens, token_weights, unpack_merged, unpack_tokens,
+)
 
 __all__ = ["shard_packed_graph", "local_token_weights"]
 
@@ -81,6 +83,8 @@ def _unpack_dim(n: fx.Node):
         return n.args[5]
     if n.op == "call_function" and n.target is unpack_merged:
         return n.args[4]
+    if n.op == "call_function" and n.target is gather_unpacked:
+        return 0 if ev(n.args[3]).dim() == 2 else 1  # [T, V] for a [B * S, K] index, else [1, T, V]
     return None
 
 

@@ -180,7 +180,7 @@ class FromCarried(LayoutSource):
                     return why
                 cur.mark_mask_checked(keys)
         else:
-            if not any(cur.produced(args[i]) for i in self.floating_index):
+            if not cur.trusted and not any(cur.produced(args[i]) for i in self.floating_index):
                 return (
                     "no input of this call was produced by a graph that ran packed on it, and no mask among the "
                     "inputs ties its padding to this call"

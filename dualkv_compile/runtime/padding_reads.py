@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..rewrite.packed_ops import unpack_merged, unpack_tokens
+from ..rewrite.packed_ops import gather_unpacked, unpack_merged, unpack_tokens
 from ..rewrite.weighted_reductions import WEIGHTED_META
 from ..analysis.token_rules import POINTWISE_FUNCS, POINTWISE_METHODS, REDUCE_FUNCS, REDUCE_METHODS, SOFTMAX_LIKE, SOFTMAX_METHODS
 
@@ -180,13 +180,18 @@ def find_padding_reads(gm: fx.GraphModule, num_packed_inputs: int, original: Opt
             factors = _packed_factors(u.args[0], cheap, originals) if leading else ()
             reads.append(Read(u, u, shift, truncate, factors=factors, merged=merged))
             continue
-        if u.op == "call_function" and u.target is unpack_merged:
-            shift, truncate = u.args[5:7]
+        # gather_unpacked: entries of an unpacked value, zero at padding as unpack leaves them.
+        picked = u.op == "call_function" and u.target is gather_unpacked
+        if u.op == "call_function" and u.target is unpack_merged or picked and _rank(u.args[3]) == 2:
+            shift, truncate = (0, False) if picked else u.args[5:7]
             reads.extend(Read(u, user, shift, truncate, merged=True) for user in u.users if user.op != "output")
             continue
-        if not (u.op == "call_function" and u.target is unpack_tokens):
+        if picked:
+            b_dim, s_dim, shift, truncate = 0, 1, 0, False
+        elif u.op == "call_function" and u.target is unpack_tokens:
+            _, _, _, _, b_dim, s_dim, shift, truncate = u.args[:8]
+        else:
             continue
-        _, _, _, _, b_dim, s_dim, shift, truncate = u.args[:8]
         seen = set()
         frontier = [(u, Read(u, u, shift, truncate, factors=_packed_factors(u.args[0], cheap, originals)))]
         while frontier:

@@ -1,0 +1,213 @@
+"""dualkv in veRL 0.9's FSDP engine (``FSDPEngineWithLMHead``): one config line.
+
+    actor_rollout_ref.model.external_lib=dualkv_compile.integrations.verl
+
+veRL imports ``external_lib`` in every worker when it builds the model config
+(``HFModelConfig.__post_init__``); importing this module calls ``enable()``,
+which replaces ``FSDPEngineWithLMHead.forward_step`` for the process. In a
+loop of your own, call ``dualkv_compile.integrations.verl.enable(**options)``
+(options as ``torch.compile(..., backend="dualkv", options=...)``) before the
+engine's first step.
+
+What it changes
+    veRL's own ``prepare_model_inputs`` still builds the remove-padding row
+    (every sequence of the micro-batch back to back, position ids restarting
+    at each), the labels rolled by one over it and the pad size. Then the
+    model call *and* the log-prob and entropy computation run as one
+    ``torch.compile(..., backend="dualkv")`` graph: the backbone on the packed
+    stream (each shared prompt once), the log-probs picked at veRL's rolled
+    labels from the packed rows (``gather_unpacked``: the last prompt token's
+    row serves every response's first label), the entropy per packed token,
+    and only per-token values leave the graph. The result goes back into
+    veRL's flow (its un-padding, its nested tensors, the loss function, the
+    returned outputs) unchanged.
+
+The math, against veRL's path with ``use_remove_padding=True`` (its default)
+    logits divided by the temperature rounded to the logits' dtype (as veRL's
+    per-token ``temperature.to(logits.dtype)``), log-probs of
+    ``log_softmax(logits.float())`` at the rolled labels (veRL's flash-attn
+    cross-entropy computes them in float32 too; its torch fallback for
+    bfloat16 logits computes in bfloat16, so bfloat16 runs differ from that
+    fallback by its rounding), entropy as veRL's ``entropy_from_logits``
+    (logsumexp minus the softmax-weighted logits), under the engine's own
+    autocast. Attention: the dualkv kernel on the packed stream, whatever
+    ``attn_implementation`` is configured (``flash_attention_2``, the default,
+    and ``sdpa``: both are matched and replaced; each sequence of the row
+    attends causally within itself, as veRL's varlen call does).
+
+What it leaves to veRL (the original ``forward_step`` runs, the reason logged once)
+    ``use_remove_padding=False``, ``use_fused_kernels``, Ulysses sequence
+    parallelism (veRL slices the row before the model, so no rank sees whole
+    sequences: use dualkv's own ``sequence_parallel`` option in a loop of
+    your own), top-k distillation, ``calculate_sum_pi_squared``, multimodal
+    inputs, a per-sample temperature tensor, a forward-only call without a
+    loss function is packed like the others.
+
+Groups and micro-batches
+    Sharing is found within a micro-batch: the rollouts of a prompt must land
+    in one. veRL keeps a batch's rows in order, so with
+    ``use_dynamic_bsz=False`` a ``ppo_micro_batch_size_per_gpu`` that is a
+    multiple of ``rollout.n`` keeps every group whole; dynamic batch sizing
+    balances tokens and may split a group, which costs sharing, never
+    exactness (``dualkv_compile.explain()`` shows each call's tokens before and
+    after packing).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from contextlib import nullcontext
+from typing import Any, Optional
+
+import torch
+
+from ..backend import dualkv_backend
+from ..config import DualKVConfig
+from ..layout import carried as active_layout
+from ..layout import detect
+
+log = logging.getLogger("dualkv_compile")
+
+__all__ = ["enable", "disable", "log_probs_and_entropy"]
+
+_STATE: dict[str, Any] = {"original": None, "options": {}, "declined": set()}
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """veRL's entropy: ``logsumexp(z) - sum(softmax(z) * z)`` over the vocabulary."""
+    pd = torch.nn.functional.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - torch.sum(pd * logits, dim=-1)
+
+
+def log_probs_and_entropy(module, input_ids, position_ids, rolled, temperature: float, calculate_entropy: bool):
+    """The compiled region: the model on veRL's remove-padding row, then per-token log-probs (and entropy).
+
+    ``input_ids``/``position_ids`` ``[1, T]``; ``rolled`` ``[T]`` (the labels); returns ``[T]`` tensors."""
+    logits = module(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False).logits
+    logits = logits.squeeze(0)
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, rolled.unsqueeze(-1)).squeeze(-1)
+    return log_probs, (entropy_from_logits(logits) if calculate_entropy else None)
+
+
+def _decline(reason: str) -> None:
+    if reason not in _STATE["declined"]:
+        _STATE["declined"].add(reason)
+        log.info("dualkv (veRL): this step runs veRL's own forward_step: %s", reason)
+
+
+def _why_not(engine, micro_batch) -> Optional[str]:
+    from verl.utils import tensordict_utils as tu
+
+    def flag(key, default=False):
+        return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
+
+    if not flag("use_remove_padding", True):
+        return "use_remove_padding is off"
+    for key in ("use_fused_kernels", "distillation_use_topk", "distillation_only", "calculate_sum_pi_squared"):
+        if flag(key):
+            return f"{key} is on"
+    if getattr(engine, "use_ulysses_sp", False):
+        return "veRL's Ulysses sequence parallelism slices the row before the model"
+    if len(micro_batch.get("multi_modal_inputs", [])):
+        return "multimodal inputs"
+    if isinstance(micro_batch["temperature"], torch.Tensor):
+        return "a per-sample temperature tensor"
+    return None
+
+
+def _logits_dtype(engine) -> torch.dtype:
+    autocast_dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
+    if autocast_dtype != torch.float32:
+        return autocast_dtype
+    return next(engine.module.parameters()).dtype
+
+
+def _compiled(engine):
+    fn = engine.__dict__.get("_dualkv_compiled")
+    if fn is None:
+        fn = torch.compile(
+            functools.partial(log_probs_and_entropy, engine.module),
+            backend=functools.partial(dualkv_backend, options=dict(_STATE["options"])),
+            dynamic=True,
+        )
+        engine.__dict__["_dualkv_compiled"] = fn
+    return fn
+
+
+def _forward_step(engine, micro_batch, loss_function, forward_only):
+    """``FSDPEngineWithLMHead.forward_step`` with the model and its log-probs/entropy as one dualkv graph."""
+    why = _why_not(engine, micro_batch)
+    if why is not None:
+        _decline(why)
+        return _STATE["original"](engine, micro_batch, loss_function, forward_only)
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.device import get_device_id, get_device_name
+
+    micro_batch = micro_batch.to(get_device_id())
+    model_inputs, output_args = engine.prepare_model_inputs(micro_batch=micro_batch)
+    # veRL divides by its per-token temperature cast to the logits' dtype: the same number, as a Python float.
+    temperature = float(torch.tensor(float(micro_batch["temperature"])).clamp(min=1e-8).to(_logits_dtype(engine)))
+    calculate_entropy = bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
+    autocast_dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
+    autocast = nullcontext() if autocast_dtype == torch.float32 else torch.autocast(get_device_name(), dtype=autocast_dtype)
+    # FSDP2's hooks break the model's graph at every sharded module, and the piece that embeds the ids sees them
+    # as a positional argument: so the layout is detected here, from the row veRL built, and made the current one
+    # that every piece carries (each piece still checks that it holds there).
+    cfg = DualKVConfig.from_options(dict(_STATE["options"]))
+    layout = detect(model_inputs["input_ids"], None, model_inputs["position_ids"], group_size=cfg.group_size,
+                    min_shared=cfg.min_shared, same_columns=False)
+    active_layout.publish(layout, -1, "veRL's remove-padding row", trusted=True)
+    with autocast:
+        log_probs, entropy = _compiled(engine)(
+            input_ids=model_inputs["input_ids"], position_ids=model_inputs["position_ids"],
+            rolled=output_args["input_ids_rmpad_rolled"], temperature=temperature, calculate_entropy=calculate_entropy,
+        )
+        pad, offsets = output_args["pad_size"], micro_batch["input_ids"].offsets()
+        model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(engine._gather_and_unpad_packed(log_probs, pad), offsets)}
+        if calculate_entropy:
+            model_output["entropy"] = torch.nested.nested_tensor_from_jagged(engine._gather_and_unpad_packed(entropy, pad), offsets)
+        if loss_function is not None:
+            loss, metrics = loss_function(model_output=model_output, data=micro_batch, dp_group=engine.get_data_parallel_group())
+        else:
+            if not forward_only:
+                raise ValueError("forward_step: loss_function is None, which veRL allows only with forward_only=True")
+            loss, metrics = torch.tensor(1.0, device=get_device_name()), {}
+    active_layout.clear()
+    detached = {k: v.detach() for k, v in model_output.items()}
+    return loss, {"model_output": detached, "loss": loss.detach().item(), "metrics": metrics}
+
+
+def enable(**options: Any) -> None:
+    """Route every ``FSDPEngineWithLMHead`` of this process through dualkv (module docstring); idempotent.
+
+    ``options``: as ``torch.compile(..., backend="dualkv", options=...)``; ``ValueError`` names a bad one."""
+    DualKVConfig.from_options(dict(options))  # validate now, not at the first step
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    _STATE["options"] = dict(options)
+    if _STATE["original"] is None:
+        _STATE["original"] = FSDPEngineWithLMHead.forward_step
+        FSDPEngineWithLMHead.forward_step = _forward_step
+        log.info("dualkv (veRL): FSDPEngineWithLMHead.forward_step runs the model and its log-probs through dualkv")
+
+
+def disable() -> None:
+    """Restore veRL's ``forward_step``."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    if _STATE["original"] is not None:
+        FSDPEngineWithLMHead.forward_step = _STATE["original"]
+        _STATE["original"] = None
+
+
+# Imported by veRL as ``external_lib``: that import is the switch.
+if __name__ != "__main__":
+    try:
+        import verl.workers.engine.fsdp.transformer_impl  # noqa: F401
+    except ImportError:  # veRL not installed: enable() raises when called
+        pass
+    else:
+        enable()

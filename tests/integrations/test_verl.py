@@ -1,0 +1,51 @@
+"""veRL 0.9's own FSDP engine with ``external_lib=dualkv_compile.integrations.verl``: packed and exact on CPU.
+
+Runs in ``make test-verl`` (``.venv-verl``: veRL 0.9.1 over the suite's environment, see the Makefile);
+under plain ``make test`` veRL is not installed and this module is skipped. Each side runs
+``verl_engine_step.py`` in a fresh process (one gloo rank, FSDP2 over every decoder layer).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("verl", reason="veRL is installed in .venv-verl only: `make test-verl` runs this module")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _run(tmp_path, *flags, port):
+    out = tmp_path / f"step{'_'.join(flags) or '_plain'}.pt"
+    env = dict(os.environ, MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "verl_engine_step.py"), str(out), *flags],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def test_engine_step_with_external_lib_is_packed_and_exact(tmp_path):
+    plain = _run(tmp_path, port=29611)
+    dualkv = _run(tmp_path, "--dualkv", port=29612)
+    assert plain["attn_implementation"] == dualkv["attn_implementation"] == "sdpa"
+    p_out, d_out = plain["outputs"]["model_output"], dualkv["outputs"]["model_output"]
+    for key in ("log_probs", "entropy"):
+        a, b = p_out[key], d_out[key]
+        a, b = (a.values() if a.is_nested else a), (b.values() if b.is_nested else b)
+        assert a.shape == b.shape and _rel(b, a) <= 1e-5, key
+    assert dualkv["outputs"]["loss"] == pytest.approx(plain["outputs"]["loss"], rel=1e-5)
+    assert plain["grads"].keys() == dualkv["grads"].keys()
+    for name, g in plain["grads"].items():
+        assert _rel(dualkv["grads"][name], g) <= 1e-5, name
+    # Every decoder layer's graph (and the lm_head's) ran on the packed stream: 57 tokens -> 32.
+    packed = dualkv["packed"]
+    assert len(packed) >= 3 and all(after < before for _, before, after in packed), dualkv["reports"]
+    assert not dualkv["unpacked"], dualkv["unpacked"]

@@ -1,0 +1,152 @@
+"""veRL 0.9's own FSDP engine for one forward/backward on CPU, with and without dualkv (run as a script).
+
+    python tests/integrations/verl_engine_step.py OUT.pt [--dualkv] [--attn sdpa|flash_attention_2]
+
+Builds ``FSDPEngineWithLMHead`` (FSDP2, one gloo rank) over a tiny random Qwen3 saved to a temporary
+directory, turns a GRPO-shaped batch (2 prompts x 3 responses, left/right padded) into veRL's
+remove-padding form with veRL's own ``left_right_2_no_padding``, and runs
+``engine.forward_backward_batch`` with a loss on the log-probs and the entropy. Saves the loss, the
+log-probs, the entropy and every parameter gradient (and dualkv's report) to OUT.pt.
+
+Two stubs, named: ``verl_cpu_platform`` (veRL 0.9 has no CPU platform), and veRL's TRL probe in its
+monkey patch is answered "no TRL" (veRL 0.9.1 imports ``AutoModelForCausalLMWithValueHead``, which
+TRL 1.16 no longer has). Everything else is veRL's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+GROUPS = [(7, [3, 5, 2]), (5, [4, 1, 6])]
+VOCAB = 101
+
+
+def grpo_batch(seed=0):
+    """input_ids = [left-padded prompt | right-padded response], as veRL's rollout returns them."""
+    g = torch.Generator().manual_seed(seed)
+    P, R = max(p for p, _ in GROUPS), max(max(rs) for _, rs in GROUPS)
+    rows = []
+    for p, rs in GROUPS:
+        prompt = torch.randint(1, VOCAB, (p,), generator=g)
+        for r in rs:
+            rows.append((prompt, torch.randint(1, VOCAB, (r,), generator=g)))
+    B = len(rows)
+    ids = torch.zeros(B, P + R, dtype=torch.long)
+    mask = torch.zeros(B, P + R, dtype=torch.long)
+    response_mask = torch.zeros(B, R, dtype=torch.long)
+    for b, (prompt, resp) in enumerate(rows):
+        ids[b, P - len(prompt):P], ids[b, P:P + len(resp)] = prompt, resp
+        mask[b, P - len(prompt):P + len(resp)] = 1
+        response_mask[b, :len(resp)] = 1
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    return ids, mask, pos, response_mask
+
+
+def loss_function(model_output, data, dp_group=None):
+    """A GRPO-style token-mean loss with an entropy bonus, on veRL's nested log-probs and entropy."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    logp = no_padding_2_padding(model_output["log_probs"], data)  # [B, R] at the response tokens
+    entropy = no_padding_2_padding(model_output["entropy"], data)
+    mask = data["response_mask"].float()
+    adv = data["advantages"][:, None]
+    per_token = -torch.exp(logp - logp.detach()) * adv - 0.01 * entropy
+    loss = (per_token * mask).sum() / mask.sum()
+    return loss, {"loss": loss.detach().item()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--dualkv", action="store_true")
+    ap.add_argument("--attn", default="sdpa")
+    args = ap.parse_args()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29541"), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.distributed.init_process_group("gloo")
+    import verl_cpu_platform
+
+    verl_cpu_platform.install()
+    import transformers
+    import verl.models.transformers.monkey_patch as monkey_patch
+
+    monkey_patch.is_trl_available = lambda: False  # the second stub (module docstring)
+    from tensordict import TensorDict
+    from verl.trainer.config import CheckpointConfig
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    path = tempfile.mkdtemp()
+    cfg = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, architectures=["Qwen3ForCausalLM"],
+    )
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
+    if args.dualkv:
+        # What veRL does with actor_rollout_ref.model.external_lib: import it while building the model config.
+        external_lib = "dualkv_compile.integrations.verl"
+    else:
+        external_lib = None
+    model_config = HFModelConfig(
+        path=path, load_tokenizer=False, external_lib=external_lib, enable_gradient_checkpointing=False,
+        override_config={"attn_implementation": args.attn},
+    )
+    engine = FSDPEngineWithLMHead(
+        model_config, FSDPEngineConfig(
+            strategy="fsdp2", use_torch_compile=False,
+            mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        ), FSDPOptimizerConfig(lr=1e-3),
+        CheckpointConfig(),
+    )
+    engine.initialize()
+    if args.dualkv:
+        import dualkv_compile.integrations.verl as dualkv_verl
+
+        dualkv_verl.enable(inner="aot_eager")
+    engine.train_mode().__enter__()
+
+    ids, mask, pos, response_mask = grpo_batch()
+    B = ids.shape[0]
+    data = TensorDict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "response_mask": response_mask,
+         "prompts": ids[:, : ids.shape[1] - response_mask.shape[1]], "responses": ids[:, ids.shape[1] - response_mask.shape[1]:],
+         "advantages": torch.linspace(-1, 1, B)},
+        batch_size=[B],
+    )
+    data = left_right_2_no_padding(data)
+    tu.assign_non_tensor(data, temperature=0.7, calculate_entropy=True, use_dynamic_bsz=False,
+                         micro_batch_size_per_gpu=B, use_remove_padding=True, return_model_output=True)
+    outputs = engine.forward_backward_batch(data, loss_function=loss_function, forward_only=False)
+    result = {
+        "outputs": outputs,
+        "grads": {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone() for n, p in engine.module.named_parameters()},
+        "attn_implementation": engine.module.config._attn_implementation,
+    }
+    if args.dualkv:
+        import dualkv_compile
+
+        reports = dualkv_compile.reports()
+        result["reports"] = [str(r) for r in reports]
+        # (packed calls, tokens before and after packing) of each graph that ran on the packed stream.
+        result["packed"] = [(r.packed_calls, r.last_stats.tokens_before, r.last_stats.tokens_after) for r in reports if r.packed_calls]
+        result["fused_log_probs"] = sum(r.fused_log_probs for r in reports)
+        # Graphs dualkv rewrote that still ran some call unpacked (the lm_head's ran unpacked before the integration
+        # published its layout as trusted: FSDP2's hooks hand the hidden states on through autograd functions).
+        result["unpacked"] = [str(r) for r in reports if r.rewritten and r.packed_calls < r.calls]
+    torch.save(result, args.out)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
