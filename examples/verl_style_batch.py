@@ -1,4 +1,9 @@
-"""A GRPO batch laid out the way veRL and TRL lay it out, through ``@policy_loss``.
+"""A GRPO batch laid out as veRL's rollout returns it, through ``@policy_loss`` in a loop of your own.
+
+(veRL 0.9's trainer no longer calls a loss like this one: its FSDP engine runs the model and the log-probs itself.
+For veRL 0.9 use the one config line of ``dualkv_compile.integrations.verl``; ``examples/verl_engine_step.py``
+runs veRL's own engine with it. This script keeps the batch layout and the loss of veRL's earlier actor as a
+``@policy_loss`` example.)
 
     python examples/verl_style_batch.py [--prompts 2] [--rollouts 4] [--device cuda]
     python examples/verl_style_batch.py --remove-padding [--rmpad-form roll] [--no-shuffle]

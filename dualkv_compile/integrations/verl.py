@@ -30,10 +30,11 @@ The math, against veRL's path with ``use_remove_padding=True`` (its default)
     bfloat16 logits computes in bfloat16, so bfloat16 runs differ from that
     fallback by its rounding), entropy as veRL's ``entropy_from_logits``
     (logsumexp minus the softmax-weighted logits), under the engine's own
-    autocast. Attention: the dualkv kernel on the packed stream, whatever
-    ``attn_implementation`` is configured (``flash_attention_2``, the default,
-    and ``sdpa``: both are matched and replaced; each sequence of the row
-    attends causally within itself, as veRL's varlen call does).
+    autocast. Attention: the dualkv kernel on the packed stream. With
+    ``flash_attention_2`` configured (veRL's default) the model reads ``sdpa``
+    during the compiled call (``sdpa_for_flash_attention``), whose attention
+    dualkv matches; each sequence of the row attends causally within itself,
+    as veRL's varlen call does. Not yet run on a GPU.
 
 What it leaves to veRL (the original ``forward_step`` runs, the reason logged once)
     ``use_remove_padding=False``, ``use_fused_kernels``, Ulysses sequence
@@ -57,7 +58,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any, Optional
 
 import torch
@@ -69,7 +70,7 @@ from ..layout import detect
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["enable", "disable", "log_probs_and_entropy"]
+__all__ = ["enable", "disable", "log_probs_and_entropy", "sdpa_for_flash_attention"]
 
 _STATE: dict[str, Any] = {"original": None, "options": {}, "declined": set()}
 
@@ -90,6 +91,25 @@ def log_probs_and_entropy(module, input_ids, position_ids, rolled, temperature: 
         logits = logits / temperature
     log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, rolled.unsqueeze(-1)).squeeze(-1)
     return log_probs, (entropy_from_logits(logits) if calculate_entropy else None)
+
+
+@contextmanager
+def sdpa_for_flash_attention(module):
+    """``flash_attention_2`` (veRL's default) reads as ``sdpa`` while the compiled call traces and runs.
+
+    dualkv matches SDPA's and eager attention in the graph and replaces either with its kernel on the packed
+    stream; FlashAttention's varlen call is opaque to it. A graph dualkv refuses then runs SDPA, exact (HF
+    separates the sequences of the row by their restarting position ids) but with a ``[T, T]`` mask."""
+    config = getattr(module, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl != "flash_attention_2":
+        yield
+        return
+    config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        config._attn_implementation = impl
 
 
 def _decline(reason: str) -> None:
@@ -160,7 +180,7 @@ def _forward_step(engine, micro_batch, loss_function, forward_only):
     layout = detect(model_inputs["input_ids"], None, model_inputs["position_ids"], group_size=cfg.group_size,
                     min_shared=cfg.min_shared, same_columns=False)
     active_layout.publish(layout, -1, "veRL's remove-padding row", trusted=True)
-    with autocast:
+    with autocast, sdpa_for_flash_attention(engine.module):
         log_probs, entropy = _compiled(engine)(
             input_ids=model_inputs["input_ids"], position_ids=model_inputs["position_ids"],
             rolled=output_args["input_ids_rmpad_rolled"], temperature=temperature, calculate_entropy=calculate_entropy,

@@ -2,7 +2,7 @@
 
 Runs in ``make test-verl`` (``.venv-verl``: veRL 0.9.1 over the suite's environment, see the Makefile);
 under plain ``make test`` veRL is not installed and this module is skipped. Each side runs
-``verl_engine_step.py`` in a fresh process (one gloo rank, FSDP2 over every decoder layer).
+``examples/verl_engine_step.py`` in a fresh process (one gloo rank, FSDP2 over every decoder layer).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import torch
 
 pytest.importorskip("verl", reason="veRL is installed in .venv-verl only: `make test-verl` runs this module")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 
 
 def _run(tmp_path, *flags, port):
     out = tmp_path / f"step{'_'.join(flags) or '_plain'}.pt"
     env = dict(os.environ, MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "verl_engine_step.py"), str(out), *flags],
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "verl_engine_step.py"), str(out), *flags],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out, weights_only=False)

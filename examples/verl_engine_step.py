@@ -1,6 +1,10 @@
-"""veRL 0.9's own FSDP engine for one forward/backward on CPU, with and without dualkv (run as a script).
+"""veRL 0.9's own FSDP engine for one forward/backward on CPU, with and without dualkv.
 
-    python tests/integrations/verl_engine_step.py OUT.pt [--dualkv] [--attn sdpa|flash_attention_2]
+    make test-verl                                  # builds .venv-verl (veRL 0.9.1), runs this both ways and compares
+    .venv-verl/bin/python examples/verl_engine_step.py OUT.pt [--dualkv] [--attn sdpa]
+
+With ``--dualkv`` the engine's model config carries ``external_lib="dualkv_compile.integrations.verl"``,
+the one line a veRL user adds (``actor_rollout_ref.model.external_lib=dualkv_compile.integrations.verl``).
 
 Builds ``FSDPEngineWithLMHead`` (FSDP2, one gloo rank) over a tiny random Qwen3 saved to a temporary
 directory, turns a GRPO-shaped batch (2 prompts x 3 responses, left/right padded) into veRL's
@@ -24,7 +28,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, os.path.dirname(HERE))
 
 GROUPS = [(7, [3, 5, 2]), (5, [4, 1, 6])]
 VOCAB = 101
