@@ -148,6 +148,35 @@ def _check_compiled_model(mesh, sp):
     assert report.packed_calls == 1 and report.local_tokens is not None, str(report)
 
 
+def _check_remove_padding_row(mesh, sp):
+    """veRL's remove-padding row with labels rolled outside the graph (the veRL integration's region): the log-probs
+    picked from the gathered packed rows (``gather_unpacked``), the entropy per token, and the gradients."""
+    import functools
+
+    import dualkv_compile
+    from tests.rewrite.test_gather_unpacked import GROUPS, remove_padding_row, verl_log_probs
+
+    model = tiny_model("qwen3")
+    ref = copy.deepcopy(model)
+    ids, pos, rolled = remove_padding_row(GROUPS, seed=7)
+    options = {"sequence_parallel": mesh["sp"], "inner": "aot_eager"}
+    before = len(dualkv_compile.reports())
+    logp, entropy = torch.compile(functools.partial(verl_log_probs, model), backend="dualkv", options=options)(
+        input_ids=ids, position_ids=pos, rolled=rolled)
+    want_logp, want_entropy = verl_log_probs(ref, ids, pos, rolled)
+    torch.testing.assert_close(logp, want_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, want_entropy, rtol=1e-5, atol=1e-5)
+    (logp.sum() + 0.1 * entropy.sum()).backward()
+    (want_logp.sum() + 0.1 * want_entropy.sum()).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=mesh["sp"].get_group())
+        err = ((g / sp - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
+        assert err <= 1e-5, (name, err)
+    (report,) = dualkv_compile.reports()[before:]
+    assert report.packed_calls == 1 and report.local_tokens is not None, str(report)
+
+
 def _check_fsdp_per_layer(mesh, sp):
     """FSDP2 on each decoder layer and the root (the graph breaks at every layer: the layer graphs pack on a layout
     carried from graph to graph), Ulysses over the same 2 ranks: the loss, and FSDP2's reduced gradients (the mean
@@ -198,6 +227,8 @@ def _sp_rank(rank, world, sp):
         torch._dynamo.reset()
     if world == 2:
         _check_compiled_model(mesh, sp)
+        torch._dynamo.reset()
+        _check_remove_padding_row(mesh, sp)
         torch._dynamo.reset()
         _check_fsdp_per_layer(mesh, sp)
         torch._dynamo.reset()
