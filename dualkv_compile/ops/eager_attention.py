@@ -5,7 +5,7 @@
 below autograd. Called eagerly with grad enabled, though, a custom op goes
 through ``torch.library``'s generated autograd wrapper, which on an H200's
 host took about 0.42 ms per call
-(``benchmarks/results/gluon_tuning_2026-11-25h/``): on short inputs the GPU
+(``benchmarks/tuning/gluon_tuning_2026-11-25h/``): on short inputs the GPU
 finished the forward before the host had launched the backward, and waited.
 ``EagerAttention`` is a plain ``torch.autograd.Function`` over the same
 backend functions (``backend.forward`` / ``backend.backward``) with the same

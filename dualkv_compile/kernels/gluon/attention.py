@@ -224,7 +224,7 @@ class DkdvConfig(KernelTiles):
     Why "auto": on the H200 "atomic" took 0.93-0.99x the recomputing backward's time with 8K-32K-token
     prompts (3.9-15.5 waves), 1.00-1.01x on the 2-level tree (2.9 waves), 1.00-1.03x with 4K ones (1.9
     waves; the 4 groups among them), but 1.06-1.11x with 2K ones (1.0 wave: (8, 2048, 2048), (8, 2048,
-    8192)) (benchmarks/results/gluon_tuning_2026-11-25i). Its dQ costs least per block pair in long,
+    8192)) (benchmarks/tuning/gluon_tuning_2026-11-25i). Its dQ costs least per block pair in long,
     many-program key loops; with few long-prompt tiles their programs are the critical path, and the dQ
     work added to each makes it longer."""
 

@@ -1,6 +1,6 @@
 """The backward with dQ recomputed against dQ added by the dK/dV kernel, and what "auto" picks, per input (H100/H200).
 
-    python benchmarks/results/gluon_tuning_2026-11-25i/mode_sweep.py "16,8192,1024;8,12288,2048"
+    python benchmarks/tuning/gluon_tuning_2026-11-25i/mode_sweep.py "16,8192,1024;8,12288,2048"
 
 Each input is N,P,R (one prompt of P tokens, N responses of R), bf16, Hq 32 / Hkv 8, D 128; the whole backward
 timed by triton.testing.do_bench (warm-up 50 ms, 300 ms), both modes in one process, alternated twice.

@@ -4,7 +4,7 @@ Each CTA of a cluster of two holds one float32 [64, 128] partial (the CGA layout
 tensor on the CTA id); ``convert_layout`` to a layout that splits the rows over the CTAs instead is the exchange,
 and a sum over dim 0 leaves each CTA half the rows summed: half the bulk reductions of the atomic dQ option.
 Compiled for sm_90 the way ``benchmarks/sm90_resources.py`` does; prints what the PTX holds.
-Run from the repository root: ``python benchmarks/results/gluon_tuning_2026-11-25h/g_cluster_pair_sum_probe.py``.
+Run from the repository root: ``python benchmarks/tuning/gluon_tuning_2026-11-25h/g_cluster_pair_sum_probe.py``.
 """
 import sys, torch, triton
 sys.path.insert(0, "benchmarks")
