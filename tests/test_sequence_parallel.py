@@ -175,6 +175,27 @@ def _check_remove_padding_row(mesh, sp):
         assert err <= 1e-5, (name, err)
     (report,) = dualkv_compile.reports()[before:]
     assert report.packed_calls == 1 and report.local_tokens is not None, str(report)
+    # The entropy off: the picked log-probs fuse with the lm_head (the op reads the gathered rows by unpack_index).
+    from tests.rewrite.test_gather_unpacked import verl_log_probs_only
+
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    before = len(dualkv_compile.reports())
+    logp = torch.compile(functools.partial(verl_log_probs_only, model), backend="dualkv", options=options)(
+        input_ids=ids, position_ids=pos, rolled=rolled)
+    want_logp = verl_log_probs_only(ref, ids, pos, rolled)
+    torch.testing.assert_close(logp, want_logp, rtol=1e-5, atol=1e-5)
+    weights = torch.randn(want_logp.shape, generator=torch.Generator().manual_seed(3))
+    (logp * weights).sum().backward()
+    (want_logp * weights).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=mesh["sp"].get_group())
+        err = ((g / sp - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
+        assert err <= 1e-5, (name, err)
+    (report,) = dualkv_compile.reports()[before:]
+    assert report.packed_calls == 1 and report.fused_log_probs == 1 and report.local_tokens is not None, str(report)
 
 
 def _check_fsdp_per_layer(mesh, sp):

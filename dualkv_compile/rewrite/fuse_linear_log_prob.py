@@ -29,6 +29,14 @@ Matched
     The ``[1, T, V]`` logits and log-probs, and their gradients, are never
     built; the op's backward recomputes the logits chunk by chunk.
 
+    Also ``gather_unpacked(logp, unpack_index, valid, index)`` (labels from
+    outside the graph, veRL's rolled ids), the chain there may include one
+    ``squeeze(0)`` of the packed batch axis (veRL's ``logits.squeeze(0)``):
+    it becomes ``linear_log_prob(h, w, unpack_index, index.reshape(-1, K))``,
+    zeros at padding (``torch.where(valid)``), viewed as ``index``; the
+    result carries ``PICKED_META`` so ``runtime.padding_reads`` still sees
+    a value that is zero where the original had one.
+
     The number is a Python constant, or a graph input: with
     ``dynamic=True`` Dynamo lifts a float it can read from somewhere (a
     temperature given as a function default or an attribute) as a 0-dim
@@ -64,8 +72,9 @@ import torch.nn.functional as F
 from ..kernels.linear_log_prob import DEFAULT_CHUNK_BYTES
 from ..ops import linear_log_prob as _op  # noqa: F401  (registers torch.ops.dualkv.linear_log_prob)
 from ..analysis.attention_match import item_of_placeholder
+from ..analysis.node_info import ev
 from .inline_checkpoint import RECOMPUTE_META
-from .packed_ops import gather_previous
+from .packed_ops import PICKED_META, gather_previous, gather_unpacked
 
 log = logging.getLogger("dualkv_compile")
 
@@ -102,6 +111,7 @@ class _Site:
     upcast: bool = False
     scale_node: Optional[fx.Node] = None  # the ``.item()`` or placeholder the scale was read from
     scale_check: Optional[tuple[int, float, str]] = None
+    squeezed: bool = False  # a batch squeeze(0) between the lm_head and the log-softmax (gather_unpacked only)
 
 
 def _is_call(n, functions=(), methods=()) -> bool:
@@ -118,6 +128,15 @@ def _is_identity_getitem(n: fx.Node) -> bool:
     idx = n.args[1]
     idx = idx if isinstance(idx, tuple) else (idx,)
     return all(i is Ellipsis or i == slice(None, None, None) for i in idx)
+
+
+def _is_batch_squeeze(n: fx.Node) -> bool:
+    """``x.squeeze(0)`` (or ``torch.squeeze(x, 0)``) of the packed ``[1, T, V]`` logits: veRL's ``logits.squeeze(0)``.
+
+    Only ``gather_unpacked`` reads through it (its rows index the packed stream either way)."""
+    if not (n.op == "call_method" and n.target == "squeeze" or n.op == "call_function" and n.target is torch.squeeze):
+        return False
+    return len(n.args) == 2 and n.args[1] == 0 and not n.kwargs
 
 
 def _python_scale(s) -> Optional[float]:
@@ -216,8 +235,8 @@ def _linear_operands(n: fx.Node) -> "tuple[fx.Node, fx.Node] | str":
 
 def _match(gather: fx.Node) -> Union[_Site, str]:
     """The fusable site ending at ``gather``, else why it is not one."""
-    if len(gather.args) != 3 or gather.kwargs:
-        return "gather_previous called with unexpected arguments"
+    if len(gather.args) != (4 if gather.target is gather_unpacked else 3) or gather.kwargs:
+        return f"{gather.target.__name__} called with unexpected arguments"
     logp = gather.args[0]
     if not isinstance(logp, fx.Node):
         return "the gathered value is not a node"
@@ -226,7 +245,7 @@ def _match(gather: fx.Node) -> Union[_Site, str]:
         return x
     replaced = [gather, logp]
     scale_op: "Optional[tuple[float | fx.Node, bool]]" = None
-    upcast_seen = scale_first = False
+    upcast_seen = scale_first = squeezed = False
     node = x
     # Walk from the log-softmax back to the lm_head, consumer to producer.
     while not _is_call(node, _LINEAR):
@@ -246,6 +265,8 @@ def _match(gather: fx.Node) -> Union[_Site, str]:
             upcast_seen, node_in = True, upcast_in
         elif _is_identity_getitem(node):
             node_in = node.args[0]
+        elif _is_batch_squeeze(node) and gather.target is gather_unpacked:
+            squeezed, node_in = True, node.args[0]
         else:
             return f"{node.format_node()} between the lm_head and the log_softmax (only full slices, one scalar multiply/divide and one .float() are fused)"
         replaced.append(node)
@@ -261,7 +282,7 @@ def _match(gather: fx.Node) -> Union[_Site, str]:
     for n in replaced:
         if any(k in n.meta for k in RECOMPUTE_META):
             return f"{n.name} is inside an activation-checkpoint region"
-    site = _Site(gather, replaced, *operands, upcast=upcast_seen)
+    site = _Site(gather, replaced, *operands, upcast=upcast_seen, squeezed=squeezed)
     if scale_op is not None:
         scale, site.divide = scale_op
         if isinstance(scale, fx.Node):
@@ -272,8 +293,46 @@ def _match(gather: fx.Node) -> Union[_Site, str]:
     return site
 
 
+def _rewrite_unpacked(graph: fx.Graph, site: _Site, chunk_bytes: int) -> None:
+    """``gather_unpacked(logp, unpack_index, valid, index)``: the op reads row ``unpack_index[p]`` for each position p
+    of the original layout, at its labels ``index[p]``; zeros at padding, as ``gather_unpacked`` gives."""
+    gather = site.gather
+    _, unpack_index, valid, index = gather.args
+    merged = ev(index).dim() == 2  # [B * S, K]: the logits were [T, V] (squeezed after the lm_head or before it)
+    with graph.inserting_before(gather):
+        hidden = site.hidden
+        if site.squeezed or not merged:
+            hidden = graph.call_function(operator.getitem, (site.hidden, 0), name="lm_head_input")
+        k = graph.call_method("size", (index, -1))
+        labels = graph.create_node("call_method", "reshape", (index, -1, k), name="labels")
+        post = dict(scale=site.scale, divide=site.divide, scale_first=site.scale_first, upcast=site.upcast)
+        res = graph.call_function(
+            torch.ops.dualkv.linear_log_prob.default, (hidden, site.weight, unpack_index, labels),
+            {**post, "chunk_bytes": chunk_bytes}, name="linear_log_prob",
+        )
+        out = graph.call_function(operator.getitem, (res, 0), name="picked_logp")
+        keep = graph.call_method("unsqueeze", (valid, -1))
+        zero = graph.call_method("new_zeros", (out, ()))
+        masked = graph.call_function(torch.where, (keep, out, zero))
+        fused = graph.create_node("call_method", "view_as", (masked, index), name=f"{gather.name}_fused")
+    # Still zero at padding where the original had values: runtime.padding_reads must keep following it.
+    fused.meta[PICKED_META] = ev(index).dim()
+    fused.meta["unpacked_rank"] = ev(index).dim()
+    _replace(graph, site, fused)
+
+
+def _replace(graph: fx.Graph, site: _Site, fused: fx.Node) -> None:
+    site.gather.replace_all_uses_with(fused)
+    for n in site.replaced:  # consumer first: each has no user left when erased
+        graph.erase_node(n)
+    if site.scale_node is not None and site.scale_node.op != "placeholder" and not site.scale_node.users:
+        graph.erase_node(site.scale_node)
+
+
 def _rewrite(graph: fx.Graph, site: _Site, chunk_bytes: int) -> None:
     gather = site.gather
+    if gather.target is gather_unpacked:
+        return _rewrite_unpacked(graph, site, chunk_bytes)
     _, prev_index, index = gather.args
     with graph.inserting_before(gather):
         hidden = graph.call_function(operator.getitem, (site.hidden, 0), name="lm_head_input")
@@ -287,11 +346,7 @@ def _rewrite(graph: fx.Graph, site: _Site, chunk_bytes: int) -> None:
         )
         out = graph.call_function(operator.getitem, (res, 0), name="next_token_logp")
         fused = graph.create_node("call_method", "unsqueeze", (out, 0), name=f"{gather.name}_fused")
-    gather.replace_all_uses_with(fused)
-    for n in site.replaced:  # consumer first: each has no user left when erased
-        graph.erase_node(n)
-    if site.scale_node is not None and site.scale_node.op != "placeholder" and not site.scale_node.users:
-        graph.erase_node(site.scale_node)
+    _replace(graph, site, fused)
 
 
 def _autocast_reason(graph: fx.Graph) -> Optional[str]:
@@ -315,7 +370,7 @@ def fuse_linear_log_prob(
     if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
     result = FusedLogProbs()
-    gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is gather_previous]
+    gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (gather_previous, gather_unpacked)]
     if not gathers:
         return result
     why = _autocast_reason(gm.graph)

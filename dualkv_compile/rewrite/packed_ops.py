@@ -15,7 +15,7 @@ import torch
 from ..layout import gather_valid
 
 __all__ = [
-    "pack_tokens", "gather_columns", "unpack_tokens", "previous_tokens", "gather_previous", "gather_unpacked",
+    "PICKED_META", "pack_tokens", "gather_columns", "unpack_tokens", "previous_tokens", "gather_previous", "gather_unpacked",
     "unpack_merged", "token_weights", "weighted_histc",
 ]
 
@@ -82,6 +82,11 @@ def gather_previous(x: torch.Tensor, prev_index: torch.Tensor, index: torch.Tens
     its backward adds a second ``[T, V]`` buffer.
     """
     return x[0][prev_index.unsqueeze(-1), index[0]].unsqueeze(0)
+
+
+# On a node standing for ``gather_unpacked``'s result after a fusion replaced it (the value of its index's rank):
+# ``runtime.padding_reads`` follows it as it follows ``gather_unpacked``, since both are zero at padding.
+PICKED_META = "dualkv_picked_unpacked"
 
 
 def gather_unpacked(x: torch.Tensor, unpack_index: torch.Tensor, valid: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

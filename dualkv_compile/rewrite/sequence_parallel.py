@@ -22,8 +22,9 @@ How
     - a read of each token's predecessor (``previous_tokens``, ``gather_previous``, the fused
       ``linear_log_prob``'s hidden rows) reads the gathered stream (``sp_all_gather``, backward "sum"),
       indexed by this rank's chunk of ``prev_index``;
-    - ``unpack`` (and ``gather_unpacked``) reads the gathered stream (``sp_all_gather``, backward "slice"):
-      its result is replicated, the same on every rank;
+    - ``unpack`` (and ``gather_unpacked``, and the fused ``linear_log_prob`` reading rows by ``unpack_index``)
+      reads the gathered stream (``sp_all_gather``, backward "slice"): its result is replicated, the same on
+      every rank;
     - a sum over tokens (``weighted_reductions``, marked ``TOKEN_SUM_META``) is this rank's partial sum,
       then ``sp_all_reduce``; its token weights are this rank's chunk of the whole stream's;
     - an input that is not a parameter and has a gradient (hidden states from an earlier graph) enters
@@ -156,6 +157,8 @@ class _Sharder:
                 self.kind[n] = _S
                 continue
             dim = _unpack_dim(n)
+            if n.op == "call_function" and n.target is torch.ops.dualkv.linear_log_prob.default and _is_placeholder(n.args[2], "unpack_index"):
+                dim = 0  # the fused gather_unpacked: rows of the whole stream for every original position, replicated
             if dim is not None:
                 self.gathered(n, 0, dim, "slice")
                 self.kind[n] = _R

@@ -137,3 +137,36 @@ def test_padded_batch_with_labels_from_outside_reading_padding_falls_back():
         report = dualkv_compile.reports()[-1]
         assert report.rewritten, report.reason
         assert (report.packed_calls == 1) is packs, (fn.__name__, report.fallback_reasons)
+
+
+def verl_log_probs_only(model, input_ids, position_ids, rolled):
+    """veRL's computation with the entropy off (its ``calculate_entropy=False``): the log-probs alone read the logits."""
+    logits = model(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False).logits
+    logits = logits.squeeze(0) / 0.7
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, rolled.unsqueeze(-1)).squeeze(-1)
+
+
+def test_rolled_labels_fuse_with_the_lm_head_exact():
+    """The picked log-probs come straight from the lm_head in chunks (``dualkv::linear_log_prob`` reading each
+    position's packed row): no [T, V] tensor, the shared last prompt token's row serving every response."""
+    model = hf_model("qwen3", "sdpa")
+    ref = copy.deepcopy(model)
+    ids, pos, rolled = remove_padding_row(GROUPS, seed=4)
+    logp = _compiled(functools.partial(verl_log_probs_only, model))(input_ids=ids, position_ids=pos, rolled=rolled)
+    want = verl_log_probs_only(ref, ids, pos, rolled)
+    assert rel(logp, want) <= 1e-6
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(0))
+    (logp * weights).sum().backward()
+    (want * weights).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert rel(p.grad, q.grad) <= 1e-5, name
+    report = dualkv_compile.reports()[-1]
+    assert report.packed_calls == 1 and report.fused_log_probs == 1, str(report)
+
+    def loss(m, batch):
+        return verl_log_probs_only(m, batch["input_ids"], batch["position_ids"], batch["rolled"]).sum()
+
+    packed, _ = packed_loss_graph(loss, hf_model("qwen3", "sdpa", layers=1), {"input_ids": ids, "position_ids": pos, "rolled": rolled})
+    wide = [n.name for n in packed.graph.nodes
+            if n.op != "placeholder" and getattr(n.meta.get("tensor_meta"), "shape", (0,))[-1:] == (VOCAB,)]
+    assert wide == [], wide
