@@ -11,6 +11,7 @@ from .explain import Explanation, explain
 from .ops.attention import shared_prompt_attention
 from .layout import Segments, SharedPromptLayout, detect, pack, unpack
 from .policy_loss import policy_loss
+from .shared_batch import shared_batch
 from .runtime.exactness_check import ExactnessError
 from . import distributed  # check_groups_on_rank: the data-parallel data-loader check
 from . import integrations  # integrations.trl.enable(trainer)
@@ -29,6 +30,7 @@ __all__ = [
     "pack",
     "policy_loss",
     "reports",
+    "shared_batch",
     "shared_prompt_attention",
     "unpack",
 ]

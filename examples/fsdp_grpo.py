@@ -93,6 +93,8 @@ def parse(argv=None):
     ap.add_argument("--fixed-lengths", action="store_true", help="prompts of exactly --prompt-len tokens, responses of exactly --response-len")
     ap.add_argument("--logprobs-in-model", action="store_true", help="compute the next-token log-probs inside the "
                     "FSDP-wrapped module's forward (LogProbPolicy): no [B, S, V] logits cross FSDP2's graph break")
+    ap.add_argument("--no-shared-batch", action="store_true", help="do not wrap the dualkv step in dualkv_compile.shared_batch "
+                    "(then the graphs of a model split by FSDP2 find the layout themselves, per call)")
     ap.add_argument("--iters", type=int, default=0, help="timed steps per variant after the parity step (0: none)")
     ap.add_argument("--inner", choices=["inductor", "aot_eager"], default=None, help="default: inductor on cuda, aot_eager on cpu")
     ap.add_argument("--tol", type=float, default=None, help="relative tolerance (default 1e-4 fp32, 5e-2 bf16)")
@@ -202,6 +204,16 @@ def wrap(model, args, device):
             fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
+
+
+def in_shared_batch(step):
+    """The step with the batch's layout detected once by the caller (``dualkv_compile.shared_batch``): under FSDP2
+    per layer no graph of the model sees ``input_ids`` by name, and the first layer's would detect it from its
+    hidden states on every call."""
+    def run(model, batch):
+        with dualkv_compile.shared_batch(batch["input_ids"], batch["attention_mask"]):
+            return step(model, batch)
+    return run
 
 
 def first_step(fn, model, batch, device, say, name):
@@ -329,6 +341,8 @@ def run_rank(args, device) -> int:
     else:
         plain_step = torch.compile(grpo_loss, backend=inner)
     dk_step = dualkv_compile.policy_loss(grpo_loss, inner=inner, sequence_parallel=sp_mesh)
+    if not args.no_shared_batch:
+        dk_step = in_shared_batch(dk_step)
 
     batch = make_batch(args, data_rank, device)  # the ranks of a sequence-parallel group read the same batch
     # Prompts split across data-parallel ranks (the ranks of a sequence-parallel group share theirs by design).

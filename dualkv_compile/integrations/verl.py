@@ -65,8 +65,7 @@ import torch
 
 from ..backend import dualkv_backend
 from ..config import DualKVConfig
-from ..layout import carried as active_layout
-from ..layout import detect
+from ..shared_batch import shared_batch
 
 log = logging.getLogger("dualkv_compile")
 
@@ -174,13 +173,11 @@ def _forward_step(engine, micro_batch, loss_function, forward_only):
     autocast_dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
     autocast = nullcontext() if autocast_dtype == torch.float32 else torch.autocast(get_device_name(), dtype=autocast_dtype)
     # FSDP2's hooks break the model's graph at every sharded module, and the piece that embeds the ids sees them
-    # as a positional argument: so the layout is detected here, from the row veRL built, and made the current one
-    # that every piece carries (each piece still checks that it holds there).
+    # as a positional argument: the layout is detected here, from the row veRL built (shared_batch).
     cfg = DualKVConfig.from_options(dict(_STATE["options"]))
-    layout = detect(model_inputs["input_ids"], None, model_inputs["position_ids"], group_size=cfg.group_size,
-                    min_shared=cfg.min_shared, same_columns=False)
-    active_layout.publish(layout, -1, "veRL's remove-padding row", trusted=True)
-    with autocast, sdpa_for_flash_attention(engine.module):
+    batch = shared_batch(model_inputs["input_ids"], None, model_inputs["position_ids"], group_size=cfg.group_size,
+                         min_shared=cfg.min_shared)
+    with batch, autocast, sdpa_for_flash_attention(engine.module):
         log_probs, entropy = _compiled(engine)(
             input_ids=model_inputs["input_ids"], position_ids=model_inputs["position_ids"],
             rolled=output_args["input_ids_rmpad_rolled"], temperature=temperature, calculate_entropy=calculate_entropy,
@@ -195,7 +192,6 @@ def _forward_step(engine, micro_batch, loss_function, forward_only):
             if not forward_only:
                 raise ValueError("forward_step: loss_function is None, which veRL allows only with forward_only=True")
             loss, metrics = torch.tensor(1.0, device=get_device_name()), {}
-    active_layout.clear()
     detached = {k: v.detach() for k, v in model_output.items()}
     return loss, {"model_output": detached, "loss": loss.detach().item(), "metrics": metrics}
 

@@ -224,6 +224,11 @@ def publish(layout: SharedPromptLayout, graph_id: int, how: str, trusted: bool =
     return active
 
 
+def restore(active: Optional[ActiveLayout]) -> None:
+    """Make ``active`` (a record ``current()`` returned earlier, or None) the current layout again."""
+    _state.current = active
+
+
 def clear() -> None:
     """No layout is current in this thread (later graphs detect their own or run unpacked)."""
     _state.current = None

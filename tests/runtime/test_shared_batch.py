@@ -1,0 +1,78 @@
+"""``dualkv_compile.shared_batch``: the caller's layout carried by every graph of a model FSDP2 splits per layer.
+
+One gloo rank (``tests.gloo_ranks``), FSDP2 on each decoder layer and the root, veRL's remove-padding row
+(labels rolled outside the graph). Without ``shared_batch`` no graph of the model sees the token ids by
+name, and the row's sequences are not found from the layers' hidden states: nothing packs. Inside it every
+graph with attention, and the lm_head's, packs on the caller's layout, exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dualkv_compile
+
+from tests.gloo_ranks import spawn
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")
+
+
+def _fsdp_rank(rank):
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.rewrite.test_gather_unpacked import remove_padding_row, verl_log_probs_only
+    from tests.test_sequence_parallel import tiny_model
+
+    model = tiny_model("qwen3")
+    ref = copy.deepcopy(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    ids, pos, rolled = remove_padding_row([(9, [3, 5, 2]), (6, [4, 1])], seed=3)
+    want = verl_log_probs_only(ref, ids, pos, rolled)
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(0))
+    (want * weights).sum().backward()
+
+    def run(shared: bool):
+        torch._dynamo.reset()  # each run compiles its graphs afresh (a graph refused at compile time stays refused)
+        step = torch.compile(functools.partial(verl_log_probs_only, model), backend="dualkv", options={"inner": "aot_eager"})
+        model.zero_grad(set_to_none=True)
+        if shared:
+            with dualkv_compile.shared_batch(ids, None, pos) as layout:
+                assert layout.num_tokens < ids.shape[1]
+                logp = step(input_ids=ids, position_ids=pos, rolled=rolled)
+        else:
+            logp = step(input_ids=ids, position_ids=pos, rolled=rolled)
+        torch.testing.assert_close(logp, want, rtol=1e-5, atol=1e-5)
+        (logp * weights).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            err = ((g - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
+            assert err <= 1e-5, (name, err)
+        reports = dualkv_compile.reports()
+        return [(r.graph_id, r.packed_calls, r.num_attention, r.fused_log_probs, r.layout_source) for r in reports if r.rewritten], None
+
+    rewritten, _ = run(shared=False)
+    assert not any(packed for _, packed, _, _, _ in rewritten), rewritten  # nothing found the layout
+    before = len(rewritten)
+    rewritten, _ = run(shared=True)
+    mine = rewritten[before:]
+    # Every graph of the split model dualkv rewrote ran packed on the caller's layout: the decoder layers' and
+    # those after them (the final norm, the lm_head, the log-probs after FSDP's root hook).
+    assert any(attn for _, _, attn, _, _ in mine) and len(mine) >= 3, mine
+    assert all(calls and source == "carried from dualkv_compile.shared_batch" for _, calls, _, _, source in mine), mine
+
+
+def test_shared_batch_packs_every_piece_of_an_fsdp2_split_model():
+    spawn(_fsdp_rank, world=1)
+
+
+def test_shared_batch_names_a_bad_argument():
+    with pytest.raises(ValueError, match="input_ids must be a"):
+        with dualkv_compile.shared_batch(torch.zeros(5, dtype=torch.long)):
+            pass
