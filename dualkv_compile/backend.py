@@ -12,7 +12,8 @@
    ``explain()``;
 4. ``rewrite.pack_graph``: the packed graph, then ``rewrite.fuse_linear_log_prob``
    (a loss's lm_head -> log_softmax -> next-token gather as one chunked op,
-   option ``chunked_log_probs``), then, with option ``sequence_parallel``,
+   with an entropy of the same log-probs if the loss has one, option
+   ``chunked_log_probs``; not the entropy under sequence parallelism), then, with option ``sequence_parallel``,
    ``rewrite.sequence_parallel`` (the packed graph split over the group);
 5. ``runtime.runner.Runner``: per call, the layout from its source
    (detected from ``input_ids``, or carried from an earlier graph of the
@@ -78,8 +79,10 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
         packed = pack_graph(gm, axes, backend)
         scalar_checks = result.scalar_checks
         if cfg.chunked_log_probs:
-            fused = fuse_linear_log_prob(packed, cfg.log_prob_chunk_bytes, example_inputs)
-            report.fused_log_probs = fused.count
+            # The entropy op's output covers every hidden row it reads, which under sequence parallelism is the
+            # gathered stream, not this rank's tokens: there the entropy stays unfused (the log-probs still fuse).
+            fused = fuse_linear_log_prob(packed, cfg.log_prob_chunk_bytes, example_inputs, entropy=cfg.sequence_parallel is None)
+            report.fused_log_probs, report.fused_entropy = fused.count, fused.entropy
             scalar_checks += tuple(fused.scalar_checks)
         # Under sequence parallelism the runner runs the packed graph split over the group.
         runs = packed if cfg.sequence_parallel is None else shard_packed_graph(packed, cfg.sequence_parallel)
@@ -99,8 +102,8 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
         report.hints.append(hint)
         log.warning("dualkv: graph %d: %s", report.graph_id, hint)
     log.info(
-        "dualkv: graph %d rewritten (%d attention, %d next-token log-probs fused with the lm_head)",
-        report.graph_id, len(axes.attention), report.fused_log_probs,
+        "dualkv: graph %d rewritten (%d attention, %d next-token log-probs fused with the lm_head, %d with the entropy)",
+        report.graph_id, len(axes.attention), report.fused_log_probs, report.fused_entropy,
     )
     return Runner(gm, result, packed, fallback, cfg, mode, report, scalar_checks, runs=runs)
 

@@ -9,9 +9,11 @@ the packed stream, turns the shift-by-one and the gather of next-token ids
 into one gather that reads, for each response's first token, the logits of
 its group's last shared token, and unpacks only per-token scalars: no
 ``[B, S, V]`` tensor is built. Where nothing else reads the logits or the
-log-probs (no entropy term), the lm_head, log_softmax and that gather become
-one chunked op (``chunked_log_probs``, on by default): no ``[T, V]`` tensor
-is kept either, at the price of recomputing the logits in the backward.
+log-probs but an entropy term (``-(logp.exp() * logp).sum(-1)`` or veRL's
+``entropy_from_logits``; see ``rewrite.fuse_linear_log_prob``), the lm_head,
+log_softmax, that gather and the entropy become one chunked op
+(``chunked_log_probs``, on by default): no ``[T, V]`` tensor is kept either,
+at the price of recomputing the logits in the backward.
 
 Token inputs are found by name: the tensors the function receives as (or
 under the key) ``input_ids``, ``attention_mask``, ``position_ids``.

@@ -31,6 +31,7 @@ class GraphReport:
     layout_source: Optional[str] = None  # the last packed call's: "detected from ..." or "carried from graph k ..."
     not_carried: list[str] = dataclasses.field(default_factory=list)  # why a current layout was not used
     fused_log_probs: int = 0  # next-token log-prob gathers fused with the lm_head (chunked_log_probs)
+    fused_entropy: int = 0  # of those (or alone), entropies computed in the same chunks
     hints: list[str] = dataclasses.field(default_factory=list)  # what the caller may change to save memory or time
     exactness_checks: list[str] = dataclasses.field(default_factory=list)  # option check_exact: each check's summary
     local_tokens: Optional[int] = None  # under sequence parallelism: packed tokens this rank held on its last packed call
@@ -44,6 +45,8 @@ class GraphReport:
         lines = [f"{head} - rewritten; {self.calls} calls, {self.packed_calls} packed, packed graph compiled {self.packed_compiles}x"]
         if self.fused_log_probs:
             lines.append(f"  next-token log-probs computed from the lm_head in chunks ({self.fused_log_probs} fused)")
+        if self.fused_entropy:
+            lines.append(f"  entropy fused into the chunked log-probs ({self.fused_entropy})")
         if self.local_tokens is not None:
             lines.append(f"  sequence parallel: {self.local_tokens} packed tokens per rank on the last packed call")
         if self.last_stats is not None:

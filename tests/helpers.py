@@ -182,6 +182,21 @@ def with_entropy_and_kl(model, batch, beta=0.04, ent_coef=0.01):
     per_token = clipped_objective(batch, logp) + beta * kl - ent_coef * entropy
     return (per_token * m).sum() / m.sum()
 
+def entropy_from_logits(logits):
+    """veRL's form of the per-token entropy (written here, not imported): logsumexp minus the softmax-weighted logits."""
+    pd = torch.nn.functional.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - torch.sum(pd * logits, dim=-1)
+
+def with_verl_entropy(model, batch, temperature=0.7, ent_coef=0.01):
+    """An entropy bonus as veRL computes it: from the (scaled, upcast) logits the log-probs are taken from."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = (logits[:, :-1] / temperature).float()
+    logp = torch.log_softmax(logits, dim=-1)
+    token_logp = logp.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    m = batch["response_mask"][:, 1:].float()
+    per_token = clipped_objective(batch, token_logp) - ent_coef * entropy_from_logits(logits)
+    return (per_token * m).sum() / m.sum()
+
 
 LOSSES = [grpo_token_mean, dr_grpo_seq_mean_token_sum, seq_mean_token_mean, with_entropy_and_kl]
 GROUPS = [(6, [3, 4, 1, 5]), (4, [2, 5]), (7, [3])]

@@ -14,11 +14,11 @@ from dualkv_compile.rewrite.packed_ops import unpack_tokens
 
 from tests.helpers import (
     GROUPS, LOSSES, VOCAB, assert_loss_and_grads_match, grpo_token_mean, hf_model, make_batch,
-    packed_loss_graph, with_entropy_and_kl,
+    packed_loss_graph, with_entropy_and_kl, with_verl_entropy,
 )
 
 
-@pytest.mark.parametrize("loss_fn", LOSSES, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("loss_fn", LOSSES + [with_verl_entropy], ids=lambda f: f.__name__)
 def test_parity_with_undecorated_loss(loss_fn):
     torch._dynamo.reset()
     model = hf_model("qwen3", "sdpa", layers=2)
@@ -33,9 +33,10 @@ def test_parity_with_undecorated_loss(loss_fn):
     # Two batch shapes: a static graph, then Dynamo's dynamic-shape one; both must run packed.
     new = dualkv_compile.reports()[start:]
     assert len(new) == 2 and all(r.rewritten and r.packed_calls == 1 for r in new), [str(r) for r in new]
-    # The lm_head -> log_softmax -> gather is fused (chunked_log_probs) unless the entropy reads the log-probs whole.
-    fused = 0 if loss_fn is with_entropy_and_kl else 1
-    assert all(r.fused_log_probs == fused for r in new), [str(r) for r in new]
+    # The lm_head -> log_softmax -> gather is fused (chunked_log_probs), with the entropy where the loss has one
+    # (read from the log-probs, or veRL's entropy_from_logits from the same logits).
+    entropy = 1 if loss_fn in (with_entropy_and_kl, with_verl_entropy) else 0
+    assert all(r.fused_log_probs == 1 and r.fused_entropy == entropy for r in new), [str(r) for r in new]
 
 def test_decorator_with_options_and_bad_option():
     @dualkv_compile.policy_loss(group_size=4, min_rho=1.0, inner="aot_eager")

@@ -88,7 +88,11 @@ def log_probs_and_entropy(module, input_ids, position_ids, rolled, temperature: 
     logits = logits.squeeze(0)
     if temperature != 1.0:
         logits = logits / temperature
-    log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, rolled.unsqueeze(-1)).squeeze(-1)
+    # veRL's entropy reads the logits in their own dtype; under its autocast softmax and logsumexp run in float32
+    # anyway, so reading the float32 copy the log-softmax reads gives the same values, and one value for the
+    # fusion to take whole (log-probs and entropy from the lm_head in chunks).
+    logits = logits.float()
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, rolled.unsqueeze(-1)).squeeze(-1)
     return log_probs, (entropy_from_logits(logits) if calculate_entropy else None)
 
 

@@ -39,6 +39,9 @@ row add their hidden-state gradients in float32 instead of summing their
 log-prob gradients first; on CPU each chunk's bf16/fp16 weight-gradient
 product is rounded to its dtype before being added (CUDA accumulates it in
 float32 directly).
+
+``kernels/linear_log_prob_entropy.py`` is the same op with every row's
+entropy as a second output (chunks over rows of ``hidden``).
 """
 
 from __future__ import annotations
@@ -203,7 +206,11 @@ def chunk_log_prob_grad(y, g, lse, index, scale, divide, scale_first, upcast, cd
             d = d + torch.where(column[None, :] == index, g, torch.zeros_like(g))
         else:
             d = d.scatter_add(1, index, g)
-    # Back through post in reverse, each step in the dtype autograd would use.
+    return _post_grad(d, logits_dtype, scale, divide, scale_first, upcast, inplace)
+
+
+def _post_grad(d, logits_dtype, scale, divide, scale_first, upcast, inplace):
+    """Back through ``_post`` in reverse, each step in the dtype autograd would use; ``d`` in the compute dtype."""
     if upcast:
         if not scale_first:
             d = _scaled(d, scale, divide, inplace)

@@ -1,7 +1,7 @@
 """Every ``dualkv::`` torch.library op, each beside its fake implementation and autograd formula.
 
 ``attention`` (``dualkv::attention_fwd``/``attention_bwd`` and the backend
-dispatch), ``linear_log_prob`` (``dualkv::linear_log_prob``/``_bwd``), ``flex``
+dispatch), ``linear_log_prob`` (``dualkv::linear_log_prob``/``_bwd``, ``_entropy``/``_entropy_bwd``), ``flex``
 (``dualkv::flex_block_tables`` and the FlexAttention backend). The math they
 run lives in ``kernels``; nothing here imports from above (analysis, rewrite,
 runtime).

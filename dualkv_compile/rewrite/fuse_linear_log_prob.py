@@ -1,14 +1,16 @@
-"""Fusion: the packed graph's next-token log-probs from the lm_head in chunks (``dualkv::linear_log_prob``).
+"""Fusion: the packed graph's next-token log-probs (and entropy) from the lm_head in chunks (``dualkv::linear_log_prob``).
 
 Contract
     Input: a packed ``GraphModule`` (``pack_graph``'s output), a chunk
-    budget in bytes and, optionally, the example inputs of its original
-    placeholders (which come first among its own).
+    budget in bytes, optionally the example inputs of its original
+    placeholders (which come first among its own), and whether to fuse
+    entropies (``entropy``, default True).
     Output: the same module, rewritten in place, and a ``FusedLogProbs``:
-    the number of fusions and the scalar inputs baked into them. Each fused
-    site computes the same values as before (up to the rounding of the
-    log-softmax's reduction, see ``kernels.linear_log_prob``) and feeds the
-    same consumers; every other node is left as it was.
+    the number of fused sites, how many with an entropy, and the scalar
+    inputs baked into them. Each fused site computes the same values as
+    before (up to the rounding of the log-softmax's reduction, see
+    ``kernels.linear_log_prob`` and ``kernels.linear_log_prob_entropy``) and
+    feeds the same consumers; every other node is left as it was.
 
 Matched
     ``gather_previous(logp, prev_index, index)`` where
@@ -21,7 +23,7 @@ Matched
       multiply or divide by a number, and at most one cast to float32
       (``.float()``, ``.to(torch.float32)``), in either order;
     - the linear's output, every node of that chain and ``logp`` each have
-      exactly one user.
+      exactly one user, except for an entropy (below).
 
     It becomes ``linear_log_prob(h[0], w, prev_index, index[0], ...)[0]
     .unsqueeze(0)``: ``h[0]`` and ``index[0]`` drop the packed batch axis of
@@ -29,13 +31,28 @@ Matched
     The ``[1, T, V]`` logits and log-probs, and their gradients, are never
     built; the op's backward recomputes the logits chunk by chunk.
 
+    With an entropy (``entropy=True``): ``logp``'s other users are exactly
+    ``±(exp(logp) * logp).sum(-1)`` in any of the spellings
+    ``entropy_pattern`` lists (``-(logp.exp() * logp).sum(-1)``,
+    ``(-p * logp).sum(dim=-1)``, ``torch.neg(torch.sum(...))``, the multiply
+    in either order), or ``x``'s other users are exactly veRL's
+    ``entropy_from_logits(x)``, ``logsumexp(x, -1) - sum(softmax(x, -1) * x, -1)``.
+    Then the op is ``dualkv::linear_log_prob_entropy``, whose second output,
+    ``[T]`` (every packed row's entropy), ``.unsqueeze(0)``, replaces the
+    pattern's result (negated where the pattern computes minus the entropy,
+    ``(p * logp).sum(-1)``): the ``[1, T]`` float32 value the graph had. The
+    same pattern with no gather (a log-softmax, or veRL's softmax, read by
+    the entropy alone) becomes the same op with no rows to pick. The site
+    counts once in ``count`` and once in ``entropy``.
+
     Also ``gather_unpacked(logp, unpack_index, valid, index)`` (labels from
-    outside the graph, veRL's rolled ids), the chain there may include one
+    outside the graph, veRL's rolled ids), whose chain may include one
     ``squeeze(0)`` of the packed batch axis (veRL's ``logits.squeeze(0)``):
-    it becomes ``linear_log_prob(h, w, unpack_index, index.reshape(-1, K))``,
-    zeros at padding (``torch.where(valid)``), viewed as ``index``; the
-    result carries ``PICKED_META`` so ``runtime.padding_reads`` still sees
-    a value that is zero where the original had one.
+    the op reads row ``unpack_index[p]`` at ``index[p]`` for each position p
+    of the original layout (``index.reshape(-1, K)``), zeros at padding
+    (``torch.where(valid)``), viewed as ``index``; the result carries
+    ``PICKED_META`` so ``runtime.padding_reads`` still sees a value that is
+    zero where the original had one.
 
     The number is a Python constant, or a graph input: with
     ``dynamic=True`` Dynamo lifts a float it can read from somewhere (a
@@ -47,9 +64,15 @@ Matched
     one temperature is wrong for another.
 
 Not matched (left unchanged, the reason logged at DEBUG on the
-"dualkv_compile" logger): a second user of the logits or log-probs (an
-entropy or KL-over-vocabulary term reads them whole), a bias, two scalar
-ops or two casts, any other op in the chain (a softcap), a temperature
+"dualkv_compile" logger): any other user of the logits or log-probs (a
+KL-over-vocabulary term reads them whole; an entropy beside a third reader;
+an entropy of both the logits and the log-probs), an entropy whose graph
+dtype is not the op's (bf16/fp16 log-probs without the ``.float()``, or a
+dtype it cannot tell: no example value of the lm_head weight), an entropy
+read before the next-token ids are computed, an entropy under sequence
+parallelism (the backend passes ``entropy=False``: the op's entropy covers
+every row of the gathered hidden states, not the rank's tokens), a bias,
+two scalar ops or two casts, any other op in the chain (a softcap), a temperature
 tensor (not a lifted float), a scale read from an input with no example
 input to resolve it, a ``dtype`` argument to the log-softmax, nodes tagged
 for activation-checkpoint recomputation, and autocast (in the graph, or
@@ -61,18 +84,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import operator
 from typing import Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from ..kernels.linear_log_prob import DEFAULT_CHUNK_BYTES
-from ..ops import linear_log_prob as _op  # noqa: F401  (registers torch.ops.dualkv.linear_log_prob)
-from ..analysis.attention_match import item_of_placeholder
+from ..ops import linear_log_prob as _op  # noqa: F401  (registers torch.ops.dualkv.linear_log_prob and _entropy)
 from ..analysis.node_info import ev
+from .entropy_pattern import EntropyMatch, is_call as _is_call, log_prob_entropy, logit_entropy
+from .lm_head_pattern import (
+    LINEAR, LOG_SOFTMAX, SOFTMAX, identity_getitem, input_scalar, linear_operands, log_softmax_input, python_scale,
+    scalar_op, upcast_operand,
+)
 from .inline_checkpoint import RECOMPUTE_META
 from .packed_ops import PICKED_META, gather_previous, gather_unpacked
 
@@ -80,28 +105,26 @@ log = logging.getLogger("dualkv_compile")
 
 __all__ = ["fuse_linear_log_prob", "FusedLogProbs"]
 
-_LINEAR = (torch._C._nn.linear, F.linear)
-_LOG_SOFTMAX = (torch.log_softmax, F.log_softmax, torch.special.log_softmax)
-_DIVIDE_FUNCTIONS = (operator.truediv, torch.div, torch.true_divide)
-_MULTIPLY_FUNCTIONS = (operator.mul, torch.mul)
-_DIVIDE_METHODS = ("div", "true_divide", "__truediv__")
-_MULTIPLY_METHODS = ("mul", "multiply", "__mul__", "__rmul__")
 _AUTOCAST = ("_enter_autocast", "_exit_autocast")
 
 
 @dataclasses.dataclass
 class FusedLogProbs:
-    """What ``fuse_linear_log_prob`` did: sites fused, and the graph inputs baked in as ``(index, value, what)``."""
+    """What ``fuse_linear_log_prob`` did: sites fused (each now one op call; an entropy-only site included),
+    how many of them with their entropy, and the graph inputs baked in as ``(index, value, what)``."""
 
     count: int = 0
+    entropy: int = 0
     scalar_checks: list[tuple[int, float, str]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class _Site:
-    """One matched next-token gather: the nodes it replaces (consumer first) and the op's arguments."""
+    """One matched site: the nodes it replaces (consumer first) and the op's arguments. ``gather`` is None for an
+    entropy alone; ``logp`` None for veRL's entropy alone (no log-softmax)."""
 
-    gather: fx.Node
+    gather: Optional[fx.Node]
+    logp: Optional[fx.Node]
     replaced: list[fx.Node]
     hidden: fx.Node
     weight: fx.Node
@@ -111,146 +134,58 @@ class _Site:
     upcast: bool = False
     scale_node: Optional[fx.Node] = None  # the ``.item()`` or placeholder the scale was read from
     scale_check: Optional[tuple[int, float, str]] = None
+    entropy: Optional[EntropyMatch] = None
     squeezed: bool = False  # a batch squeeze(0) between the lm_head and the log-softmax (gather_unpacked only)
 
-
-def _is_call(n, functions=(), methods=()) -> bool:
-    if not isinstance(n, fx.Node):
-        return False
-    if n.op == "call_function":
-        return any(n.target is f for f in functions)
-    return n.op == "call_method" and n.target in methods
-
-
-def _is_identity_getitem(n: fx.Node) -> bool:
-    if not (n.op == "call_function" and n.target is operator.getitem and len(n.args) == 2):
-        return False
-    idx = n.args[1]
-    idx = idx if isinstance(idx, tuple) else (idx,)
-    return all(i is Ellipsis or i == slice(None, None, None) for i in idx)
+    @property
+    def name(self) -> str:
+        return (self.gather or self.entropy.final).name
 
 
 def _is_batch_squeeze(n: fx.Node) -> bool:
-    """``x.squeeze(0)`` (or ``torch.squeeze(x, 0)``) of the packed ``[1, T, V]`` logits: veRL's ``logits.squeeze(0)``.
-
-    Only ``gather_unpacked`` reads through it (its rows index the packed stream either way)."""
+    """``x.squeeze(0)`` (or ``torch.squeeze(x, 0)``) of the packed ``[1, T, V]`` logits: veRL's ``logits.squeeze(0)``."""
     if not (n.op == "call_method" and n.target == "squeeze" or n.op == "call_function" and n.target is torch.squeeze):
         return False
     return len(n.args) == 2 and n.args[1] == 0 and not n.kwargs
 
 
-def _python_scale(s) -> Optional[float]:
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s == 0:
-        return None
-    return float(s)
-
-
-def _input_scalar(n) -> Optional[fx.Node]:
-    """The placeholder a Python number is read from: ``placeholder.item()`` of a 0-dim float tensor (a float lifted
-    by Dynamo), or a SymFloat placeholder; else None."""
-    if not isinstance(n, fx.Node):
-        return None
-    src = item_of_placeholder(n)
-    if src is not None:
-        ev = src.meta.get("example_value")
-        return src if isinstance(ev, torch.Tensor) and ev.dim() == 0 and ev.dtype.is_floating_point else None
-    if n.op == "placeholder" and isinstance(n.meta.get("example_value"), (float, torch.SymFloat)):
-        return n
-    return None
-
-
-def _scalar_op(n: fx.Node) -> "Optional[tuple[fx.Node, float | fx.Node, bool]] | str":
-    """(tensor operand, scale, divide) if ``n`` multiplies or divides by a number, the scale a Python number or the
-    node reading it from an input; why not if it is a multiply/divide otherwise; None if it is neither."""
-    divide = _is_call(n, _DIVIDE_FUNCTIONS, _DIVIDE_METHODS)
-    multiply = _is_call(n, _MULTIPLY_FUNCTIONS, _MULTIPLY_METHODS)
-    if not (divide or multiply):
-        return None
-    if len(n.args) != 2 or n.kwargs:
-        return f"{n.name}: a {'divide' if divide else 'multiply'} with arguments {n.args} {dict(n.kwargs)}, not tensor and number"
-    a, b = n.args
-    if multiply and (not isinstance(a, fx.Node) or _input_scalar(a) is not None):
-        a, b = b, a  # number * tensor
-    scale = b if _input_scalar(b) is not None else _python_scale(b)
-    if not isinstance(a, fx.Node) or scale is None:
-        return f"{n.name}: {'divides' if divide else 'multiplies'} by {b!r}, not a finite nonzero Python number"
-    return a, scale, divide
-
-
 def _resolve_scale(site: _Site, placeholders: list[fx.Node], example_inputs) -> Optional[str]:
     """Bake a scale read from a graph input into ``site``, from the example inputs; why not if it cannot be."""
-    src = _input_scalar(site.scale_node)
+    src = input_scalar(site.scale_node)
     index = placeholders.index(src)
     if example_inputs is None or index >= len(example_inputs):
         return f"{site.scale_node.name}: the scale is read from the input {src.name}, and no example input resolves it"
-    value = _python_scale(float(example_inputs[index]))
+    value = python_scale(float(example_inputs[index]))
     if value is None:
         return f"{site.scale_node.name}: the scale read from {src.name} is {float(example_inputs[index])!r}, not finite and nonzero"
     site.scale = value
-    site.scale_check = (index, value, f"{site.gather.name}: the log-softmax's scale {src.name}")
+    site.scale_check = (index, value, f"{site.name}: the log-softmax's scale {src.name}")
     return None
 
 
-def _upcast_operand(n: fx.Node) -> Optional[fx.Node]:
-    """The tensor ``n`` casts to float32 (``.float()``, ``.to(torch.float32)``), else None."""
-    if n.op != "call_method" or not n.args or not isinstance(n.args[0], fx.Node):
-        return None
-    if n.target == "float" and len(n.args) == 1 and not n.kwargs:
-        return n.args[0]
-    if n.target == "to":
-        if len(n.args) == 2 and not n.kwargs and n.args[1] == torch.float32:
-            return n.args[0]
-        if len(n.args) == 1 and dict(n.kwargs) == {"dtype": torch.float32}:
-            return n.args[0]
-    return None
-
-
-def _log_softmax_input(n: fx.Node) -> "fx.Node | str":
-    """The input of ``n`` if it is a log-softmax over the last dim of a 3-D value, else why not."""
-    if not _is_call(n, _LOG_SOFTMAX, ("log_softmax",)):
-        return f"the gathered log-probs come from {n.format_node()}, not a log_softmax"
-    if not n.args or not isinstance(n.args[0], fx.Node):
-        return f"{n.name}: log_softmax without a tensor input"
-    kwargs = dict(n.kwargs)
-    dim = n.args[1] if len(n.args) > 1 else kwargs.pop("dim", None)
-    kwargs.pop("_stacklevel", None)
-    if kwargs.pop("dtype", None) is not None or len(n.args) > 2 or kwargs:
-        return f"{n.name}: log_softmax with further arguments {n.args[2:]} {dict(n.kwargs)}"
-    if dim not in (-1, 2):
-        return f"{n.name}: log_softmax over dim {dim!r}, not the vocabulary (last) dim"
-    return n.args[0]
-
-
-def _linear_operands(n: fx.Node) -> "tuple[fx.Node, fx.Node] | str":
-    args = list(n.args) + [None] * (3 - len(n.args))
-    h, w, bias = args[0], args[1], n.kwargs.get("bias", args[2])
-    if set(n.kwargs) - {"bias"} or len(n.args) > 3:
-        return f"{n.name}: linear with arguments {n.args} {dict(n.kwargs)}"
-    if bias is not None:
-        return f"{n.name}: the lm_head has a bias"
-    if not isinstance(h, fx.Node) or not isinstance(w, fx.Node):
-        return f"{n.name}: linear of non-tensor operands"
-    return h, w
-
-
-def _match(gather: fx.Node) -> Union[_Site, str]:
-    """The fusable site ending at ``gather``, else why it is not one."""
+def _match(gather: fx.Node, entropy: bool) -> Union[_Site, str]:
+    """The fusable site ending at ``gather``, with an entropy of the same log-probs if ``entropy``, else why not."""
     if len(gather.args) != (4 if gather.target is gather_unpacked else 3) or gather.kwargs:
         return f"{gather.target.__name__} called with unexpected arguments"
     logp = gather.args[0]
     if not isinstance(logp, fx.Node):
         return "the gathered value is not a node"
-    x = _log_softmax_input(logp)
+    x = log_softmax_input(logp)
     if isinstance(x, str):
         return x
-    replaced = [gather, logp]
+    return _match_chain(gather, logp, x, entropy)
+
+
+def _match_chain(gather: Optional[fx.Node], logp: Optional[fx.Node], x: fx.Node, entropy: bool) -> Union[_Site, str]:
+    """The site reading ``x`` (the log-softmax's input): its chain back to the lm_head, and who reads what."""
+    replaced = [n for n in (gather, logp) if n is not None]
     scale_op: "Optional[tuple[float | fx.Node, bool]]" = None
     upcast_seen = scale_first = squeezed = False
     node = x
     # Walk from the log-softmax back to the lm_head, consumer to producer.
-    while not _is_call(node, _LINEAR):
-        scalar = _scalar_op(node)
-        upcast_in = _upcast_operand(node)
+    while not _is_call(node, LINEAR):
+        scalar = scalar_op(node)
+        upcast_in = upcast_operand(node)
         if isinstance(scalar, str):
             return scalar
         if scalar is not None:
@@ -263,26 +198,33 @@ def _match(gather: fx.Node) -> Union[_Site, str]:
             if upcast_seen:
                 return f"{node.name}: a second cast between the lm_head and the log_softmax"
             upcast_seen, node_in = True, upcast_in
-        elif _is_identity_getitem(node):
+        elif identity_getitem(node):
             node_in = node.args[0]
-        elif _is_batch_squeeze(node) and gather.target is gather_unpacked:
+        elif _is_batch_squeeze(node) and gather is not None and gather.target is gather_unpacked:
             squeezed, node_in = True, node.args[0]
         else:
             return f"{node.format_node()} between the lm_head and the log_softmax (only full slices, one scalar multiply/divide and one .float() are fused)"
         replaced.append(node)
         node = node_in
     replaced.append(node)
-    operands = _linear_operands(node)
+    operands = linear_operands(node)
     if isinstance(operands, str):
         return operands
-    for n in replaced[1:]:
-        if len(n.users) != 1:
+    found = _entropy_reader(gather, logp, x, entropy)
+    if isinstance(found, str):
+        return found
+    expected = {n: {u} for u, n in zip(replaced, replaced[1:])}  # each node's one user: the next toward the gather
+    if found is not None:
+        source = logp if found.readers <= set(logp.users if logp is not None else ()) else x
+        expected[source] = expected.get(source, set()) | found.readers
+    for n in replaced[1:] if gather is not None else replaced:
+        if set(n.users) != expected.get(n, set()):
             users = ", ".join(u.name for u in n.users)
             return f"{n.name} has {len(n.users)} users ({users}): it would still be needed whole"
-    for n in replaced:
+    for n in replaced + (found.nodes if found is not None else []):
         if any(k in n.meta for k in RECOMPUTE_META):
             return f"{n.name} is inside an activation-checkpoint region"
-    site = _Site(gather, replaced, *operands, upcast=upcast_seen, squeezed=squeezed)
+    site = _Site(gather, logp, replaced, *operands, upcast=upcast_seen, entropy=found, squeezed=squeezed)
     if scale_op is not None:
         scale, site.divide = scale_op
         if isinstance(scale, fx.Node):
@@ -293,60 +235,106 @@ def _match(gather: fx.Node) -> Union[_Site, str]:
     return site
 
 
-def _rewrite_unpacked(graph: fx.Graph, site: _Site, chunk_bytes: int) -> None:
-    """``gather_unpacked(logp, unpack_index, valid, index)``: the op reads row ``unpack_index[p]`` for each position p
-    of the original layout, at its labels ``index[p]``; zeros at padding, as ``gather_unpacked`` gives."""
-    gather = site.gather
-    _, unpack_index, valid, index = gather.args
-    merged = ev(index).dim() == 2  # [B * S, K]: the logits were [T, V] (squeezed after the lm_head or before it)
-    with graph.inserting_before(gather):
+def _entropy_reader(gather, logp, x, entropy: bool) -> "Optional[EntropyMatch] | str":
+    """The entropy among the readers of ``logp`` (besides ``gather``) or of ``x`` (besides ``logp``): None if they
+    have no other reader, why not if they do and it is not an entropy (or ``entropy`` is off)."""
+    candidates = []
+    if logp is not None and set(logp.users) - {gather}:
+        candidates.append((logp, set(logp.users) - {gather}, log_prob_entropy))
+    if set(x.users) - {logp}:
+        candidates.append((x, set(x.users) - {logp}, logit_entropy))
+    if not candidates:
+        return None
+    source, readers, match = candidates[0]
+    names = ", ".join(sorted(u.name for u in source.users))
+    head = f"{source.name} has {len(source.users)} users ({names}): it would still be needed whole"
+    if len(candidates) > 1:
+        return f"{head} (and {x.name} is read besides the log_softmax too)"
+    if not entropy:
+        return f"{head} (entropy fusion is off)"
+    found = match(source, readers)
+    return f"{head} ({found})" if isinstance(found, str) else found
+
+
+def _entropy_reason(site: _Site, placeholders: list[fx.Node], example_inputs) -> Optional[str]:
+    """Why the op's entropy (float32, float64 for float64 logits) would not have the graph's dtype, if it would not."""
+    if site.upcast:
+        return None  # the log-softmax runs in float32, the op's entropy dtype
+    weight = ev(site.weight)
+    if weight is None and site.weight in placeholders and example_inputs is not None:
+        i = placeholders.index(site.weight)
+        weight = example_inputs[i] if i < len(example_inputs) else None
+    dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
+    if dtype is None:
+        return f"{site.entropy.final.name}: the entropy's dtype is unknown (no example value of {site.weight.name})"
+    if dtype not in (torch.float32, torch.float64):
+        return f"{site.entropy.final.name}: the graph computes the entropy in {dtype}; the fused op computes it in float32"
+    return None
+
+
+def _insertion_point(site: _Site, graph: fx.Graph) -> "fx.Node | str":
+    """Where the op goes: before the first node it replaces, if its inputs are computed by then."""
+    if site.entropy is None:
+        return site.gather
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min((n for n in (site.gather, *site.entropy.nodes) if n is not None), key=order.__getitem__)
+    inputs = [site.hidden, site.weight, *(site.gather.args[1:] if site.gather is not None else ())]
+    if all(order[n] < order[first] for n in inputs if isinstance(n, fx.Node)):
+        return first
+    if all(order[u] > order[site.gather] for u in site.entropy.final.users):
+        return site.gather  # the next-token ids are computed after the entropy, which is read after the gather
+    return f"{site.entropy.final.name} is read before the next-token ids of {site.gather.name} are computed"
+
+
+def _rewrite(graph: fx.Graph, site: _Site, where: fx.Node, chunk_bytes: int) -> None:
+    gather, ent = site.gather, site.entropy
+    picked = gather is not None and gather.target is gather_unpacked
+    # [T, V] logits: squeezed after the lm_head, or (a [B * S, K] index without a squeeze) before it.
+    merged = site.squeezed or (picked and ev(gather.args[3]).dim() == 2)
+    with graph.inserting_before(where):
         hidden = site.hidden
         if site.squeezed or not merged:
             hidden = graph.call_function(operator.getitem, (site.hidden, 0), name="lm_head_input")
-        k = graph.call_method("size", (index, -1))
-        labels = graph.create_node("call_method", "reshape", (index, -1, k), name="labels")
+        if picked:
+            _, prev_index, valid, index = gather.args  # the rows are unpack_index: each original position's
+            k = graph.call_method("size", (index, -1))
+            next_ids = graph.create_node("call_method", "reshape", (index, -1, k), name="labels")
+        elif gather is not None:
+            _, prev_index, index = gather.args
+            next_ids = graph.call_function(operator.getitem, (index, 0), name="next_ids")
+        else:  # the entropy alone: no log-probs picked
+            prev_index = graph.call_method("new_zeros", (hidden, (0,)), {"dtype": torch.int64})
+            next_ids = graph.call_method("new_zeros", (hidden, (0, 1)), {"dtype": torch.int64})
         post = dict(scale=site.scale, divide=site.divide, scale_first=site.scale_first, upcast=site.upcast)
-        res = graph.call_function(
-            torch.ops.dualkv.linear_log_prob.default, (hidden, site.weight, unpack_index, labels),
-            {**post, "chunk_bytes": chunk_bytes}, name="linear_log_prob",
-        )
-        out = graph.call_function(operator.getitem, (res, 0), name="picked_logp")
-        keep = graph.call_method("unsqueeze", (valid, -1))
-        zero = graph.call_method("new_zeros", (out, ()))
-        masked = graph.call_function(torch.where, (keep, out, zero))
-        fused = graph.create_node("call_method", "view_as", (masked, index), name=f"{gather.name}_fused")
-    # Still zero at padding where the original had values: runtime.padding_reads must keep following it.
-    fused.meta[PICKED_META] = ev(index).dim()
-    fused.meta["unpacked_rank"] = ev(index).dim()
-    _replace(graph, site, fused)
-
-
-def _replace(graph: fx.Graph, site: _Site, fused: fx.Node) -> None:
-    site.gather.replace_all_uses_with(fused)
-    for n in site.replaced:  # consumer first: each has no user left when erased
-        graph.erase_node(n)
+        op, name = (torch.ops.dualkv.linear_log_prob.default, "linear_log_prob") if ent is None else (
+            torch.ops.dualkv.linear_log_prob_entropy.default, "linear_log_prob_entropy")
+        res = graph.call_function(op, (hidden, site.weight, prev_index, next_ids), {**post, "chunk_bytes": chunk_bytes}, name=name)
+        if picked:
+            out = graph.call_function(operator.getitem, (res, 0), name="picked_logp")
+            keep = graph.call_method("unsqueeze", (valid, -1))
+            masked = graph.call_function(torch.where, (keep, out, graph.call_method("new_zeros", (out, ()))))
+            fused = graph.create_node("call_method", "view_as", (masked, index), name=f"{gather.name}_fused")
+            # Still zero at padding where the original had values: runtime.padding_reads must keep following it.
+            fused.meta[PICKED_META] = fused.meta["unpacked_rank"] = ev(index).dim()
+        elif gather is not None:
+            out = graph.call_function(operator.getitem, (res, 0), name="next_token_logp")
+            fused = graph.create_node("call_method", "unsqueeze", (out, 0), name=f"{gather.name}_fused")
+        if ent is not None:
+            # [N] -> the graph's [1, T] (N = T: every packed row); minus it where the pattern computed -H.
+            entropy = graph.call_function(operator.getitem, (res, 1), name="entropy")
+            if not merged:  # the graph's [T] entropy of squeezed logits stays [T]
+                entropy = graph.create_node("call_method", "unsqueeze", (entropy, 0), name=f"{ent.final.name}_fused")
+            if ent.negated:
+                entropy = graph.call_function(operator.neg, (entropy,), name=f"{ent.final.name}_negated")
+    if gather is not None:
+        gather.replace_all_uses_with(fused)
+    if ent is not None:
+        ent.final.replace_all_uses_with(entropy)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in sorted({*site.replaced, *(ent.nodes if ent else ())}, key=order.__getitem__, reverse=True):
+        graph.erase_node(n)  # consumers first: each has no user left when erased
     if site.scale_node is not None and site.scale_node.op != "placeholder" and not site.scale_node.users:
         graph.erase_node(site.scale_node)
-
-
-def _rewrite(graph: fx.Graph, site: _Site, chunk_bytes: int) -> None:
-    gather = site.gather
-    if gather.target is gather_unpacked:
-        return _rewrite_unpacked(graph, site, chunk_bytes)
-    _, prev_index, index = gather.args
-    with graph.inserting_before(gather):
-        hidden = graph.call_function(operator.getitem, (site.hidden, 0), name="lm_head_input")
-        next_ids = graph.call_function(operator.getitem, (index, 0), name="next_ids")
-        post = dict(scale=site.scale, divide=site.divide, scale_first=site.scale_first, upcast=site.upcast)
-        res = graph.call_function(
-            torch.ops.dualkv.linear_log_prob.default,
-            (hidden, site.weight, prev_index, next_ids),
-            {**post, "chunk_bytes": chunk_bytes},
-            name="linear_log_prob",
-        )
-        out = graph.call_function(operator.getitem, (res, 0), name="next_token_logp")
-        fused = graph.create_node("call_method", "unsqueeze", (out, 0), name=f"{gather.name}_fused")
-    _replace(graph, site, fused)
 
 
 def _autocast_reason(graph: fx.Graph) -> Optional[str]:
@@ -359,10 +347,26 @@ def _autocast_reason(graph: fx.Graph) -> Optional[str]:
     return None
 
 
+def _entropy_alone(graph: fx.Graph):
+    """(logp or None, x) of each log-softmax no gather reads and each softmax beside no log-softmax: the sources
+    an entropy alone may read (``_match_chain`` decides)."""
+    for n in graph.nodes:
+        if _is_call(n, LOG_SOFTMAX, ("log_softmax",)) and not any(u.target in (gather_previous, gather_unpacked) for u in n.users):
+            x = log_softmax_input(n)
+            if isinstance(x, fx.Node) and not isinstance(log_prob_entropy(n, n.users), str):
+                yield n, x
+        elif _is_call(n, SOFTMAX, ("softmax",)) and n.args and isinstance(n.args[0], fx.Node):
+            x = n.args[0]
+            if x.users and not any(_is_call(u, LOG_SOFTMAX, ("log_softmax",)) for u in x.users):
+                if not isinstance(logit_entropy(x, x.users), str):
+                    yield None, x
+
+
 def fuse_linear_log_prob(
-    gm: fx.GraphModule, chunk_bytes: int = DEFAULT_CHUNK_BYTES, example_inputs: Optional[Sequence] = None
+    gm: fx.GraphModule, chunk_bytes: int = DEFAULT_CHUNK_BYTES, example_inputs: Optional[Sequence] = None, entropy: bool = True
 ) -> FusedLogProbs:
-    """Fuse each lm_head -> log_softmax -> next-token gather of ``gm`` into ``dualkv::linear_log_prob``.
+    """Fuse each lm_head -> log_softmax -> next-token gather of ``gm`` into ``dualkv::linear_log_prob``, and with
+    ``entropy`` an entropy of the same log-probs (with the gather, or alone) into ``dualkv::linear_log_prob_entropy``.
 
     Rewrites ``gm`` in place (see the module docstring for what matches and
     for ``example_inputs``); a result with ``count == 0`` left it untouched.
@@ -371,29 +375,41 @@ def fuse_linear_log_prob(
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
     result = FusedLogProbs()
     gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (gather_previous, gather_unpacked)]
-    if not gathers:
+    if not gathers and not (entropy and any(True for _ in _entropy_alone(gm.graph))):
         return result
     why = _autocast_reason(gm.graph)
     if why is not None:
         log.debug("dualkv: next-token log-probs left unfused: %s", why)
         return result
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    for gather in gathers:
-        site = _match(gather)
+
+    def fuse(name: str, site: Union[_Site, str]) -> None:
         if isinstance(site, _Site) and site.scale_node is not None:
             why = _resolve_scale(site, placeholders, example_inputs)
             site = site if why is None else why
-        if isinstance(site, str):
-            log.debug("dualkv: %s left unfused: %s", gather.name, site)
-            continue
-        _rewrite(gm.graph, site, chunk_bytes)
+        if isinstance(site, _Site) and site.entropy is not None:
+            why = _entropy_reason(site, placeholders, example_inputs)
+            site = site if why is None else why
+        where = _insertion_point(site, gm.graph) if isinstance(site, _Site) else site
+        if isinstance(where, str):
+            log.debug("dualkv: %s left unfused: %s", name, where)
+            return
+        _rewrite(gm.graph, site, where, chunk_bytes)
         result.count += 1
+        result.entropy += site.entropy is not None
         if site.scale_check is not None:
             result.scalar_checks.append(site.scale_check)
+
+    for gather in gathers:
+        fuse(gather.name, _match(gather, entropy))
+    # Entropies alone, looked for again in the graph the gathers' fusions left.
+    for logp, x in list(_entropy_alone(gm.graph)) if entropy else ():
+        fuse((logp or x).name, _match_chain(None, logp, x, entropy))
     if result.count:
         gm.graph.lint()
         gm.recompile()
         log.debug(
-            "dualkv: fused %d next-token log-prob gather(s) with their lm_head (chunks of %d bytes)", result.count, chunk_bytes
+            "dualkv: fused %d lm_head -> log-softmax site(s), %d with their entropy (chunks of %d bytes)",
+            result.count, result.entropy, chunk_bytes,
         )
     return result

@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.node_info import Refusal, ev
+from ..ops import linear_log_prob as _linear_log_prob  # noqa: F401  (registers torch.ops.dualkv.linear_log_prob*)
 from ..ops import sp_collectives as _collectives  # noqa: F401  (registers torch.ops.dualkv.sp_*)
 from ..ops.sp_collectives import SPGroup
 from ..ops.ulysses_attention import check_heads, ulysses_attention
@@ -151,6 +152,10 @@ class _Sharder:
                 n.args = (*n.args, sp.world, sp.group_name)
                 self.kind[n] = _S
                 continue
+            if n.op == "call_function" and n.target is torch.ops.dualkv.linear_log_prob_entropy.default:
+                # Its entropy covers every row of the (gathered) hidden states, not this rank's tokens; the backend
+                # does not fuse the entropy under sequence parallelism, so only a hand-built graph gets here.
+                raise Refusal(f"sequence_parallel: {n.name}: the fused entropy is not split over the group")
             if n.op == "call_function" and n.target is token_weights:
                 n.target = local_token_weights
                 n.args = (*n.args, sp.world, sp.rank)

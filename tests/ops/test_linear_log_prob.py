@@ -215,3 +215,171 @@ def test_out_of_place_chunk_math_equals_in_place(post, K):
     grads = [chunk_log_prob_grad(y.clone(), up, lse, index, scale, divide, scale_first, upcast, cd, inplace) for inplace in (True, False)]
     assert grads[0].dtype == grads[1].dtype == torch.bfloat16
     torch.testing.assert_close(grads[0].float(), grads[1].float(), rtol=0, atol=0)
+
+
+# ---- dualkv::linear_log_prob_entropy: the log-probs and every row's entropy ----
+
+
+def entropy_reference(hidden, weight, rows, index, scale=1.0, divide=False, scale_first=True, upcast=True):
+    """The unfused computation in ordinary autograd ops: full logits, the post chain, log_softmax, -(p * logp).sum."""
+    y = torch.nn.functional.linear(hidden, weight)
+
+    def scaled(x):
+        return x / scale if divide else x * scale
+
+    y = scaled(y) if scale_first else y
+    y = y.float() if upcast else y
+    y = y if scale_first else scaled(y)
+    logp = torch.log_softmax(y, dim=-1)
+    return logp[rows.unsqueeze(-1), index], -(logp.exp() * logp).sum(-1)
+
+
+def entropy_inputs(T=11, K=1, dtype=torch.float64, seed=0):
+    hidden, weight, rows, index, weights = inputs(T=T, K=K, dtype=dtype, seed=seed)
+    rows = rows.clone()
+    rows[rows >= N - 2] = 0  # rows N-2 and N-1 are read by no output: their entropy alone reaches them
+    ent_weights = torch.randn(N, generator=torch.Generator().manual_seed(seed + 7), dtype=torch.float64)
+    return hidden, weight, rows, index, weights, ent_weights
+
+
+def entropy_value_and_grads(fn, hidden, weight, rows, index, weights, ent_weights, uses, **post):
+    """(out, entropy, d_hidden, d_weight) of a loss reading ``uses``: the log-probs, the entropy or both."""
+    out, ent = fn(hidden, weight, rows, index, **post)
+    loss = 0
+    if uses in ("both", "log_probs"):
+        loss = loss + (out.double() * weights).sum()
+    if uses in ("both", "entropy"):
+        loss = loss + (ent.double() * ent_weights).sum()
+    return (out, ent, *torch.autograd.grad(loss, (hidden, weight)))
+
+
+@pytest.mark.parametrize("dtype, post", CASES, ids=str)
+@pytest.mark.parametrize("uses", ["both", "log_probs", "entropy"])
+def test_entropy_matches_reference(dtype, post, uses):
+    from dualkv_compile.ops.linear_log_prob import linear_log_prob_entropy
+
+    post = _post(post)
+    args = entropy_inputs(T=11, K=3 if uses == "both" else 1, dtype=dtype)
+    assert not set(range(N - 2, N)) & set(args[2].tolist())
+    want = entropy_value_and_grads(entropy_reference, *args, uses, **post)
+    # Chunks of 4 hidden rows (9 rows: 4 + 4 + 1), of 1 row, and all in one.
+    for rows_per_chunk in (4, 1, 100):
+        got = entropy_value_and_grads(linear_log_prob_entropy, *args, uses, **post, chunk_bytes=rows_per_chunk * V * 8 + 3)
+        tol = 1e-10 if dtype == torch.float64 else 1e-5
+        for name, a, b in zip(("value", "entropy", "d_hidden", "d_weight"), got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
+            assert rel(a, b) <= tol, (name, rows_per_chunk, rel(a, b))
+
+
+@pytest.mark.parametrize("post", POSTS[:4], ids=str)
+def test_entropy_bfloat16_close_to_float32(post):
+    from dualkv_compile.ops.linear_log_prob import linear_log_prob_entropy
+
+    post = _post(post)
+    hidden, weight, rows, index, weights, ent_weights = entropy_inputs(T=13, K=2, dtype=torch.bfloat16, seed=1)
+    got = entropy_value_and_grads(linear_log_prob_entropy, hidden, weight, rows, index, weights, ent_weights, "both", **post, chunk_bytes=5 * V * 4)
+    assert got[0].dtype == got[1].dtype == torch.float32
+    assert got[2].dtype == got[3].dtype == torch.bfloat16
+    h32, w32 = (t.detach().float().requires_grad_() for t in (hidden, weight))
+    want = entropy_value_and_grads(entropy_reference, h32, w32, rows, index, weights, ent_weights, "both", **post)
+    for name, a, b in zip(("value", "entropy", "d_hidden", "d_weight"), got, want):
+        assert rel(a, b) <= 1e-2, (name, rel(a, b))
+
+
+def test_entropy_alone_and_log_probs_as_the_plain_op():
+    """No rows to pick: the entropy alone, its gradient exact; with rows, the log-probs equal the plain op's."""
+    from dualkv_compile.ops.linear_log_prob import linear_log_prob_entropy
+
+    hidden, weight, rows, index, weights, ent_weights = entropy_inputs(T=7, K=2, dtype=torch.float64)
+    post = dict(scale=0.7, divide=True, upcast=False)
+    none, ent = linear_log_prob_entropy(hidden, weight, rows[:0], index[:0], **post, chunk_bytes=2 * V * 8)
+    assert none.shape == (0, 2)
+    _, want = entropy_reference(hidden, weight, rows[:0], index[:0], **post)
+    assert rel(ent, want) <= 1e-12
+    got_grads = torch.autograd.grad((ent * ent_weights).sum(), (hidden, weight))
+    want_grads = torch.autograd.grad((want * ent_weights).sum(), (hidden, weight))
+    for a, b in zip(got_grads, want_grads):
+        assert rel(a, b) <= 1e-10
+    out, _ = linear_log_prob_entropy(hidden, weight, rows, index, **post, chunk_bytes=2 * V * 8)
+    plain = linear_log_prob(hidden, weight, rows, index, **post, chunk_bytes=2 * V * 8)
+    assert rel(out, plain) <= 1e-14
+
+
+def test_entropy_grad_of_one_input_only():
+    from dualkv_compile.ops.linear_log_prob import linear_log_prob_entropy
+
+    hidden, weight, rows, index, weights, ent_weights = entropy_inputs(T=7, K=2)
+    hidden.requires_grad_(False)
+    out, ent = linear_log_prob_entropy(hidden, weight, rows, index, scale=2.0, upcast=False, chunk_bytes=3 * V * 8)
+    (got,) = torch.autograd.grad((out * weights).sum() + (ent * ent_weights).sum(), weight)
+    ref_out, ref_ent = entropy_reference(hidden, weight, rows, index, scale=2.0, upcast=False)
+    (want,) = torch.autograd.grad((ref_out * weights).sum() + (ref_ent * ent_weights).sum(), weight)
+    assert rel(got, want) <= 1e-10
+
+
+def test_entropy_opcheck():
+    from dualkv_compile.ops.linear_log_prob import linear_log_prob_entropy_bwd, linear_log_prob_entropy_fwd
+
+    hidden, weight, rows, index, weights, ent_weights = entropy_inputs(T=7, K=2, dtype=torch.float32)
+    post = (0.7, True, True, True, 3 * V * 4)
+    torch.library.opcheck(linear_log_prob_entropy_fwd, (hidden, weight, rows, index, *post))
+    torch.library.opcheck(linear_log_prob_entropy_fwd, (hidden, weight, rows[:0], index[:0], *post))
+    out, ent, lse = linear_log_prob_entropy_fwd(hidden.detach(), weight.detach(), rows, index, *post)
+    assert ent.shape == lse.shape == (N,)
+    grad, grad_ent = weights.float(), ent_weights.float()
+    for g, ge in ((grad, grad_ent), (grad, None), (None, grad_ent), (None, None)):
+        for need in ((True, True), (True, False), (False, True)):
+            args = (g, ge, hidden.detach(), weight.detach(), rows, index, lse, ent, *post, *need)
+            torch.library.opcheck(linear_log_prob_entropy_bwd, args)
+
+
+def test_entropy_compile_once_for_two_token_counts():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from dualkv_compile.ops.linear_log_prob import linear_log_prob_entropy
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def loss(hidden, weight, rows, index, weights, ent_weights):
+        out, ent = linear_log_prob_entropy(hidden, weight, rows, index, scale=0.7, divide=True, chunk_bytes=4 * V * 4)
+        return (out * weights).sum() + (ent * ent_weights).sum()
+
+    compiled = torch.compile(loss, backend=counter, fullgraph=True, dynamic=True)
+    for T, n in ((11, N), (17, N + 4)):
+        g = torch.Generator().manual_seed(T)
+        hidden = torch.randn(n, H, generator=g).requires_grad_()
+        weight = (torch.randn(V, H, generator=g) / 2).requires_grad_()
+        rows, index = torch.randint(0, n, (T,), generator=g), torch.randint(0, V, (T, 2), generator=g)
+        weights, ent_weights = torch.randn(T, 2, generator=g), torch.randn(n, generator=g)
+        got = compiled(hidden, weight, rows, index, weights, ent_weights)
+        got_grads = torch.autograd.grad(got, (hidden, weight))
+        ref_out, ref_ent = entropy_reference(hidden, weight, rows, index, scale=0.7, divide=True)
+        want = (ref_out * weights).sum() + (ref_ent * ent_weights).sum()
+        want_grads = torch.autograd.grad(want, (hidden, weight))
+        assert rel(got, want) <= 1e-5
+        for a, b in zip(got_grads, want_grads):
+            assert rel(a, b) <= 1e-5
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("post", POSTS, ids=str)
+def test_entropy_out_of_place_chunk_math_equals_in_place(post):
+    """The entropy chunk functions as CUDA compiles them (out of place) equal the in-place eager ones."""
+    from dualkv_compile.kernels.linear_log_prob_entropy import chunk_entropy, chunk_entropy_grad
+
+    scale, divide, scale_first, upcast = post
+    g = torch.Generator().manual_seed(2)
+    y = torch.randn(7, V, generator=g).bfloat16()
+    cd = torch.float32
+    fwd = [chunk_entropy(y.clone(), scale, divide, scale_first, upcast, cd, inplace) for inplace in (True, False)]
+    for a, b in zip(*fwd):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _, lse, ent = fwd[0]
+    g_row, g_ent = torch.randn(7, generator=g), torch.randn(7, generator=g)
+    flat_index = torch.randint(0, 7 * V, (5, 2), generator=g)
+    g_flat = torch.randn(5, 2, generator=g)
+    for terms in ((g_row, g_ent, flat_index, g_flat), (None, g_ent, None, None), (g_row, None, flat_index, g_flat)):
+        grads = [chunk_entropy_grad(y.clone(), *terms[:2], lse, ent, *terms[2:], scale, divide, scale_first, upcast, cd, inplace) for inplace in (True, False)]
+        assert grads[0].dtype == grads[1].dtype == torch.bfloat16
+        torch.testing.assert_close(grads[0].float(), grads[1].float(), rtol=0, atol=0)

@@ -24,7 +24,7 @@ from dualkv_compile.rewrite.packed_ops import token_weights
 from dualkv_compile.rewrite.sequence_parallel import local_token_weights, shard_packed_graph
 from dualkv_compile.runtime.sequence_parallel import local_token_count, shard_packed_inputs
 
-from tests.helpers import GROUPS, capture, grpo_token_mean, hf_model, make_batch, normalise, packed_loss_graph
+from tests.helpers import GROUPS, capture, grpo_token_mean, hf_model, make_batch, normalise, packed_loss_graph, with_entropy_and_kl
 from tests.tiny_decoder import TinyDecoder
 
 SP = SPGroup(world=2, rank=1, group_name="sp")
@@ -101,6 +101,16 @@ def test_heads_the_degree_does_not_divide_are_refused():
     packed, _ = packed_loss_graph(grpo_token_mean, model, batch)
     with pytest.raises(Refusal, match="sequence-parallel degree 8 does not divide the 4 query heads"):
         shard_packed_graph(packed, SPGroup(8, 0, "sp"))
+
+
+def test_fused_entropy_is_refused():
+    """The entropy op's entropy covers every hidden row it reads (the gathered stream under sequence parallelism):
+    the backend does not fuse an entropy there (``entropy=False``); a graph that has one is refused, not split."""
+    model = hf_model("qwen3", "sdpa", layers=1)
+    packed, _ = packed_loss_graph(with_entropy_and_kl, model, make_batch(GROUPS))
+    assert _calls(packed, torch.ops.dualkv.linear_log_prob_entropy.default)
+    with pytest.raises(Refusal, match="the fused entropy is not split over the group"):
+        shard_packed_graph(packed, SP)
 
 
 @pytest.mark.parametrize(
