@@ -145,6 +145,7 @@ def main():
         # (packed calls, tokens before and after packing) of each graph that ran on the packed stream.
         result["packed"] = [(r.packed_calls, r.last_stats.tokens_before, r.last_stats.tokens_after) for r in reports if r.packed_calls]
         result["fused_log_probs"] = sum(r.fused_log_probs for r in reports)
+        result["fused_entropy"] = sum(r.fused_entropy for r in reports)
         # Graphs dualkv rewrote that still ran some call unpacked (the lm_head's ran unpacked before the integration
         # published its layout as trusted: FSDP2's hooks hand the hidden states on through autograd functions).
         result["unpacked"] = [str(r) for r in reports if r.rewritten and r.packed_calls < r.calls]

@@ -20,7 +20,14 @@ What it changes
     row serves every response's first label), the entropy per packed token,
     and only per-token values leave the graph. The result goes back into
     veRL's flow (its un-padding, its nested tensors, the loss function, the
-    returned outputs) unchanged.
+    returned outputs) unchanged. For the lm_head and the log-softmax to meet
+    in one graph despite FSDP2's hooks (veRL shards every decoder layer and,
+    untied, the lm_head as units of their own), during the call the model's
+    ``forward`` runs its backbone and then its lm_head, whose ``forward``
+    computes the log-probs and entropy inside its own FSDP unit; this for
+    the causal LMs whose forward is just that (``_PLAIN_HEADS``: Llama,
+    Mistral, Qwen2/3 and their MoE). Others run their own forward, packed,
+    with the ``[T, V]`` logits crossing the lm_head's hook.
 
 The math, against veRL's path with ``use_remove_padding=True`` (its default)
     logits divided by the temperature rounded to the logits' dtype (as veRL's
@@ -85,6 +92,10 @@ def log_probs_and_entropy(module, input_ids, position_ids, rolled, temperature: 
 
     ``input_ids``/``position_ids`` ``[1, T]``; ``rolled`` ``[T]`` (the labels); returns ``[T]`` tensors."""
     logits = module(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False).logits
+    return _from_logits(logits, rolled, temperature, calculate_entropy)
+
+
+def _from_logits(logits, rolled, temperature: float, calculate_entropy: bool):
     logits = logits.squeeze(0)
     if temperature != 1.0:
         logits = logits / temperature
@@ -94,6 +105,82 @@ def log_probs_and_entropy(module, input_ids, position_ids, rolled, temperature: 
     logits = logits.float()
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, rolled.unsqueeze(-1)).squeeze(-1)
     return log_probs, (entropy_from_logits(logits) if calculate_entropy else None)
+
+
+# Causal LMs whose forward is ``lm_head(model(...).last_hidden_state)`` and nothing more for veRL's call (no logit
+# softcap or scale): their backbone and lm_head are called apart (``_ScoringForward``).
+_PLAIN_HEADS = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+
+
+class _ScoringForward:
+    """The engine module's ``forward`` while the compiled call runs: the model's own forward, then the log-probs and
+    entropy (``log_probs_and_entropy``). They run inside the root FSDP unit's forward, so the lm_head and the
+    log-softmax land in one graph (fused, in chunks) instead of ``[T, V]`` logits crossing FSDP's root hook.
+    One object per engine: Dynamo guards on the attribute's identity."""
+
+    def __init__(self, module, original):
+        self.module, self.original = module, original
+        plain = getattr(getattr(module, "config", None), "model_type", None) in _PLAIN_HEADS
+        self.split = plain and callable(getattr(module, "get_decoder", None)) and callable(getattr(module, "get_output_embeddings", None))
+
+    def __call__(self, input_ids, position_ids, rolled, temperature, calculate_entropy):
+        if not self.split:
+            return log_probs_and_entropy(self.original, input_ids, position_ids, rolled, temperature, calculate_entropy)
+        # The backbone is a call of its own (FSDP's per-layer hooks break it into graphs, and Dynamo then resumes
+        # this frame after it): the lm_head must be called here, in the frame that computes the log-probs, for the
+        # two to share a graph. Through the model's forward the [T, V] logits would cross that break.
+        # veRL shards the lm_head as an FSDP unit of its own (when untied): its hooks break the graph around its call
+        # too, so the log-probs are computed inside its forward (``_LogProbHead``, installed with this one).
+        hidden = self.module.get_decoder()(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
+                                           use_cache=False).last_hidden_state
+        return self.module.get_output_embeddings()(hidden, rolled, temperature, calculate_entropy)
+
+
+class _LogProbHead:
+    """The lm_head's ``forward`` while the compiled call runs: ``linear`` on its (unsharded) weight, then the
+    log-probs and entropy, in the frame (and the FSDP unit) of the lm_head."""
+
+    def __init__(self, head):
+        self.head = head
+
+    def __call__(self, hidden, rolled, temperature, calculate_entropy):
+        logits = torch.nn.functional.linear(hidden, self.head.weight, self.head.bias)
+        return _from_logits(logits, rolled, temperature, calculate_entropy)
+
+
+@contextmanager
+def _instance_forward(module, forward):
+    """``module.forward`` is ``forward`` inside the block, then what it was (an instance attribute or the class's)."""
+    had, previous = "forward" in module.__dict__, module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if had:
+            module.forward = previous
+        else:
+            del module.forward
+
+
+@contextmanager
+def _scoring_forward(engine):
+    module = engine.module
+    wrappers = engine.__dict__.get("_dualkv_forwards")
+    if wrappers is None:  # once per engine: Dynamo guards on the attributes' identity
+        wrapper = _ScoringForward(module, module.forward)
+        head = module.get_output_embeddings() if wrapper.split else None
+        wrappers = engine.__dict__["_dualkv_forwards"] = (wrapper, head, _LogProbHead(head) if head is not None else None)
+    wrapper, head, head_forward = wrappers
+    with _instance_forward(module, wrapper):
+        if head is None:
+            yield
+        else:
+            with _instance_forward(head, head_forward):
+                yield
+
+
+def _call_module(module, **kwargs):
+    return module(**kwargs)
 
 
 @contextmanager
@@ -152,7 +239,7 @@ def _compiled(engine):
     fn = engine.__dict__.get("_dualkv_compiled")
     if fn is None:
         fn = torch.compile(
-            functools.partial(log_probs_and_entropy, engine.module),
+            functools.partial(_call_module, engine.module),
             backend=functools.partial(dualkv_backend, options=dict(_STATE["options"])),
             dynamic=True,
         )
@@ -181,7 +268,7 @@ def _forward_step(engine, micro_batch, loss_function, forward_only):
     cfg = DualKVConfig.from_options(dict(_STATE["options"]))
     batch = shared_batch(model_inputs["input_ids"], None, model_inputs["position_ids"], group_size=cfg.group_size,
                          min_shared=cfg.min_shared)
-    with batch, autocast, sdpa_for_flash_attention(engine.module):
+    with batch, autocast, sdpa_for_flash_attention(engine.module), _scoring_forward(engine):
         log_probs, entropy = _compiled(engine)(
             input_ids=model_inputs["input_ids"], position_ids=model_inputs["position_ids"],
             rolled=output_args["input_ids_rmpad_rolled"], temperature=temperature, calculate_entropy=calculate_entropy,

@@ -49,3 +49,5 @@ def test_engine_step_with_external_lib_is_packed_and_exact(tmp_path):
     packed = dualkv["packed"]
     assert len(packed) >= 3 and all(after < before for _, before, after in packed), dualkv["reports"]
     assert not dualkv["unpacked"], dualkv["unpacked"]
+    # The log-probs and the entropy come from the lm_head in chunks, inside its FSDP unit: no [T, V] logits.
+    assert dualkv["fused_log_probs"] == 1 and dualkv["fused_entropy"] == 1, dualkv["reports"]
