@@ -26,7 +26,7 @@ LAYERS = [
     {"runtime"},
     {"distributed"},
     {"backend"},
-    {"policy_loss", "explain"},
+    {"policy_loss", "explain", "shared_batch"},  # user-facing entry points over the backend and the layout
     {"integrations"},  # one-line ways into trainers, over backend and config
     {"__init__"},
 ]
