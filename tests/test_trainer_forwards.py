@@ -111,3 +111,27 @@ def test_hidden_states_leave_with_merged_token_axes(cut):
         if q.grad is not None:
             assert rel(p.grad, q.grad) <= 1e-5, name
     _last_report()
+
+
+def test_autocast_bfloat16_fuses_the_log_probs_and_entropy_with_the_plain_models_error():
+    """Under autocast (TRL's ``accelerator.autocast()``, veRL's engine) the lm_head runs in bfloat16: the chunked op
+    gets its operands cast as autocast casts them, so the log-probs and the entropy are still fused (no [T, V])."""
+    from .helpers import make_batch, with_entropy_and_kl
+
+    model = hf_model("qwen3", "sdpa")
+    plain, full = copy.deepcopy(model), copy.deepcopy(model)
+    batch = make_batch([(6, [3, 4, 2]), (5, [2, 3])], seed=3)
+    torch._dynamo.reset()
+    decorated = dualkv_compile.policy_loss(with_entropy_and_kl, inner="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = decorated(model, batch)
+        bf16 = with_entropy_and_kl(plain, batch)
+    fp32 = with_entropy_and_kl(full, batch)
+    report = _last_report()
+    assert report.fused_log_probs == 1 and report.fused_entropy == 1, str(report)
+    err, plain_err = rel(out.float(), fp32), rel(bf16.float(), fp32)
+    assert err <= 2 * plain_err + 1e-3, (err, plain_err)
+    for loss in (out, bf16, fp32):
+        loss.backward()
+    for (name, p), q, r in zip(model.named_parameters(), plain.parameters(), full.parameters()):
+        assert rel(p.grad, r.grad) <= 2 * rel(q.grad, r.grad) + 1e-3, name

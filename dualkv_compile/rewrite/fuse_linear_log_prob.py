@@ -75,9 +75,11 @@ every row of the gathered hidden states, not the rank's tokens), a bias,
 two scalar ops or two casts, any other op in the chain (a softcap), a temperature
 tensor (not a lifted float), a scale read from an input with no example
 input to resolve it, a ``dtype`` argument to the log-softmax, nodes tagged
-for activation-checkpoint recomputation, and autocast (in the graph, or
-enabled while the pass runs: Dynamo compiles a graph for the caller's
-autocast state, and the op runs in its inputs' dtypes, not autocast's).
+for activation-checkpoint recomputation, an autocast region in the graph,
+and, with autocast enabled while the pass runs (Dynamo compiles a graph for
+the caller's autocast state), a chain without the ``.float()`` before the
+log-softmax; with it, the op gets the lm_head's operands cast to the
+autocast dtype, as autocast casts them, and runs with autocast off.
 """
 
 from __future__ import annotations
@@ -95,8 +97,8 @@ from ..ops import linear_log_prob as _op  # noqa: F401  (registers torch.ops.dua
 from ..analysis.node_info import ev
 from .entropy_pattern import EntropyMatch, is_call as _is_call, log_prob_entropy, logit_entropy
 from .lm_head_pattern import (
-    LINEAR, LOG_SOFTMAX, SOFTMAX, identity_getitem, input_scalar, linear_operands, log_softmax_input, python_scale,
-    scalar_op, upcast_operand,
+    LINEAR, LOG_SOFTMAX, SOFTMAX, batch_squeeze, example_value, identity_getitem, input_scalar, linear_operands,
+    log_softmax_input, python_scale, scalar_op, upcast_operand,
 )
 from .inline_checkpoint import RECOMPUTE_META
 from .packed_ops import PICKED_META, gather_previous, gather_unpacked
@@ -136,17 +138,11 @@ class _Site:
     scale_check: Optional[tuple[int, float, str]] = None
     entropy: Optional[EntropyMatch] = None
     squeezed: bool = False  # a batch squeeze(0) between the lm_head and the log-softmax (gather_unpacked only)
+    cast_to: Optional[torch.dtype] = None  # the autocast dtype the lm_head ran in (ambient autocast): the op's inputs
 
     @property
     def name(self) -> str:
         return (self.gather or self.entropy.final).name
-
-
-def _is_batch_squeeze(n: fx.Node) -> bool:
-    """``x.squeeze(0)`` (or ``torch.squeeze(x, 0)``) of the packed ``[1, T, V]`` logits: veRL's ``logits.squeeze(0)``."""
-    if not (n.op == "call_method" and n.target == "squeeze" or n.op == "call_function" and n.target is torch.squeeze):
-        return False
-    return len(n.args) == 2 and n.args[1] == 0 and not n.kwargs
 
 
 def _resolve_scale(site: _Site, placeholders: list[fx.Node], example_inputs) -> Optional[str]:
@@ -200,7 +196,7 @@ def _match_chain(gather: Optional[fx.Node], logp: Optional[fx.Node], x: fx.Node,
             upcast_seen, node_in = True, upcast_in
         elif identity_getitem(node):
             node_in = node.args[0]
-        elif _is_batch_squeeze(node) and gather is not None and gather.target is gather_unpacked:
+        elif batch_squeeze(node) and gather is not None and gather.target is gather_unpacked:
             squeezed, node_in = True, node.args[0]
         else:
             return f"{node.format_node()} between the lm_head and the log_softmax (only full slices, one scalar multiply/divide and one .float() are fused)"
@@ -256,14 +252,28 @@ def _entropy_reader(gather, logp, x, entropy: bool) -> "Optional[EntropyMatch] |
     return f"{head} ({found})" if isinstance(found, str) else found
 
 
+def _autocast_site_reason(site: _Site, placeholders: list[fx.Node], example_inputs) -> Optional[str]:
+    """Under ambient autocast (Dynamo compiles a graph for the caller's autocast state): the lm_head ran in the
+    autocast dtype, so the op gets its inputs cast to it (``site.cast_to``) and runs with autocast off. Only with
+    the ``.float()`` before the log-softmax: then every op after the lm_head computes in the dtypes the chain
+    gives, whatever autocast's policy for it. Why not, if not."""
+    weight = example_value(site.weight, placeholders, example_inputs)
+    if weight is None:
+        return f"{site.name}: autocast is on and the lm_head weight's device is unknown"
+    device = weight.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    if not site.upcast:
+        return f"{site.name}: autocast ({device}) is on and the log-softmax's input is not cast to float32 in the graph"
+    site.cast_to = torch.get_autocast_dtype(device)
+    return None
+
+
 def _entropy_reason(site: _Site, placeholders: list[fx.Node], example_inputs) -> Optional[str]:
     """Why the op's entropy (float32, float64 for float64 logits) would not have the graph's dtype, if it would not."""
     if site.upcast:
         return None  # the log-softmax runs in float32, the op's entropy dtype
-    weight = ev(site.weight)
-    if weight is None and site.weight in placeholders and example_inputs is not None:
-        i = placeholders.index(site.weight)
-        weight = example_inputs[i] if i < len(example_inputs) else None
+    weight = example_value(site.weight, placeholders, example_inputs)
     dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
     if dtype is None:
         return f"{site.entropy.final.name}: the entropy's dtype is unknown (no example value of {site.weight.name})"
@@ -292,9 +302,12 @@ def _rewrite(graph: fx.Graph, site: _Site, where: fx.Node, chunk_bytes: int) -> 
     # [T, V] logits: squeezed after the lm_head, or (a [B * S, K] index without a squeeze) before it.
     merged = site.squeezed or (picked and ev(gather.args[3]).dim() == 2)
     with graph.inserting_before(where):
-        hidden = site.hidden
+        hidden, weight = site.hidden, site.weight
         if site.squeezed or not merged:
             hidden = graph.call_function(operator.getitem, (site.hidden, 0), name="lm_head_input")
+        if site.cast_to is not None:  # as autocast cast the lm_head's operands (a no-op where they have its dtype)
+            hidden = graph.call_method("to", (hidden, site.cast_to))
+            weight = graph.call_method("to", (site.weight, site.cast_to))
         if picked:
             _, prev_index, valid, index = gather.args  # the rows are unpack_index: each original position's
             k = graph.call_method("size", (index, -1))
@@ -308,7 +321,7 @@ def _rewrite(graph: fx.Graph, site: _Site, where: fx.Node, chunk_bytes: int) -> 
         post = dict(scale=site.scale, divide=site.divide, scale_first=site.scale_first, upcast=site.upcast)
         op, name = (torch.ops.dualkv.linear_log_prob.default, "linear_log_prob") if ent is None else (
             torch.ops.dualkv.linear_log_prob_entropy.default, "linear_log_prob_entropy")
-        res = graph.call_function(op, (hidden, site.weight, prev_index, next_ids), {**post, "chunk_bytes": chunk_bytes}, name=name)
+        res = graph.call_function(op, (hidden, weight, prev_index, next_ids), {**post, "chunk_bytes": chunk_bytes}, name=name)
         if picked:
             out = graph.call_function(operator.getitem, (res, 0), name="picked_logp")
             keep = graph.call_method("unsqueeze", (valid, -1))
@@ -341,10 +354,7 @@ def _autocast_reason(graph: fx.Graph) -> Optional[str]:
     for n in graph.nodes:
         if n.op == "call_function" and getattr(n.target, "__name__", None) in _AUTOCAST:
             return "the graph has an autocast region"
-    for device in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(device):
-            return f"autocast is enabled for {device} while compiling"
-    return None
+    return None  # autocast enabled around the compilation: per site (_autocast_site_reason)
 
 
 def _entropy_alone(graph: fx.Graph):
@@ -389,6 +399,9 @@ def fuse_linear_log_prob(
             site = site if why is None else why
         if isinstance(site, _Site) and site.entropy is not None:
             why = _entropy_reason(site, placeholders, example_inputs)
+            site = site if why is None else why
+        if isinstance(site, _Site) and any(torch.is_autocast_enabled(d) for d in ("cuda", "cpu")):
+            why = _autocast_site_reason(site, placeholders, example_inputs)
             site = site if why is None else why
         where = _insertion_point(site, gm.graph) if isinstance(site, _Site) else site
         if isinstance(where, str):

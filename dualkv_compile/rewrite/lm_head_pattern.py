@@ -22,7 +22,7 @@ from .entropy_pattern import is_call
 
 __all__ = [
     "LINEAR", "LOG_SOFTMAX", "SOFTMAX", "identity_getitem", "python_scale", "input_scalar", "scalar_op",
-    "upcast_operand", "log_softmax_input", "linear_operands",
+    "upcast_operand", "log_softmax_input", "linear_operands", "batch_squeeze", "example_value",
 ]
 
 LINEAR = (torch._C._nn.linear, F.linear)
@@ -123,3 +123,19 @@ def linear_operands(n: fx.Node) -> "tuple[fx.Node, fx.Node] | str":
     if not isinstance(h, fx.Node) or not isinstance(w, fx.Node):
         return f"{n.name}: linear of non-tensor operands"
     return h, w
+
+
+def batch_squeeze(n: fx.Node) -> bool:
+    """``x.squeeze(0)`` (or ``torch.squeeze(x, 0)``) of the packed ``[1, T, V]`` logits: veRL's ``logits.squeeze(0)``."""
+    if not (n.op == "call_method" and n.target == "squeeze" or n.op == "call_function" and n.target is torch.squeeze):
+        return False
+    return len(n.args) == 2 and n.args[1] == 0 and not n.kwargs
+
+
+def example_value(node: fx.Node, placeholders: list, example_inputs) -> Optional[torch.Tensor]:
+    """``node``'s example tensor: its meta, else (a placeholder of the packed graph) the example inputs'."""
+    value = node.meta.get("example_value")
+    if value is None and node in placeholders and example_inputs is not None:
+        i = placeholders.index(node)
+        value = example_inputs[i] if i < len(example_inputs) else None
+    return value if isinstance(value, torch.Tensor) else None
