@@ -1,7 +1,7 @@
 """veRL 0.9's own FSDP engine for one forward/backward on CPU, with and without dualkv.
 
     make test-verl                                  # builds .venv-verl (veRL 0.9.1), runs this both ways and compares
-    .venv-verl/bin/python examples/verl_engine_step.py OUT.pt [--dualkv] [--attn sdpa]
+    .venv-verl/bin/python examples/verl_engine_step.py OUT.pt [--dualkv] [--attn sdpa] [--bf16]
 
 With ``--dualkv`` the engine's model config carries ``external_lib="dualkv_compile.integrations.verl"``,
 the one line a veRL user adds (``actor_rollout_ref.model.external_lib=dualkv_compile.integrations.verl``).
@@ -73,6 +73,8 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--dualkv", action="store_true")
     ap.add_argument("--attn", default="sdpa")
+    ap.add_argument("--bf16", action="store_true", help="veRL's default mixed precision (bf16 parameters under FSDP2, "
+                    "bf16 autocast) instead of float32 throughout")
     args = ap.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29541"), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     torch.distributed.init_process_group("gloo")
@@ -109,7 +111,7 @@ def main():
     engine = FSDPEngineWithLMHead(
         model_config, FSDPEngineConfig(
             strategy="fsdp2", use_torch_compile=False,
-            mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+            mixed_precision=None if args.bf16 else {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
         ), FSDPOptimizerConfig(lr=1e-3),
         CheckpointConfig(),
     )

@@ -20,7 +20,7 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.
 
 
 def _run(tmp_path, *flags, port):
-    out = tmp_path / f"step{'_'.join(flags) or '_plain'}.pt"
+    out = tmp_path / f"step{'_'.join(f.strip('-') for f in flags) or '_plain'}.pt"
     env = dict(os.environ, MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "verl_engine_step.py"), str(out), *flags],
                           env=env, capture_output=True, text=True, timeout=600)
@@ -51,3 +51,17 @@ def test_engine_step_with_external_lib_is_packed_and_exact(tmp_path):
     assert not dualkv["unpacked"], dualkv["unpacked"]
     # The log-probs and the entropy come from the lm_head in chunks, inside its FSDP unit: no [T, V] logits.
     assert dualkv["fused_log_probs"] == 1 and dualkv["fused_entropy"] == 1, dualkv["reports"]
+
+
+def test_engine_step_in_bfloat16_fuses_under_autocast(tmp_path):
+    """veRL's default mixed precision (bf16 parameters under FSDP2, bf16 autocast around the step): the log-probs
+    and the entropy are still fused with the lm_head, and dualkv's step agrees with the plain one to bf16's
+    rounding (the tolerance of examples/fsdp_grpo.py's bf16 runs)."""
+    plain = _run(tmp_path, "--bf16", port=29613)
+    dualkv = _run(tmp_path, "--bf16", "--dualkv", port=29614)
+    assert dualkv["fused_log_probs"] == 1 and dualkv["fused_entropy"] == 1 and not dualkv["unpacked"], dualkv["reports"]
+    p_out, d_out = plain["outputs"]["model_output"], dualkv["outputs"]["model_output"]
+    for key in ("log_probs", "entropy"):
+        assert _rel(d_out[key].values(), p_out[key].values()) <= 5e-2, key
+    for name, g in plain["grads"].items():
+        assert _rel(dualkv["grads"][name], g) <= 5e-2, name
