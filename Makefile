@@ -43,7 +43,7 @@ VERL_STAMP := $(VERL)/.installed
 VERL_PKGS := verl==0.9.1 ray==2.60.0 tensordict==0.15.3 hydra-core==1.3.8 omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 \
 	codetiming==1.4.0 pylatexenc==2.11 msgpack==1.2.4 protobuf==7.36.2 requests==2.34.2 urllib3==2.8.0 \
 	certifi==2026.10.19.post1 charset-normalizer==3.5.3 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
-	referencing==0.37.0 rpds-py==2026.9.1 pyvers==0.2.3 cloudpickle==3.1.3 peft==0.21.2 orjson==3.13.0 attrs==26.1.0
+	referencing==0.37.0 rpds-py==2026.9.1 pyvers==0.2.3 cloudpickle==3.1.3 orjson==3.13.0 attrs==26.1.0
 
 $(VERL_STAMP): $(STAMP)
 	test -x $(VERL)/bin/python || $(PYTHON) -m venv --without-pip $(VERL)

@@ -17,7 +17,12 @@ order: the rho of the unshuffled batch). At the end it compares every metric TRL
 rewards, entropy, clip ratios, ...) between the two runs and ends with ``trl_grpo: OK`` when they agree
 (float32: 1e-5 relative; with ``--bf16``, mixed precision, 2e-2) and every scoring forward ran packed.
 
-    python examples/trl_grpo.py [--steps 2] [--prompts 4] [--generations 4] [--bf16]
+With ``--lora`` TRL trains LoRA adapters (``GRPOTrainer(..., peft_config=LoraConfig(...))``: TRL wraps the model
+with PEFT, turns on ``enable_input_require_grads`` for its gradient checkpointing, and patches the PEFT model's base
+model). With ``--enable-before`` dualkv is turned on before the trainer is built, on the bare model
+(``compile_scoring_forward(model)``), so TRL patches (and, with ``--lora``, wraps) a model already routed.
+
+    python examples/trl_grpo.py [--steps 2] [--prompts 4] [--generations 4] [--bf16] [--lora] [--enable-before]
 """
 
 from __future__ import annotations
@@ -49,11 +54,11 @@ def word_tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
-def tiny_qwen3(vocab: int, seed: int = 0):
+def tiny_qwen3(vocab: int, seed: int = 0, layers: int = 2):
     import transformers
 
     cfg = transformers.Qwen3Config(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, eos_token_id=1,
         bos_token_id=1, attn_implementation="sdpa",
     )
@@ -111,11 +116,13 @@ def interleaved(ids: torch.Tensor, mask: torch.Tensor, prompts: list[tuple[int, 
 
 
 def train(args, use_dualkv: bool):
+    """One run of ``args.steps`` GRPO steps from the seed's weights: the trained trainer, its scoring calls as
+    ``ScoringCalls`` saw them (with dualkv), the prompts' token ids and the wall time."""
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
     tok = word_tokenizer()
-    model = tiny_qwen3(len(tok))
+    model = tiny_qwen3(len(tok), layers=args.layers)
     g = torch.Generator().manual_seed(args.seed)
     lengths = torch.randint(4, 12, (args.prompts * args.steps,), generator=g).tolist()
     prompts = [" ".join(WORDS[j] for j in torch.randint(0, len(WORDS), (n,), generator=g).tolist()) for n in lengths]
@@ -126,16 +133,24 @@ def train(args, use_dualkv: bool):
         use_cpu=not torch.cuda.is_available(), seed=args.seed, save_strategy="no", bf16=args.bf16,
         temperature=0.9, disable_tqdm=False,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_short_words, args=config,
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    if use_dualkv and args.enable_before:
+        dualkv_compile.integrations.trl.compile_scoring_forward(model, inner=args.inner)  # before TRL patches it
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_short_words, args=config, peft_config=peft_config,
                           train_dataset=datasets.Dataset.from_dict({"prompt": prompts}), processing_class=tok)
     calls = None
     if use_dualkv:
-        dualkv_compile.integrations.trl.enable(trainer, inner=args.inner)  # the one line
+        if not args.enable_before:
+            dualkv_compile.integrations.trl.enable(trainer, inner=args.inner)  # the one line
         calls = ScoringCalls(trainer.model)
     start = time.perf_counter()
     trainer.train()
     prompt_ids = [tuple(tok(text)["input_ids"]) for text in prompts]
-    return trainer.state.log_history, (calls.calls if calls else []), prompt_ids, time.perf_counter() - start
+    return trainer, (calls.calls if calls else []), prompt_ids, time.perf_counter() - start
 
 
 def metric_diffs(plain: list[dict], dual: list[dict]) -> dict[str, float]:
@@ -151,7 +166,7 @@ def metric_diffs(plain: list[dict], dual: list[dict]) -> dict[str, float]:
     return diffs
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--prompts", type=int, default=4, help="prompts per generation batch")
@@ -160,16 +175,25 @@ def main(argv=None) -> int:
     p.add_argument("--max-completion", type=int, default=8)
     p.add_argument("--bf16", action="store_true", help="mixed precision (autocast bfloat16), as TRL's default")
     p.add_argument("--inner", default="aot_eager", choices=["aot_eager", "inductor"])
+    p.add_argument("--lora", action="store_true", help="LoRA adapters through TRL's peft_config (needs peft)")
+    p.add_argument("--enable-before", action="store_true",
+                   help="compile_scoring_forward(model) before the trainer is built instead of enable(trainer) after")
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default=None)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     logging.getLogger("dualkv_compile").setLevel(logging.ERROR)  # the summary below says what happened
     with tempfile.TemporaryDirectory() as tmp:
         args.output_dir = args.output_dir or tmp
         print(f"GRPOTrainer, {args.steps} steps, {args.prompts} prompts x {args.generations} completions per generation "
               f"batch ({'bf16 autocast' if args.bf16 else 'float32'}): plain TRL, then with dualkv", flush=True)
-        plain, _, _, t_plain = train(args, use_dualkv=False)
-        dual, calls, prompt_ids, t_dual = train(args, use_dualkv=True)
+        plain_run, _, _, t_plain = train(args, use_dualkv=False)
+        dual_run, calls, prompt_ids, t_dual = train(args, use_dualkv=True)
+    plain, dual = plain_run.state.log_history, dual_run.state.log_history
 
     ok = bool(calls)
     print(f"\n{len(calls)} scoring forward(s) with dualkv (the packed stream against the distinct prefixes of the rows):")
@@ -196,8 +220,8 @@ def main(argv=None) -> int:
     graphs = dualkv_compile.reports()
     with_attention = [r for r in graphs if r.num_attention]
     print(f"dualkv saw {len(graphs)} graph(s): {sum(r.rewritten for r in with_attention)} of the {len(with_attention)} "
-          f"with attention rewritten; {len(graphs) - len(with_attention)} without attention (TRL's chunked log-prob "
-          f"function after a graph break) run as they are")
+          f"with attention rewritten; {len(graphs) - len(with_attention)} without attention (pieces before a graph "
+          f"break: with --lora, the embedding before the hook of PEFT's enable_input_require_grads) run as they are")
     print(f"wall time (CPU, includes compiling): plain {t_plain:.1f} s, dualkv {t_dual:.1f} s")
     ok &= bool(diffs) and all(d <= tol for d in diffs.values())
     print("trl_grpo: OK" if ok else "trl_grpo: FAILED")

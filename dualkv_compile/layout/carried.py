@@ -23,10 +23,12 @@ the backend, and a failed check runs the graph unpacked with the reason)
       over the shared prefix) are bitwise equal to the copy it keeps (the
       group's first row). That is the condition under which the packed
       program computes what each row would: O(B * P * H) reads.
-    * Exactness of the padding: a graph whose masks are inputs checks each
-      mask against the layout (``mask_checked``, once per mask tensor and
-      layout); a graph with no mask uses a carried layout only if one of its
-      inputs shares storage with a tensor that a graph produced while running
+    * Exactness of the padding: a graph whose masks are inputs, or are built
+      from inputs (an attention mask, and sizes as ints where Dynamo compiled
+      it with symbolic shapes), checks each mask against the layout
+      (``mask_checked``, once per layout, set of tensors and equal sizes); a
+      graph with no mask uses a carried layout only if one of its inputs
+      shares storage with a tensor that a graph produced while running
       packed on this very layout (``produced``; the producing tensor must be
       alive, so its storage cannot have been reused). Otherwise nothing ties
       the layout's padding to this call's data.
@@ -114,13 +116,16 @@ class ActiveLayout:
         return ref is not None and ref() is s
 
     # --------------------------------------------------------------- masks
-    def mask_checked(self, key_tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether the masks computed from exactly these tensors (same objects, unmodified) were checked."""
-        entry = self._masks.get(tuple(id(t) for t in key_tensors))
-        return entry is not None and all(r() is t and t._version == v for (r, v), t in zip(entry, key_tensors))
+    def mask_checked(self, key_inputs: Sequence[object]) -> bool:
+        """Whether the masks computed from exactly these inputs were checked: the same tensors (objects,
+        unmodified) and equal scalars (a graph Dynamo compiled with symbolic sizes takes them as ints)."""
+        entry = self._masks.get(_mask_key(key_inputs))
+        return entry is not None and all(_same_input(e, x) for e, x in zip(entry, key_inputs))
 
-    def mark_mask_checked(self, key_tensors: Sequence[torch.Tensor]) -> None:
-        self._masks[tuple(id(t) for t in key_tensors)] = [(weakref.ref(t), t._version) for t in key_tensors]
+    def mark_mask_checked(self, key_inputs: Sequence[object]) -> None:
+        self._masks[_mask_key(key_inputs)] = [
+            (weakref.ref(x), x._version) if isinstance(x, torch.Tensor) else (None, x) for x in key_inputs
+        ]
 
     # --------------------------------------------------------------- sharing
     def share_mismatch(self, tensors: Sequence[torch.Tensor]) -> Optional[int]:
@@ -171,6 +176,18 @@ class ActiveLayout:
             return self.how  # a caller's layout (integrations.verl: "veRL's remove-padding row")
         what = "its token ids" if self.how == "input_ids" else "its hidden states and mask"
         return f"graph {self.graph_id} (detected from {what})"
+
+
+def _mask_key(inputs: Sequence[object]) -> tuple:
+    """A tensor by identity (its weak reference and version check the rest), a scalar (a size) by value."""
+    return tuple(("tensor", id(x)) if isinstance(x, torch.Tensor) else ("value", type(x).__name__, x) for x in inputs)
+
+
+def _same_input(entry: tuple, x: object) -> bool:
+    ref, recorded = entry
+    if ref is None:
+        return not isinstance(x, torch.Tensor) and type(x) is type(recorded) and x == recorded
+    return ref() is x and x._version == recorded
 
 
 def _alias_key(t: torch.Tensor) -> tuple:

@@ -1,13 +1,17 @@
 """``integrations.trl``: TRL's GRPOTrainer scoring forward through dualkv, exact and packed.
 
-TRL 1.16 scores completions with ``model(..., labels=labels, fused_lm_head=True)``:
-the backbone, then ``last_hidden_state[:, :-1]`` flattened to ``[B * (S - 1), H]``
-into a chunked log-prob autograd function that Dynamo cannot trace (a graph
-break). The backbone's graph must pack with that merged output; the rest runs
-as TRL wrote it.
+TRL 1.16 scores completions with ``model(..., labels=labels, fused_lm_head=True)``: a
+forward TRL patches in (``add_fused_lm_head``) that calls the backbone, then flattens
+``last_hidden_state[:, :-1]`` to ``[B * (S - 1), H]`` into a chunked log-prob autograd
+function. dualkv routes the backbone, so TRL's patch may come before or after it; the
+rest runs as TRL wrote it. LoRA through TRL's ``peft_config`` trains exactly as without
+dualkv (``test_grpo_lora_matches_the_plain_trainer``).
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import pytest
 import torch
@@ -16,7 +20,7 @@ import dualkv_compile
 from dualkv_compile.integrations.trl import compile_scoring_forward, enable
 
 from ..helpers import hf_model, rel
-from ..test_examples import run
+from ..test_examples import ROOT, run
 
 trl_utils = pytest.importorskip("trl.trainer.utils")
 
@@ -48,14 +52,29 @@ def _fused_model():
     return model
 
 
-@pytest.mark.parametrize("compact", [False, True])
-def test_fused_lm_head_forward_packs_and_is_exact(compact, monkeypatch):
-    """``compact``: TRL on a GPU selects ``hidden_states[mask]`` (a data-dependent shape: the graph breaks
-    before it, and the backbone's graph returns ``[B, S - 1, H]``); elsewhere it flattens every position."""
+def _patched_and_routed(order):
+    """A tiny Qwen3 with TRL's fused head and dualkv, in the given order: "trl_first" (``enable`` after the
+    trainer is built) or "dualkv_first" (``compile_scoring_forward`` on the bare model, then TRL patches it,
+    twice: a second trainer built on the same model patches the patched forward again)."""
+    model = hf_model("qwen3", "sdpa")
+    patch = lambda: trl_utils.add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))  # noqa: E731
+    if order == "trl_first":
+        patch()
+    compile_scoring_forward(model, inner="aot_eager")
+    if order == "dualkv_first":
+        patch()
+        patch()
+    return model
+
+
+@pytest.mark.parametrize("compact, order", [(False, "trl_first"), (True, "trl_first"), (False, "dualkv_first")])
+def test_fused_lm_head_forward_packs_and_is_exact(compact, order, monkeypatch):
+    """``compact``: TRL on a GPU selects ``hidden_states[mask]`` (a data-dependent shape); elsewhere it flattens
+    every position. ``order``: whether TRL patches ``forward`` before dualkv is turned on or after."""
     monkeypatch.setattr(trl_utils, "_use_triton", lambda device: compact)
     torch._dynamo.reset()
-    model, ref = _fused_model(), _fused_model()
-    compile_scoring_forward(model, inner="aot_eager")
+    seen = len(dualkv_compile.reports())
+    model, ref = _patched_and_routed(order), _fused_model()
     ids, mask, labels, C = _trl_batch()
     out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
     expected = ref(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
@@ -66,8 +85,9 @@ def test_fused_lm_head_forward_packs_and_is_exact(compact, monkeypatch):
     loss(expected).backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert rel(p.grad, q.grad) <= 1e-5, name
-    packed = [r for r in dualkv_compile.reports()[-3:] if r.num_attention]
-    assert len(packed) == 1 and packed[0].packed_calls == 1, [str(r) for r in dualkv_compile.reports()[-3:]]
+    graphs = dualkv_compile.reports()[seen:]
+    packed = [r for r in graphs if r.num_attention]
+    assert len(packed) == 1 and packed[0].packed_calls == 1, [str(r) for r in graphs]
     # Two prompts of 5 and 7 once, completions 3+4+2 twice: 30 packed tokens of 54.
     assert (packed[0].last_stats.tokens_before, packed[0].last_stats.tokens_after) == (54, 30)
 
@@ -89,13 +109,32 @@ class _Trainer:
         self.model, self.ref_model = model, ref_model
 
 
+def _routed(model):
+    return getattr(model.model.forward, "_dualkv_scoring_forward", False)  # the backbone's forward
+
+
 def test_enable_compiles_policy_and_reference_once():
     trainer = _Trainer(_fused_model(), _fused_model())
     assert enable(trainer, inner="aot_eager") is trainer
-    for m in (trainer.model, trainer.ref_model):
-        assert getattr(m.forward, "_dualkv_scoring_forward", False)
-    with pytest.raises(ValueError, match="already enabled"):
+    assert _routed(trainer.model) and _routed(trainer.ref_model)
+    with pytest.raises(ValueError, match="already enabled on this _Trainer"):
         enable(trainer)
+    with pytest.raises(ValueError, match="already enabled on this Qwen3ForCausalLM"):
+        compile_scoring_forward(trainer.model)
+
+
+def test_enable_after_compile_scoring_forward_wraps_nothing_twice():
+    """The model routed before the trainer was built: ``enable`` keeps that wrapper (same options) and routes
+    the reference model; other options than the model's raise instead of wrapping it again."""
+    policy = compile_scoring_forward(hf_model("qwen3", "sdpa"), inner="aot_eager")
+    wrapper = policy.model.forward
+    trainer = _Trainer(policy, _fused_model())
+    enable(trainer, inner="aot_eager")
+    assert policy.model.forward is wrapper and _routed(trainer.ref_model)
+    assert not getattr(wrapper.__wrapped__, "_dualkv_scoring_forward", False)  # over the original forward
+    already = r"trainer.model: dualkv is already enabled on it .* with options \{'inner': 'aot_eager'\}"
+    with pytest.raises(ValueError, match=already):
+        enable(_Trainer(policy), inner="inductor")
 
 
 def test_enable_names_bad_arguments():
@@ -113,3 +152,50 @@ def test_trl_grpo_example_matches_the_plain_trainer():
     out = run("trl_grpo.py", "--steps", "2")
     assert "trl_grpo: OK" in out
     assert "rows of one prompt interleaved" in out and "(equal)" in out and "RAN UNPACKED" not in out
+
+
+def _example():
+    """examples/trl_grpo.py as a module: its ``train`` runs here (no second interpreter to start)."""
+    spec = importlib.util.spec_from_file_location("trl_grpo_example", os.path.join(ROOT, "examples", "trl_grpo.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_plain_lora_runs = {}  # the plain trainer's log, shared by both orders
+
+
+@pytest.mark.parametrize("order", ["enable_after", "enable_before"])
+def test_grpo_lora_matches_the_plain_trainer(order, tmp_path):
+    """GRPOTrainer with ``peft_config=LoraConfig(...)``, 2 steps on CPU (float32), dualkv turned on after the
+    trainer is built (``enable``) or on the bare model before it (``compile_scoring_forward``: TRL then wraps
+    it with PEFT and patches its forward): every scoring forward packed to the distinct prefixes of its rows,
+    every metric TRL logged equal to the trainer without dualkv (1e-5)."""
+    peft = pytest.importorskip("peft")
+    ex = _example()
+    # One layer: the trainer's path is the same as with two, in half the compile time (make test's budget).
+    argv = ["--steps", "2", "--lora", "--layers", "1"] + (["--enable-before"] if order == "enable_before" else [])
+    args = ex.parse_args(argv)
+    args.output_dir = str(tmp_path)
+    if "log" not in _plain_lora_runs:
+        _plain_lora_runs["log"] = ex.train(args, use_dualkv=False)[0].state.log_history
+    torch._dynamo.reset()
+    seen = len(dualkv_compile.reports())
+    trainer, calls, _, _ = ex.train(args, use_dualkv=True)
+
+    assert isinstance(trainer.model, peft.PeftModel)
+    trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_" in n for n in trained), trained
+    assert calls
+    for c in calls:
+        stats = c["stats"]
+        assert stats is not None, "a scoring forward ran unpacked"
+        # The oracle: each distinct prefix of the rows' valid runs once (the example's, from the batch alone).
+        oracle = ex.distinct_prefixes(c["ids"], c["mask"])
+        assert stats.tokens_before == int(c["mask"].sum()) > stats.tokens_after == oracle
+    graphs = dualkv_compile.reports()[seen:]
+    with_attention = [r for r in graphs if r.num_attention]
+    assert with_attention and all(r.rewritten and r.packed_calls > 0 for r in with_attention), [str(r) for r in graphs]
+    diffs = ex.metric_diffs(_plain_lora_runs["log"], trainer.state.log_history)
+    assert {"loss", "grad_norm", "entropy", "reward"} <= set(diffs)
+    assert max(diffs.values()) <= 1e-5, diffs

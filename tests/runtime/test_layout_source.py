@@ -132,6 +132,47 @@ def test_stale_layout_not_used(one_thread):
     active_layout.clear()
 
 
+class _BreakAfterEmbedding(torch.nn.Module):
+    """An embedding, a graph break, then one causal attention block whose mask is built from the attention mask
+    and the batch's sizes (as transformers builds its sdpa mask): the graph after the break has no token ids."""
+
+    def __init__(self, vocab=101, dim=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.embed(input_ids)
+        torch._dynamo.graph_break()
+        B, S = attention_mask.shape
+        causal = torch.ones(S, S, dtype=torch.bool, device=h.device).tril()
+        mask = causal[None, None] & attention_mask.bool()[:, None, None, :]
+        q, k, v = self.qkv(h).view(B, S, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(h + a.transpose(1, 2).reshape(B, S, -1))
+
+
+def test_graph_break_after_the_embedding_across_sequence_lengths(one_thread):
+    """LoRA under gradient checkpointing (TRL's defaults with ``peft_config``) breaks the graph after the
+    embedding (PEFT's frozen embedding, ``enable_input_require_grads``'s hook). The graph after the break builds
+    its mask from the attention mask and the batch's sizes; Dynamo recompiles it for a second sequence length
+    with symbolic sizes, which the mask then reads as ints among the graph's inputs."""
+    torch._dynamo.reset()
+    active_layout.clear()
+    torch.manual_seed(0)
+    batches = [grpo_batch(BATCHES[k], 101, seed=i) for i, k in enumerate(["one_group", "three_groups"])]
+    assert len({ids.shape[1] for ids, _, _ in batches}) == len(batches)  # a new S each call
+    start = len(dualkv_compile.reports())
+    check_model(_BreakAfterEmbedding(), batches, forward=lambda m, ids, mask, pos: m(ids, mask))
+    new = dualkv_compile.reports()[start:]
+    with_attention = [r for r in new if r.num_attention]
+    assert sum(r.packed_calls for r in with_attention) == len(batches), [str(r) for r in new]
+    assert all(r.layout_source.startswith("detected from its hidden states and mask") for r in with_attention)
+    assert len(with_attention) == 2  # the first S, then the graph with symbolic sizes
+
+
 class TestPerLayerGraphDiff(expecttest.TestCase):
     def test_qwen3_decoder_layer_before_and_after(self):
         """A decoder layer's own graph (hidden states, cos/sin, 4-D mask in): packed, the mask dropped."""
