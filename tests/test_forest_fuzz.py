@@ -18,16 +18,26 @@ detection must find is exactly the generated one:
   on CPU), exact to 1e-12; and in float32 for cpu_flash and Triton (on the
   GPU where there is one: its compiled kernels take no float64), to 1e-5
   (gradients 1e-4).
+
+Slow (``make test-slow``): the same forests through tiny Hugging Face Llama
+and Qwen3 models, compiled once each, called alternately on padded rows and
+on one packed row (a trainer's mixed micro-batches, issue 35): logits or a
+next-token loss and every parameter gradient equal the unmodified model's
+(float32, 1e-5), and every call whose forest shares a node runs packed.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import random
 
 import pytest
 import torch
 
+import dualkv_compile
+from dualkv_compile.backend import dualkv_backend
 from dualkv_compile.layout import detect, pack, unpack
 from dualkv_compile.ops.attention import shared_prompt_attention, unsupported_reason
 
@@ -158,3 +168,135 @@ def test_random_forest_exact(backend, dtype, seed):
     err = (got - want).abs().max().item()
     grad_tol = tol if dtype == torch.float64 else 10 * tol  # float32: a shared token sums many rounded terms
     assert err <= grad_tol * max(1.0, want.abs().max().item()), err
+
+
+# ---------------------------------------------------------------- alternating layouts through Hugging Face models
+#
+# Issue 35: one compiled forward or loss called on padded rows, then on one packed row, then on padded rows
+# again (a trainer's mixed micro-batches). Dynamo recompiles as sizes change, and some recompiled graphs read
+# their sizes off model values; each call must still pack wherever it shares, and equal the unmodified model.
+# The examples run in blocks of four calls of one compiled function (family x forward or loss), padded and
+# packed alternating, each block from a fresh Dynamo: what Dynamo has seen decides which sizes it makes
+# dynamic, and a block from scratch meets both changes of layout (padded -> packed, packed -> padded).
+
+ALTERNATING = 48  # examples: 12 blocks, 3 per compiled function
+_COMPILED = [("llama", "model"), ("qwen3", "loss"), ("qwen3", "model"), ("llama", "loss")]
+VOCAB = 101
+_hf: dict = {}
+
+
+def _in_vocab(paths):
+    """The forest's token ids folded into the tiny models' vocabulary (equal ids only add sharing)."""
+    return [[1 + (t - 1) % (VOCAB - 1) for t in p] for p in paths]
+
+
+def _one_packed_row(paths):
+    """Every sequence in one row, position ids restarting at each, no mask (veRL's remove-padding row)."""
+    return {
+        "input_ids": torch.tensor([t for p in paths for t in p])[None],
+        "position_ids": torch.cat([torch.arange(len(p)) for p in paths])[None],
+    }
+
+
+def _right_padded(rng, paths):
+    """One sequence a row from column 0, 1-3 padding columns, ids and mask only (no position ids: the model
+    counts positions from column 0), as a trainer passes padded rows."""
+    S = max(len(p) for p in paths) + rng.randint(1, 3)
+    ids = torch.zeros(len(paths), S, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(paths):
+        ids[b, : len(p)] = torch.tensor(p)
+        mask[b, : len(p)] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _next_token_loss(model, batch):
+    """Summed log-probs of every next token of the same sequence, in any of the layouts above."""
+    logits = model(**batch).logits
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    if "position_ids" in batch:  # positions consecutive: the same sequence
+        pos = batch["position_ids"]
+        keep = pos[:, 1:] == pos[:, :-1] + 1
+    else:  # one sequence a row: both tokens valid
+        mask = batch["attention_mask"]
+        keep = (mask[:, 1:] * mask[:, :-1]).bool()
+    return (logp * keep).sum()
+
+
+def _hf_case(family: str, path: str):
+    """The model, its unmodified twin, and the compiled forward (path "model") or loss (path "loss"), made once."""
+    if (family, path) not in _hf:
+        from tests.helpers import hf_model  # here: tests.helpers skips the module importing it without transformers
+
+        model = hf_model(family, "sdpa", layers=1)
+        options = {"inner": "aot_eager", "min_rho": 1.0}
+        if path == "model":
+            fn = torch.compile(model, backend=functools.partial(dualkv_backend, options=options))
+        else:
+            fn = dualkv_compile.policy_loss(_next_token_loss, **options)
+        _hf[(family, path)] = (model, copy.deepcopy(model), fn)
+    return _hf[(family, path)]
+
+
+@pytest.fixture(scope="module")
+def alternating_dynamo():
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(cache_size_limit=64, accumulated_cache_size_limit=512):
+        yield
+    _hf.clear()
+    torch._dynamo.reset()
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("alternating_dynamo")
+@pytest.mark.parametrize("example", range(ALTERNATING))
+def test_alternating_layouts_pack_and_are_exact(example):
+    pytest.importorskip("transformers")
+    rng = random.Random(1000 + example)
+    paths, total = random_sequences(rng)
+    shares = total < sum(len(p) for p in paths)  # by construction: some node is read by two sequences
+    paths = _in_vocab(paths)
+    family, path = _COMPILED[example // 4 % len(_COMPILED)]
+    if example % 4 == 0:
+        torch._dynamo.reset()  # a block starts from a fresh Dynamo (see above)
+    if example % 2 == 0:
+        if rng.random() < 0.5:  # shuffled rows from column 0, without position ids
+            batch = _right_padded(rng, paths)
+        else:  # rows at random columns, position ids from each sequence's start
+            ids, mask, pos, _ = as_padded_rows(rng, paths)
+            batch = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+        valid = batch["attention_mask"].bool()
+    else:
+        batch = _one_packed_row(paths)
+        valid = torch.ones(batch["input_ids"].shape, dtype=torch.bool)
+    model, ref, fn = _hf_case(family, path)
+    before = [(r.calls, r.packed_calls) for r in dualkv_compile.reports()]
+    if path == "model":
+        got, want = fn(**batch).logits, ref(**batch).logits
+        assert _rel(got[valid], want[valid]) <= 1e-5
+        proj = torch.randn(VOCAB, generator=torch.Generator().manual_seed(example))
+        got, want = got[valid] @ proj, want[valid] @ proj
+    else:
+        got, want = fn(model, batch), _next_token_loss(ref, batch)
+        assert _rel(got.detach(), want.detach()) <= 1e-5
+    got.sum().backward()
+    want.sum().backward()
+    # A gradient that is zero in exact arithmetic (q_proj's when every query sees one key: a lone one-token
+    # sequence) is float32 rounding noise on either side: it is compared with the largest gradient too.
+    floor = 1e-6 * max(q.grad.norm().item() for q in ref.parameters())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        err = (p.grad - q.grad).norm().item()
+        assert err <= 1e-5 * q.grad.norm().item() or err <= floor, (name, _rel(p.grad, q.grad), err, floor)
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    if shares:
+        after = dualkv_compile.reports()
+        new = after[len(before):]
+        assert all(r.rewritten for r in new), [str(r) for r in new]  # a refused graph counts no calls
+        calls = sum(r.calls for r in after) - sum(c for c, _ in before)
+        packed = sum(r.packed_calls for r in after) - sum(p for _, p in before)
+        assert calls >= 1 and packed == calls, [str(r) for r in after]

@@ -146,3 +146,43 @@ def test_one_packed_row_with_flash_attention_kwargs(family, impl):
     batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int(lens.max()), max_length_k=int(lens.max()))
     stats = _check(family, impl, batch)
     assert (stats.num_sequences, stats.tokens_before, stats.tokens_after, stats.depth) == (5, 66, 30, 3)
+
+
+def _next_token_loss(model, batch):
+    """The summed log-prob of every next token within its sequence: of the attention mask in padded rows, of
+    the position ids (a token whose position is 0 starts a new sequence) in a packed row."""
+    logits = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}).logits
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    keep = batch["attention_mask"][:, 1:] if "attention_mask" in batch else batch["position_ids"][:, 1:] != 0
+    return (logp * keep).sum()
+
+
+def test_alternating_padded_and_packed_row_batches_all_pack():
+    """One ``@policy_loss`` called on padded rows, then one packed row, then padded rows again (a trainer's
+    mixed micro-batches). Dynamo recompiles at each change with the sizes that changed made dynamic; an input
+    seen in one layout only (the position ids, the mask) stays static, and broadcasting against it turns the
+    symbolic size into a constant mid-trace, which leaves ``x.size()`` calls on model values in the graph. Each
+    call must pack (all of it: every graph, every call) and equal the undecorated loss and its gradients."""
+    torch._dynamo.reset()  # Dynamo's record of which sizes changed is per code object: start from none
+    model = hf_model("llama", "sdpa", layers=1)
+    ref = copy.deepcopy(model)
+    # inner="eager": the packed graph and the fallback run uncompiled (the test's time is Dynamo's three traces).
+    decorated = dualkv_compile.policy_loss(_next_token_loss, inner="eager")
+    batches = [
+        _padded(_rows(0, TWO_GROUPS, seed=4)),
+        _packed_row([_rows(3, TWO_GROUPS, seed=5)[i] for i in SHUFFLE]),
+        _padded(_rows(3, [(6, [2, 5]), (3, [1, 3, 2])], seed=6)),  # [5, 15]: another S
+    ]
+    start = len(dualkv_compile.reports())
+    for batch in batches:
+        loss, expected = decorated(model, batch), _next_token_loss(ref, batch)
+        assert rel(loss.detach(), expected.detach()) <= 1e-5
+        loss.backward()
+        expected.backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert rel(p.grad, q.grad) <= 1e-5, name
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    new = dualkv_compile.reports()[start:]
+    assert all(r.rewritten and r.packed_calls == r.calls and not r.fallback_reasons for r in new), [str(r) for r in new]
+    assert sum(r.calls for r in new) == len(batches), [str(r) for r in new]  # a refused graph counts no calls

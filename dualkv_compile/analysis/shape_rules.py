@@ -5,6 +5,8 @@ view/reshape/flatten/unflatten group dimensions and may merge ``b`` and
 squeeze, expand, movedim and t move tags; indexing moves them and takes
 ``[:, :-1]`` / ``[:, 1:]`` along the sequence as a next-token shift; cat,
 stack, split, chunk and unbind work along feature dimensions only.
+``x.size()`` of a token value is a size of the original layout, with no
+token axes (``_size``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,32 @@ import torch.fx as fx
 from .node_info import Kind, NodeInfo, RuleFailed, arg, ev as _ev, hint, kind_of, shape_of, untagged
 from .token_rules import token_rule
 
-__all__: list[str] = []
+__all__ = ["is_size_query"]
+
+# Methods that read a tensor's sizes and return ints (a ``torch.Size`` or one entry of it), not a tensor.
+_SIZE_METHODS = ("size",)
+
+
+def is_size_query(node: fx.Node) -> bool:
+    """Whether ``node`` is ``x.size()`` or ``x.size(d)``: its value is a size, not a tensor."""
+    return node.op == "call_method" and node.target in _SIZE_METHODS
+
+
+@token_rule(methods=_SIZE_METHODS)
+def _size(node, info, B, S) -> NodeInfo:
+    """``x.size()`` / ``x.size(d)``: ints of the original layout (B, S, f * S, feature sizes), no token axes.
+
+    Dynamo records these where it traced ``x.shape`` with a symbolic size and
+    a guard later made that size a constant (automatic dynamic shapes after a
+    layout change: an input first seen in this layout, static, broadcast
+    against a symbolic one), so a static graph may read its sizes off token
+    values. Read as numbers they must be the original program's; an op that
+    shapes a packed value from them re-derives its token axes instead
+    (``rewrite.packed_shapes.rewrite_shapes``: ``b -> 1``, ``s``/``bs -> T * f``),
+    and the rewrite computes them without building ``x`` in the original
+    layout (``rewrite.packed_shapes.emit_original_size``).
+    """
+    return NodeInfo(Kind.NONE)
 
 
 @token_rule(torch.reshape, torch.flatten, methods=("view", "reshape", "flatten", "unflatten"))

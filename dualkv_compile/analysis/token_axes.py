@@ -48,6 +48,7 @@ import torch.fx as fx
 from .attention_match import AttentionMatch, find_attention
 from .node_info import Coupling, Kind, NodeInfo, Refusal, RuleFailed, ev as _ev, hint, op_name, shape_of, untagged
 from .moe_rules import routed_rule
+from .shape_rules import is_size_query
 from .token_inputs import Role, TokenInputs
 from .token_rules import POINTWISE_FUNCS, POINTWISE_METHODS, rule_for
 
@@ -195,7 +196,7 @@ def _rule(node: fx.Node, info, token_inputs, B, S) -> NodeInfo:
             return rule_for(node)(node, info, B, S)  # a constant expanded over the batch (BCAST)
         return _creation_info(node, ev, B, S)
     # From here on at least one input is TOKEN or COLUMN.
-    if not isinstance(ev, (torch.Tensor, tuple, list)):
+    if not isinstance(ev, (torch.Tensor, tuple, list)) and not is_size_query(node):
         raise RuleFailed(f"{op_name(node)} of a token value gives a non-tensor")
     rule = rule_for(node)
     if rule is None:

@@ -20,7 +20,10 @@ How
     ops that leave the token-local region such as a shift along the sequence),
     or, for a value of the ids, mask and positions alone, the op itself on the
     original inputs. A sum over every token axis is taken on the packed stream,
-    each token weighted by its multiplicity (``weighted_reductions``).
+    each token weighted by its multiplicity (``weighted_reductions``). A
+    size read off a token value (``x.size()``) keeps its original value, as
+    a number; the ops that shape packed values re-derive their token axes
+    (``packed_shapes``).
     Dead-code elimination then drops what nothing reads, the attention masks
     among it, so ``[B, S, ...]`` values are built only where an original-layout
     consumer reads them.
@@ -40,9 +43,11 @@ from ..analysis.attention_match import AttentionMatch, default_scale
 from .inline_checkpoint import RECOMPUTE_META, TAGGED_OPS
 from .packed_inputs import PackedInputs
 from .packed_ops import gather_columns, gather_previous, gather_unpacked, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
+from .packed_shapes import emit_original_size, rewrite_shapes
 from .weighted_reductions import emit_weighted
 from .sp_meta import HEADS_META
 from ..analysis.node_info import Kind, Refusal, shape_of, ev as _ev
+from ..analysis.shape_rules import is_size_query
 from ..analysis.token_axes import TokenAxes
 from ..analysis.token_inputs import Role
 
@@ -162,6 +167,9 @@ class _Packer:
                     self.emit_original(n)
             elif info.weighted is not None:  # a sum over tokens: weighted on the packed stream, never unpacked
                 self.orig[n] = emit_weighted(self, n)
+            elif is_size_query(n) and self.axes.info[n.args[0]].kind is Kind.TOKEN:
+                # x.size() of a token value: the original sizes, without unpacking x only to read its shape.
+                self.orig[n] = emit_original_size(self, n)
             else:
                 self.orig[n] = self.emit_gather_unpacked(n) or self.copy(n, self.orig_of)
                 if info.kind is Kind.BCAST:  # both forms; DCE keeps what is read
@@ -226,7 +234,7 @@ class _Packer:
             lookup = self.packed_at_targets
         args = fx.map_arg(n.args, lookup)
         kwargs = fx.map_arg(n.kwargs, lookup)
-        args, kwargs = self.rewrite_shapes(n, args, kwargs)
+        args, kwargs = rewrite_shapes(self, n, args, kwargs)
         new = self.g.create_node(n.op, n.target, args, kwargs, name=n.name + "_packed")
         new.meta["dualkv_original"] = n.name  # for runtime.padding_reads (a name: meta may be deep-copied)
         return new
@@ -305,76 +313,6 @@ class _Packer:
     def _in_dtype(self, n: fx.Node, dtype: torch.dtype) -> fx.Node:
         p = self.packed_of(n)
         return p if _ev(n).dtype == dtype else self.g.call_method("to", (p, dtype))
-
-    # ------------------------------------------------------------ shapes
-    def token_size(self, tag: str, size: int, slen: int):
-        """The packed size of a dim tagged ``tag`` whose original size is ``size`` (``slen`` columns)."""
-        if tag == "b":
-            return 1
-        unit = slen if tag == "s" else self.B * slen
-        factor = size // unit
-        return self.T if factor == 1 else self.g.call_function(operator.mul, (self.T, factor))
-
-    def rewrite_shapes(self, n: fx.Node, args, kwargs):
-        tags = self.axes.info[n].tags
-        out_shape = shape_of(n) if isinstance(_ev(n), torch.Tensor) else []
-        target = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-        if target in ("view", "reshape", "expand"):
-            sizes_in_tuple = len(args) == 2 and isinstance(args[1], (tuple, list))
-            sizes = list(args[1] if sizes_in_tuple else args[1:])
-            for d, tag in enumerate(tags):
-                if tag is None:
-                    continue
-                if target == "expand":
-                    sizes[d] = 1 if tag == "b" else -1
-                elif sizes[d] != -1:
-                    sizes[d] = self.token_size(tag, out_shape[d], self.axes.info[n].slen)
-            args = (args[0], tuple(sizes)) if sizes_in_tuple else (args[0], *sizes)
-        elif target in ("new_empty", "new_zeros", "new_ones", "new_full"):
-            sizes_in_tuple = len(args) >= 2 and isinstance(args[1], (tuple, list))
-            sizes = list(args[1] if sizes_in_tuple else args[1:])
-            for d, tag in enumerate(tags):
-                if tag is not None:
-                    sizes[d] = self.token_size(tag, out_shape[d], self.axes.info[n].slen)
-            args = (args[0], tuple(sizes), *args[2:]) if sizes_in_tuple else (args[0], *sizes)
-        elif target == "unflatten":
-            dim, sizes = args[1], list(args[2])
-            dim %= len(_ev(n.args[0]).shape)
-            for j in range(len(sizes)):
-                tag = tags[dim + j]
-                if tag is not None and sizes[j] != -1:
-                    sizes[j] = self.token_size(tag, out_shape[dim + j], self.axes.info[n].slen)
-            args = (args[0], dim, tuple(sizes))
-        elif n.op == "call_function" and n.target is operator.getitem and isinstance(_ev(n.args[0]), torch.Tensor):
-            args = (args[0], self._full_slices(n, args[1]))
-        elif n.op == "call_function" and n.target is operator.setitem and self.axes.info[n].kind is Kind.ROUTED:
-            # The MoE dispatch's inverse permutation, inv[perm] = arange(n): n entries of the packed stream.
-            value = n.args[2]
-            size = self.g.call_method("size", (args[1], 0))
-            args = (args[0], args[1], self.g.call_function(torch.arange, (size,), dict(value.kwargs)))
-        return args, kwargs
-
-    def _full_slices(self, n: fx.Node, packed_idx):
-        """Slices along token axes are full (the analysis checked); drop their bounds so they stay full at T.
-
-        ``packed_idx``: the index with its nodes mapped to the packed graph (tensor indices kept as mapped)."""
-        src_tags = self.axes.info[n.args[0]].tags
-        idx = n.args[1]
-        single = not isinstance(idx, tuple)
-        idx = (idx,) if single else idx
-        mapped = (packed_idx,) if single else packed_idx
-        n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
-        out, d = [], 0
-        for i, m in zip(idx, mapped):
-            if i is Ellipsis:
-                d += len(src_tags) - n_real
-                out.append(i)
-            elif i is None:
-                out.append(i)
-            else:
-                out.append(slice(None) if isinstance(i, slice) and src_tags[d] is not None else m)
-                d += 1
-        return out[0] if single else tuple(out)
 
 
 def _inherit_recompute_tags(n: fx.Node, last: fx.Node) -> None:

@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from ..analysis.node_info import arg, ev, reduced_dims, shape_of
 from .packed_ops import token_weights, weighted_histc
+from .packed_shapes import original_dim_size
 from .sp_meta import TOKEN_SUM_META
 
 __all__ = ["emit_weighted", "WEIGHTED_META"]
@@ -83,30 +84,21 @@ def emit_weighted(p, n: fx.Node) -> fx.Node:
     # mean: the weighted sum over the same dims, divided by the original count of their entries.
     total = g.call_method("sum", (prod, *args), kwargs)
     total.meta[TOKEN_SUM_META] = "sum"
-    count = _original_count(p, n, x, xp, ids, truncate or xi.shift)
+    count = _original_count(p, n, x, ids, truncate or xi.shift)
     return _cast(g, g.call_function(operator.truediv, (total, count), name=n.name), ev(n).dtype, kwargs.get("dtype", wdtype))
 
 
-def _original_count(p, n: fx.Node, x: fx.Node, xp: fx.Node, ids: fx.Node, short: bool):
+def _original_count(p, n: fx.Node, x: fx.Node, ids: fx.Node, short: bool):
     """The number of entries a mean over ``n``'s dims averages in the original layout (a graph value)."""
     g, xi = p.g, p.axes.info[x]
-    tags, shape = xi.tags, shape_of(x)
-    dims = sorted(reduced_dims(arg(n, 1, "dim"), len(tags)))
+    dims = sorted(reduced_dims(arg(n, 1, "dim"), len(xi.tags)))
     B = g.call_method("size", (ids, 0))
     cols = g.call_method("size", (ids, 1))
     if short:  # x[:, 1:] or x[:, :-1]: S - 1 columns
         cols = g.call_function(operator.sub, (cols, 1))
     count = 1
     for d in dims:
-        tag = tags[d]
-        if tag == "b":
-            size = B
-        elif tag in ("s", "bs"):
-            size = g.call_function(operator.mul, (cols, shape[d] // xi.slen // (p.B if tag == "bs" else 1)))
-            if tag == "bs":
-                size = g.call_function(operator.mul, (size, B))
-        else:
-            size = g.call_method("size", (xp, d))
+        size = original_dim_size(p, x, d, B, cols)
         count = size if count == 1 else g.call_function(operator.mul, (count, size))
     return count
 

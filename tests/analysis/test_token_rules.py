@@ -509,6 +509,14 @@ SPLIT = [
     ("unbind-along-s", meth("unbind", X0, 1), [x], fails("split along a token axis")),
 ]
 
+# x.size() of a token value: sizes of the original layout, no token axes (the rewrite keeps them as numbers).
+SIZE = [
+    ("size", meth("size", X0), [x], out("", NONE)),
+    ("size-of-s", meth("size", X0, 1), [x], out("", NONE)),
+    ("size-dim-keyword", meth("size", X0, dim=0), [merged], out("", NONE)),
+    ("size-of-column", meth("size", X0, -1), [col], out("", NONE)),
+]
+
 TABLES = {
     "pointwise": _pointwise_rows(),
     "like": LIKE,
@@ -530,6 +538,7 @@ TABLES = {
     "cat": CAT,
     "stack": STACK,
     "split": SPLIT,
+    "size": SIZE,
 }
 
 
@@ -624,3 +633,24 @@ def test_driver_coupling_refuses_and_shift_is_inherited():
     assert axes.info[f] == NodeInfo(Kind.TOKEN, ("b", "s"), shift=1, slen=S - 1, from_inputs=True)
     assert axes.info[d].kind is Kind.ORIG and not axes.info[d].from_inputs  # a random draw is never computed twice
     assert axes.refusals == (f"{d.name}: dropout p=0.1 in training mode draws different masks for the copies of a shared prompt",)
+
+
+def test_driver_size_of_a_token_value_is_a_number_not_a_refusal():
+    """``ids.size(1)`` (an int, not a tensor) and ``ids.size()`` read off a token value give NONE: the view they
+    shape keeps its token axes, and the value divided by the size stays per-token."""
+
+    def build(graph, ids):
+        ev = ids.meta["example_value"]
+        whole = graph.call_method("size", (ids,))
+        whole.meta["example_value"] = ev.size()
+        cols = graph.call_method("size", (ids, 1))
+        cols.meta["example_value"] = ev.size(1)
+        flat = graph.call_method("view", (ids, whole))
+        flat.meta["example_value"] = ev.view(ev.size())
+        scaled = graph.call_function(operator.truediv, (flat, cols))
+        scaled.meta["example_value"] = flat.meta["example_value"] / ev.size(1)
+        return (whole, cols, scaled)
+
+    axes, (whole, cols, scaled) = _analyze(build)
+    assert axes.info[whole].kind is Kind.NONE and axes.info[cols].kind is Kind.NONE
+    assert (axes.info[scaled].kind, axes.info[scaled].tags) == (Kind.TOKEN, ("b", "s"))

@@ -7,6 +7,7 @@ the ``; x = None`` frees dropped) so they stay stable across runs.
 from __future__ import annotations
 
 import expecttest
+import pytest
 import torch
 from torch.testing import FileCheck
 
@@ -15,6 +16,7 @@ from dualkv_compile.rewrite.packed_inputs import PackedInputs
 from dualkv_compile.rewrite.packed_ops import unpack_tokens
 
 from dualkv_compile.rewrite.pack_graph import pack_graph
+from dualkv_compile.analysis.node_info import Kind
 from dualkv_compile.analysis.token_axes import analyze_token_axes
 from dualkv_compile.analysis.token_inputs import find_token_inputs
 
@@ -110,3 +112,68 @@ def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+
+
+class SizeReadingDecoder(torch.nn.Module):
+    """Reads its sizes off a model value, as Hugging Face's attention reads ``hidden_states.shape[:-1]``, and
+    divides by S. With ``positions``, adds an embedding of ``arange(positions)``: broadcasting against it makes a
+    symbolic S that constant after the sizes were read (what a static input does in a recompiled graph)."""
+
+    def __init__(self, vocab=61, dim=16, heads=2, positions=None):
+        super().__init__()
+        self.heads, self.positions = heads, positions
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Embedding(64, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.out = torch.nn.Linear(dim, dim, bias=False)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        shape = h.shape
+        if self.positions is not None:
+            h = h + self.pos(torch.arange(self.positions))
+        q, k, v = self.qkv(h).view(*shape[:-1], 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(h + self.out(a.transpose(1, 2).reshape(shape)) / shape[1])
+
+
+def _capture_dynamic(model, ids, inputs):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        inputs.extend(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, dynamic=True)(ids)
+    assert len(graphs) == 1
+    # The sizes Dynamo passes as symbols (s0, s1), as the ints of this call, to run the graphs eagerly.
+    inputs[:] = [int(x.node.hint) if isinstance(x, torch.SymInt) else x for x in inputs]
+    return graphs[0]
+
+
+@pytest.mark.parametrize("positions", [None, 7], ids=["symbolic", "specialised"])
+def test_sizes_read_off_token_values(positions):
+    """``h.size()`` of a token value in a dynamic graph: whole (``reshape(size)``, symbolic entries) and, once a
+    guard made S a constant, one entry (``size[1]``) shaping a view and read as a number (``/ S``). The packed
+    graph reads the original sizes as numbers, re-derives the token axes of the shapes, does not unpack ``h``
+    to read its sizes, and equals the model."""
+    torch.manual_seed(0)
+    model = SizeReadingDecoder(positions=positions)
+    B, S = 3, 7
+    ids = torch.randint(1, 61, (1, S)).expand(B, S).clone()
+    ids[1:, 4:] = torch.randint(1, 61, (B - 1, S - 4))  # rows share 4 tokens: T = 13 != B * S
+    inputs = []
+    gm = _capture_dynamic(model, ids, inputs)
+    sizes = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "size"]
+    assert sizes, "the graph reads a size off a model value"
+    axes = analyze_token_axes(gm, find_token_inputs(gm.graph))
+    assert axes.refusals == () and all(axes.info[n].kind is Kind.NONE for n in sizes)
+    packed = pack_graph(gm, axes, "reference")
+    assert len(packed.graph.find_nodes(op="call_function", target=unpack_tokens)) == 1  # the logits only
+    layout = dualkv_compile.detect(ids)
+    assert layout.num_tokens == 13
+    out = packed(*inputs, *PackedInputs.of(layout))[0]
+    torch.testing.assert_close(out, model(ids), rtol=1e-5, atol=1e-5)
