@@ -120,6 +120,15 @@ def _check_family(family, mesh, sp, layers):
         assert r.local_tokens == -(-total // sp), (r.local_tokens, total)
 
 
+def _assert_group_mean_grads(model, ref, group, sp):
+    """Every parameter gradient's mean over the sequence-parallel group equals the one-process model's (1e-5)."""
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)
+        err = ((g / sp - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
+        assert err <= 1e-5, (name, err)
+
+
 def _check_compiled_model(mesh, sp):
     """``torch.compile(model, backend="dualkv", options={"sequence_parallel": ...})``: the logits at valid positions
     and the gradients of a loss the caller computes from them (eagerly, on every rank)."""
@@ -139,11 +148,7 @@ def _check_compiled_model(mesh, sp):
     proj = torch.randn(VOCAB, generator=torch.Generator().manual_seed(2))
     (out[valid] @ proj).square().mean().backward()
     (want[valid] @ proj).square().mean().backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        g = p.grad.clone()
-        dist.all_reduce(g, group=sp_group)
-        err = ((g / sp - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
-        assert err <= 1e-5, (name, err)
+    _assert_group_mean_grads(model, ref, sp_group, sp)
     (report,) = dualkv_compile.reports()[before:]
     assert report.packed_calls == 1 and report.local_tokens is not None, str(report)
 
@@ -168,11 +173,7 @@ def _check_remove_padding_row(mesh, sp):
     torch.testing.assert_close(entropy, want_entropy, rtol=1e-5, atol=1e-5)
     (logp.sum() + 0.1 * entropy.sum()).backward()
     (want_logp.sum() + 0.1 * want_entropy.sum()).backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        g = p.grad.clone()
-        dist.all_reduce(g, group=mesh["sp"].get_group())
-        err = ((g / sp - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
-        assert err <= 1e-5, (name, err)
+    _assert_group_mean_grads(model, ref, mesh["sp"].get_group(), sp)
     (report,) = dualkv_compile.reports()[before:]
     assert report.packed_calls == 1 and report.local_tokens is not None, str(report)
     # The entropy off: the picked log-probs fuse with the lm_head (the op reads the gathered rows by unpack_index).
@@ -189,11 +190,7 @@ def _check_remove_padding_row(mesh, sp):
     weights = torch.randn(want_logp.shape, generator=torch.Generator().manual_seed(3))
     (logp * weights).sum().backward()
     (want_logp * weights).sum().backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        g = p.grad.clone()
-        dist.all_reduce(g, group=mesh["sp"].get_group())
-        err = ((g / sp - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
-        assert err <= 1e-5, (name, err)
+    _assert_group_mean_grads(model, ref, mesh["sp"].get_group(), sp)
     (report,) = dualkv_compile.reports()[before:]
     assert report.packed_calls == 1 and report.fused_log_probs == 1 and report.local_tokens is not None, str(report)
 
