@@ -53,12 +53,29 @@ def _resolve(importer: str, is_package: bool, level: int, module: str | None) ->
     return ".".join(base + ([module] if module else []))
 
 
+def _import_module_target(name: str, is_package: bool, node: ast.AST) -> str | None:
+    """The module an ``importlib.import_module("x")`` / ``import_module(".x", __package__)`` call loads, else None."""
+    if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant):
+        return None
+    func = node.func
+    called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    target = node.args[0].value
+    if called != "import_module" or not isinstance(target, str):
+        return None
+    level = len(target) - len(target.lstrip("."))
+    return _resolve(name, is_package, level, target[level:] or None) if level else target
+
+
 def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
-    """Package modules ``name`` imports anywhere in its source (function-level imports included)."""
+    """Package modules ``name`` imports anywhere in its source (function-level imports and ``importlib`` calls
+    with a literal name included: a registry that loads its rule modules by name is an import too)."""
     tree = ast.parse(path.read_text())
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+        loaded = _import_module_target(name, path.name == "__init__.py", node)
+        if loaded is not None:
+            targets = [loaded]
+        elif isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = _resolve(name, path.name == "__init__.py", node.level, node.module)
@@ -95,8 +112,7 @@ def test_no_import_from_a_lower_layer_to_a_higher_one():
     assert not bad, "imports against the layering:\n" + "\n".join(sorted(bad))
 
 
-def test_no_import_cycles():
-    graph = _graph()
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     state: dict[str, int] = {}
     cycles = []
 
@@ -117,7 +133,22 @@ def test_no_import_cycles():
     for name in graph:
         if name not in state:
             visit(name, [])
+    return cycles
+
+
+def test_no_import_cycles():
+    cycles = _cycles(_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_a_cycle_through_importlib_is_seen():
+    """The checker on a deliberately cyclic fixture: ``a`` loads ``b`` with ``importlib.import_module(".b",
+    __package__)``, ``b`` imports ``a`` back (the shape the rule registry had)."""
+    root = ROOT / "tests" / "fixtures" / "cyclic_pkg"
+    modules = {"cyclic_pkg": root / "__init__.py", "cyclic_pkg.a": root / "a.py", "cyclic_pkg.b": root / "b.py"}
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert graph["cyclic_pkg.a"] == {"cyclic_pkg.b"} and graph["cyclic_pkg.b"] == {"cyclic_pkg.a"}
+    assert _cycles(graph) == [["cyclic_pkg.a", "cyclic_pkg.b", "cyclic_pkg.a"]]
 
 
 def test_file_sizes():

@@ -41,7 +41,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .node_info import Coupling, Kind, NodeInfo, Route, RuleFailed, arg, ev as _ev, hint, kind_of, op_name, shape_of
-from .token_rules import rule_for, token_rule
+from .rule_registry import rule_for, token_rule
 from .token_reductions import weighted_histc_rule
 
 __all__ = ["routed_rule"]

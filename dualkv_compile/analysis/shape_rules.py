@@ -1,4 +1,4 @@
-"""Token-axis rules of the ops that move dimensions (see ``token_rules`` for the registry and the contract of a rule).
+"""Token-axis rules of the ops that move dimensions (``rule_registry``: the registry and the contract of a rule).
 
 view/reshape/flatten/unflatten group dimensions and may merge ``b`` and
 ``s`` into ``bs`` (or split it back); transpose, permute, unsqueeze,
@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from .node_info import Kind, NodeInfo, RuleFailed, arg, ev as _ev, hint, kind_of, shape_of, untagged
-from .token_rules import token_rule
+from .rule_registry import token_rule
 
 __all__ = ["is_size_query"]
 

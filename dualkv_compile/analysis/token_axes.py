@@ -50,7 +50,9 @@ from .node_info import Coupling, Kind, NodeInfo, Refusal, RuleFailed, ev as _ev,
 from .moe_rules import routed_rule
 from .shape_rules import is_size_query
 from .token_inputs import Role, TokenInputs
-from .token_rules import POINTWISE_FUNCS, POINTWISE_METHODS, rule_for
+from .rule_registry import rule_for
+# With moe_rules and shape_rules above: every rule module imported, so the registry is complete.
+from .token_rules import POINTWISE_FUNCS, POINTWISE_METHODS
 
 __all__ = ["Kind", "NodeInfo", "TokenAxes", "Refusal", "analyze_token_axes", "hint", "shape_of"]
 

@@ -1,11 +1,6 @@
-"""Per-op token-axis rules: the registry, and the rules that do not move dimensions.
+"""Per-op token-axis rules: the ones that do not move dimensions (registered in ``rule_registry``).
 
-A rule takes ``(node, info, B, S)`` (``info``: the ``NodeInfo`` of every
-earlier node) and returns the node's ``NodeInfo``, or raises ``RuleFailed``
-(the value is computed in the original layout) or ``Coupling`` (the graph is
-refused). It is registered for call_function targets and call_method names
-with ``@token_rule(*targets, methods=(...))``, as Inductor's auto_chunker
-registers its propagation rules; ``rule_for(node)`` finds it. The driver
+The registry and the contract of a rule are in ``rule_registry``. The driver
 (``token_axes``) calls a rule only for a node with a TOKEN or COLUMN input
 and no ORIG input, and sets a result's shift and sequence length from its
 operands where the rule leaves them unset.
@@ -22,48 +17,20 @@ are in ``shape_rules``; those of MoE routing and expert dispatch in ``moe_rules`
 
 from __future__ import annotations
 
-import importlib
 import operator
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from .node_info import Coupling, Kind, NodeInfo, RuleFailed, arg, ev as _ev, hint, kind_of, reduced_dims, shape_of
+from .rule_registry import token_rule
 from .token_reductions import weighted_reduction, weighted_scatter
 
 __all__ = [
-    "RULES", "Rule", "token_rule", "rule_for",
     "POINTWISE_FUNCS", "POINTWISE_METHODS", "REDUCE_FUNCS", "REDUCE_METHODS", "SOFTMAX_LIKE", "SOFTMAX_METHODS",
 ]
-
-Rule = Callable[[fx.Node, dict, int, int], NodeInfo]
-
-# ("call_function", target) or ("call_method", name) -> rule
-RULES: dict[tuple[str, object], Rule] = {}
-
-
-def token_rule(*functions, methods=()) -> Callable[[Rule], Rule]:
-    """Register the decorated rule for the call_function ``functions`` and the call_method ``methods``."""
-
-    def register(rule: Rule) -> Rule:
-        keys = [("call_function", f) for f in functions] + [("call_method", m) for m in methods]
-        for key in keys:
-            if RULES.get(key, rule) is not rule:
-                raise ValueError(f"two token-axis rules for {key[1]}: {RULES[key].__name__} and {rule.__name__}")
-            RULES[key] = rule
-        return rule
-
-    return register
-
-
-def rule_for(node: fx.Node) -> Optional[Rule]:
-    """The rule registered for ``node``'s target, or None."""
-    if node.op not in ("call_function", "call_method"):
-        return None
-    return RULES.get((node.op, node.target))
-
 
 POINTWISE_FUNCS = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.pow,
@@ -284,6 +251,3 @@ def _norm(node, info, B, S) -> NodeInfo:
     return NodeInfo(kind_of(t), t)
 
 
-# The shape-moving rules and the MoE routing rules register themselves in RULES on import.
-importlib.import_module(".shape_rules", __package__)
-importlib.import_module(".moe_rules", __package__)

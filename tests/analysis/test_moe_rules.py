@@ -22,7 +22,7 @@ import dualkv_compile
 from dualkv_compile.analysis.node_info import Kind, NodeInfo, Route
 from dualkv_compile.analysis.token_axes import analyze_token_axes
 from dualkv_compile.analysis.token_inputs import find_token_inputs
-from dualkv_compile.analysis.token_rules import rule_for
+from dualkv_compile.analysis.rule_registry import rule_for
 from dualkv_compile.rewrite.pack_graph import pack_graph
 from dualkv_compile.rewrite.packed_inputs import PackedInputs
 

@@ -24,7 +24,8 @@ from torch.fx.node import map_aggregate
 from dualkv_compile.analysis.node_info import Coupling, Kind, NodeInfo, RuleFailed
 from dualkv_compile.analysis.token_axes import analyze_token_axes
 from dualkv_compile.analysis.token_inputs import Role, TokenInput, TokenInputs
-from dualkv_compile.analysis.token_rules import RULES, rule_for
+import dualkv_compile.analysis.token_axes  # noqa: F401  (the driver loads every rule module)
+from dualkv_compile.analysis.rule_registry import RULES, rule_for
 
 B, S, D = 3, 4, 8  # batch, sequence, feature: distinct, so a size names its axis
 TOKEN, COLUMN, BCAST, NONE = Kind.TOKEN, Kind.COLUMN, Kind.BCAST, Kind.NONE
