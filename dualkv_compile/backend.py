@@ -126,7 +126,7 @@ def _vocabulary_outputs(gm: fx.GraphModule, axes) -> list[str]:
                 f"returns {leaf.name} of shape {list(value.shape)}, built whole in the caller's layout (every row's copy "
                 "of a shared prompt); if a loss in another graph reads it (a graph break: FSDP2's hooks at the module "
                 "it wraps), compute the next-token log-probs inside that module's forward, so only they cross "
-                "(README: Multi-GPU)"
+                "(docs/multi_gpu.md)"
             )
     return hints
 

@@ -10,7 +10,7 @@ exercise the no-recompile path too. ``make test`` runs 14 examples (derandomized
 ``make test-slow`` 1,000.
 
 Left padding is drawn for sdpa only: Hugging Face's eager attention turns a fully masked float64
-row into NaN that reaches valid positions through ``0 * NaN`` (README, "Supported, and refused").
+row into NaN that reaches valid positions through ``0 * NaN`` (docs/supported.md).
 Tolerance: HF computes norms and rotary tables in float32 even for a float64 model, so packed and
 padded shapes round differently at about 1e-7; 1e-6 relative.
 """

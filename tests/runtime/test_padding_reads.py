@@ -79,7 +79,7 @@ def test_verl_slice_reads_padding_only_for_an_empty_prompt(prompt_len):
 
 
 def test_nan_padding_embedding_poisons_the_original_program_only():
-    """README ("Supported, and refused"): a NaN in the padding token's embedding row makes the unmodified model's loss
+    """docs/supported.md: a NaN in the padding token's embedding row makes the unmodified model's loss
     NaN (its padding positions reach valid ones through a zero weight times NaN), while dualkv, which never reads
     padding, gives the loss of the model with a finite padding row."""
     ids = torch.tensor([[0, 0, 4, 5, 8, 9, 1], [0, 0, 4, 5, 8, 7, 0], [0, 0, 4, 5, 8, 3, 3]])
