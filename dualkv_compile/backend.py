@@ -13,8 +13,8 @@
 4. ``rewrite.pack_graph``: the packed graph, then ``rewrite.fuse_linear_log_prob``
    (a loss's lm_head -> log_softmax -> next-token gather as one chunked op,
    with an entropy of the same log-probs if the loss has one, option
-   ``chunked_log_probs``; not the entropy under sequence parallelism), then, with option ``sequence_parallel``,
-   ``rewrite.sequence_parallel`` (the packed graph split over the group);
+   ``chunked_log_probs``; not the entropy under sequence parallelism), then,
+   with option ``sequence_parallel``, ``rewrite.sequence_parallel`` (the packed graph split over the group);
 5. ``runtime.runner.Runner``: per call, the layout from its source
    (detected from ``input_ids``, or carried from an earlier graph of the
    forward after a graph break: ``runtime.layout_source``), then the packed
@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from .analysis.analyze import analyze
-from .analysis.node_info import Kind, Refusal, ev
+from .analysis.node_info import Kind, Refusal, ev, hint as size_hint
 from .analysis.token_inputs import Role, find_token_inputs
 from .config import DualKVConfig
 from .layout import carried
@@ -137,11 +137,9 @@ def _resolve_attention_backend(backend: str, attention) -> str:
 
     if not attention:
         return backend  # unused: a graph without attention (the lm_head after a graph break)
-    from .analysis.node_info import hint
-
     q = attention[0].q.meta["example_value"]
-    # hint: under dynamic=True Dynamo may make the head count and head dim symbolic too.
-    probe = torch.empty((1, hint(q.shape[1]), 1, hint(q.shape[3])), dtype=q.dtype, device=q.device)
+    # Under dynamic=True Dynamo may make the head count and head dim symbolic too.
+    probe = torch.empty((1, size_hint(q.shape[1]), 1, size_hint(q.shape[3])), dtype=q.dtype, device=q.device)
     why = unsupported_reason(backend, probe)
     if why is not None:
         # A Refusal, not a ValueError: the graph runs unchanged and its report (explain()) says why.

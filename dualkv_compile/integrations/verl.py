@@ -78,7 +78,7 @@ log = logging.getLogger("dualkv_compile")
 
 __all__ = ["enable", "disable", "log_probs_and_entropy", "sdpa_for_flash_attention"]
 
-_STATE: dict[str, Any] = {"original": None, "options": {}, "declined": set()}
+_STATE: dict[str, Any] = {"original": None, "options": {}, "config": DualKVConfig(), "declined": set()}
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -228,11 +228,14 @@ def _why_not(engine, micro_batch) -> Optional[str]:
     return None
 
 
+def _autocast_dtype(engine) -> torch.dtype:
+    """The dtype veRL's ``forward_step`` autocasts to (float32: no autocast), as veRL reads it."""
+    return getattr(engine, "_autocast_dtype", torch.bfloat16)
+
+
 def _logits_dtype(engine) -> torch.dtype:
-    autocast_dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
-    if autocast_dtype != torch.float32:
-        return autocast_dtype
-    return next(engine.module.parameters()).dtype
+    autocast_dtype = _autocast_dtype(engine)
+    return autocast_dtype if autocast_dtype != torch.float32 else next(engine.module.parameters()).dtype
 
 
 def _compiled(engine):
@@ -261,11 +264,11 @@ def _forward_step(engine, micro_batch, loss_function, forward_only):
     # veRL divides by its per-token temperature cast to the logits' dtype: the same number, as a Python float.
     temperature = float(torch.tensor(float(micro_batch["temperature"])).clamp(min=1e-8).to(_logits_dtype(engine)))
     calculate_entropy = bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
-    autocast_dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
+    autocast_dtype = _autocast_dtype(engine)
     autocast = nullcontext() if autocast_dtype == torch.float32 else torch.autocast(get_device_name(), dtype=autocast_dtype)
     # FSDP2's hooks break the model's graph at every sharded module, and the piece that embeds the ids sees them
     # as a positional argument: the layout is detected here, from the row veRL built (shared_batch).
-    cfg = DualKVConfig.from_options(dict(_STATE["options"]))
+    cfg = _STATE["config"]
     batch = shared_batch(model_inputs["input_ids"], None, model_inputs["position_ids"], group_size=cfg.group_size,
                          min_shared=cfg.min_shared)
     with batch, autocast, sdpa_for_flash_attention(engine.module), _scoring_forward(engine):
@@ -291,10 +294,10 @@ def enable(**options: Any) -> None:
     """Route every ``FSDPEngineWithLMHead`` of this process through dualkv (module docstring); idempotent.
 
     ``options``: as ``torch.compile(..., backend="dualkv", options=...)``; ``ValueError`` names a bad one."""
-    DualKVConfig.from_options(dict(options))  # validate now, not at the first step
+    config = DualKVConfig.from_options(dict(options))  # validate now, not at the first step
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    _STATE["options"] = dict(options)
+    _STATE["options"], _STATE["config"] = dict(options), config
     if _STATE["original"] is None:
         _STATE["original"] = FSDPEngineWithLMHead.forward_step
         FSDPEngineWithLMHead.forward_step = _forward_step

@@ -66,7 +66,7 @@ class ActiveLayout:
     _equal: dict = dataclasses.field(default_factory=dict)
     share_reads: int = 0  # calls of share_mismatch that had to read tensors (one host sync each)
     sp_agreed: bool = False  # the sequence-parallel group checked that every rank holds this layout
-    # Published by a caller that built the batch (integrations.verl): every [B, S] value of the calls made while
+    # Published by a caller that built the batch (``shared_batch``): every [B, S] value of the calls made while
     # it is current is laid out on it, so a graph need not trace its inputs to a packed graph (FSDP2's hooks
     # between graphs hand tensors on through autograd functions); the share check still runs.
     trusted: bool = False
@@ -173,7 +173,7 @@ class ActiveLayout:
 
     def describe(self) -> str:
         if self.trusted:
-            return self.how  # a caller's layout (integrations.verl: "veRL's remove-padding row")
+            return self.how  # a caller's layout ("dualkv_compile.shared_batch")
         what = "its token ids" if self.how == "input_ids" else "its hidden states and mask"
         return f"graph {self.graph_id} (detected from {what})"
 

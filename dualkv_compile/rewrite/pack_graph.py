@@ -42,7 +42,7 @@ from ..ops import attention as _attention_op  # noqa: F401  (registers torch.ops
 from ..analysis.attention_match import AttentionMatch, default_scale
 from .inline_checkpoint import RECOMPUTE_META, TAGGED_OPS
 from .packed_inputs import PackedInputs
-from .packed_ops import gather_columns, gather_previous, gather_unpacked, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
+from .packed_ops import PICKED_META, gather_columns, gather_previous, gather_unpacked, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
 from .packed_shapes import emit_original_size, rewrite_shapes
 from .weighted_reductions import emit_weighted
 from .sp_meta import HEADS_META
@@ -284,7 +284,8 @@ class _Packer:
             gather_unpacked, (self.packed_of(src), self.inp["unpack_index"], self.inp["valid"], self.orig_of(index)),
             name=n.name,
         )
-        picked.meta["unpacked_rank"] = len(shape_of(n))  # for runtime.padding_reads, as on unpack nodes
+        # For runtime.padding_reads: zero at padding, as unpack leaves it (the fusion marks its replacement alike).
+        picked.meta[PICKED_META] = picked.meta["unpacked_rank"] = len(shape_of(n))
         return picked
 
     def emit_attention(self, m: AttentionMatch) -> fx.Node:

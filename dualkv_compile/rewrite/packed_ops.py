@@ -84,8 +84,8 @@ def gather_previous(x: torch.Tensor, prev_index: torch.Tensor, index: torch.Tens
     return x[0][prev_index.unsqueeze(-1), index[0]].unsqueeze(0)
 
 
-# On a node standing for ``gather_unpacked``'s result after a fusion replaced it (the value of its index's rank):
-# ``runtime.padding_reads`` follows it as it follows ``gather_unpacked``, since both are zero at padding.
+# On a node that is ``gather_unpacked``'s result, or stands for it after a fusion replaced it (the value: its index's
+# rank): ``runtime.padding_reads`` follows it as it follows ``unpack``, since it is zero at padding too.
 PICKED_META = "dualkv_picked_unpacked"
 
 

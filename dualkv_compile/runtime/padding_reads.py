@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..rewrite.packed_ops import PICKED_META, gather_unpacked, unpack_merged, unpack_tokens
+from ..rewrite.packed_ops import PICKED_META, unpack_merged, unpack_tokens
 from ..rewrite.weighted_reductions import WEIGHTED_META
 from ..analysis.token_rules import POINTWISE_FUNCS, POINTWISE_METHODS, REDUCE_FUNCS, REDUCE_METHODS, SOFTMAX_LIKE, SOFTMAX_METHODS
 
@@ -180,11 +180,11 @@ def find_padding_reads(gm: fx.GraphModule, num_packed_inputs: int, original: Opt
             factors = _packed_factors(u.args[0], cheap, originals) if leading else ()
             reads.append(Read(u, u, shift, truncate, factors=factors, merged=merged))
             continue
-        # gather_unpacked: entries of an unpacked value, zero at padding as unpack leaves them.
-        # The fusion replaces gather_unpacked by the chunked op and marks its result (PICKED_META: the index's rank).
-        picked = u.op == "call_function" and u.target is gather_unpacked or PICKED_META in u.meta
-        picked_rank = (u.meta[PICKED_META] if PICKED_META in u.meta else _rank(u.args[3])) if picked else None
-        if u.op == "call_function" and u.target is unpack_merged or picked and picked_rank == 2:
+        # Entries of an unpacked value (gather_unpacked, or the fused op standing for it), zero at padding as unpack
+        # leaves them; PICKED_META holds their index's rank.
+        picked_rank = u.meta.get(PICKED_META)
+        picked = picked_rank is not None
+        if u.op == "call_function" and u.target is unpack_merged or picked_rank == 2:
             shift, truncate = (0, False) if picked else u.args[5:7]
             reads.extend(Read(u, user, shift, truncate, merged=True) for user in u.users if user.op != "output")
             continue
