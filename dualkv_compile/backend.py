@@ -125,8 +125,8 @@ def _vocabulary_outputs(gm: fx.GraphModule, axes) -> list[str]:
             hints.append(
                 f"returns {leaf.name} of shape {list(value.shape)}, built whole in the caller's layout (every row's copy "
                 "of a shared prompt); if a loss in another graph reads it (a graph break: FSDP2's hooks at the module "
-                "it wraps), compute the next-token log-probs inside that module's forward, so only they cross "
-                "(docs/multi_gpu.md)"
+                "it wraps), compute the next-token log-probs inside that module's forward, calling the backbone and the "
+                "lm_head from that same function, so only they cross (docs/multi_gpu.md)"
             )
     return hints
 

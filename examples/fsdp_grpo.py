@@ -160,14 +160,19 @@ class LogProbPolicy(torch.nn.Module):
     FSDP2's hooks run outside Dynamo, so on the module ``fully_shard`` wraps they break the graph: with the
     log-probs after the model's call, its ``[B, S, V]`` logits leave the model's graph unpacked (153 GiB at
     8 x 67K tokens and a 151,936-token vocabulary). Inside the wrapped forward, the lm_head, log-softmax and
-    gather trace into the model's graph (one chunked op under dualkv) and only ``[B, S - 1]`` log-probs cross."""
+    gather trace into the model's graph (one chunked op under dualkv) and only ``[B, S - 1]`` log-probs cross.
+
+    The backbone and the lm_head are called from this forward, not through the causal LM's: with ``fully_shard``
+    on each layer too, the graph breaks inside the backbone end Dynamo's trace of every frame around it, so the
+    causal LM's own forward would run its lm_head in a graph of its own and return the logits to this frame's."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
     def forward(self, input_ids, attention_mask):
-        return next_token_log_probs(self.model(input_ids=input_ids, attention_mask=attention_mask).logits, input_ids)
+        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return next_token_log_probs(self.model.get_output_embeddings()(hidden), input_ids)
 
 
 def next_token_log_probs(logits, input_ids):
