@@ -119,6 +119,9 @@ def build_model(args, device):
     if args.checkpoint:
         # torch.utils.checkpoint around each layer: dualkv inlines the regions and keeps them recomputed.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Up to transformers 5.22 a layer checkpoints its __call__, FSDP2's hooks included, and Dynamo then runs it
+        # uncompiled: the checkpoint goes around the layer's forward instead (both sides; a no-op on newer ones).
+        dualkv_compile.integrations.hf_checkpointing.checkpoint_inside_hooks(model)
     return model
 
 

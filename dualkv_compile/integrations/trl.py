@@ -69,6 +69,7 @@ import torch
 
 from ..backend import dualkv_backend
 from ..config import DualKVConfig
+from .hf_checkpointing import checkpoint_inside_hooks
 
 log = logging.getLogger("dualkv_compile")
 
@@ -127,6 +128,9 @@ def compile_scoring_forward(model: torch.nn.Module, **options: Any) -> torch.nn.
     def forward(*args, **kwargs):
         if generating[0] or kwargs.get("past_key_values") is not None:
             return original(*args, **kwargs)
+        # TRL switches checkpointing on in its constructor, which may come after this call: moved at each call
+        # (a no-op once moved, and on transformers that checkpoint forward).
+        checkpoint_inside_hooks(model)
         return compiled(*args, **kwargs)
 
     setattr(forward, _MARK, True)

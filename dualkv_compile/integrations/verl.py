@@ -73,6 +73,7 @@ import torch
 from ..backend import dualkv_backend
 from ..config import DualKVConfig
 from ..shared_batch import shared_batch
+from .hf_checkpointing import checkpoint_inside_hooks
 
 log = logging.getLogger("dualkv_compile")
 
@@ -241,6 +242,9 @@ def _logits_dtype(engine) -> torch.dtype:
 def _compiled(engine):
     fn = engine.__dict__.get("_dualkv_compiled")
     if fn is None:
+        # veRL switches Hugging Face checkpointing on and shards each layer: on transformers that checkpoint a
+        # layer's __call__ (hooks included) its layers would never be compiled, so never packed.
+        checkpoint_inside_hooks(engine.module)
         fn = torch.compile(
             functools.partial(_call_module, engine.module),
             backend=functools.partial(dualkv_backend, options=dict(_STATE["options"])),
