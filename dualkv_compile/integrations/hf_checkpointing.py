@@ -13,14 +13,17 @@ prompt goes through every layer (seen on an H100 with transformers 5.17, torch 2
 instead, inside the hooks, which Dynamo traces (non-reentrant checkpointing becomes a region of the layer's
 graph, recomputed in the backward).
 
-Guarantees: ``checkpoint_inside_hooks(model)`` gives each such layer that newer arrangement. The layer's
-``forward`` becomes its checkpointing function (the one ``gradient_checkpointing_enable`` installed, with its
-``use_reentrant`` and other arguments) around its own ``forward``, and the layer's ``gradient_checkpointing``
-flag goes off so its ``__call__`` no longer wraps the hooks. Same computation, same recompute in the backward
-(in training with gradients on; otherwise the plain ``forward``), the same cache arguments dropped as
-transformers drops them. A layer whose class does not checkpoint ``__call__`` (newer transformers), or whose
-checkpointing is off, is left alone; calling it twice changes nothing more. Reentrant checkpointing
-(``use_reentrant=True``) is still not traced by Dynamo: pass ``{"use_reentrant": False}``.
+Guarantees: ``checkpoint_inside_hooks(model)`` gives each such layer that newer arrangement: its class becomes a
+subclass of its own (made once per class) whose ``forward`` is the layer's checkpointing function (the one
+``gradient_checkpointing_enable`` installed, with its ``use_reentrant`` and other arguments) around the class's
+``forward``, and whose ``__call__`` is ``nn.Module``'s again, so the hooks run outside the checkpoint. The layer's
+``gradient_checkpointing`` flag keeps its meaning (``gradient_checkpointing_disable()`` still turns it off). Same
+computation, same recompute in the backward (in training with gradients on), the same cache arguments dropped
+as transformers drops them. A subclass, not an instance ``forward``: Dynamo in torch 2.11 traced an instance
+``forward`` of an FSDP2 module without running FSDP2's hooks first (its sharded weights met the activations). A
+layer whose class does not checkpoint ``__call__`` (newer transformers), or whose checkpointing is off, is left
+alone; calling it twice changes nothing more. Reentrant checkpointing (``use_reentrant=True``) is still not
+traced by Dynamo: pass ``{"use_reentrant": False}``.
 """
 
 from __future__ import annotations
@@ -45,19 +48,30 @@ def _checkpoints_its_call(layer: torch.nn.Module, base) -> bool:
             and callable(getattr(layer, "_gradient_checkpointing_func", None)))
 
 
-def _checkpointed(layer: torch.nn.Module, forward, checkpoint):
-    @functools.wraps(forward)
-    def checkpointed_forward(*args, **kwargs):
-        if not (layer.training and torch.is_grad_enabled()):
-            return forward(*args, **kwargs)
-        if not getattr(layer, "_can_checkpoint_with_cache", False):
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _checkpoint_inside(cls: type) -> type:
+    """``cls`` with ``forward`` checkpointed and ``nn.Module.__call__`` back (one subclass per class)."""
+    sub = _SUBCLASSES.get(cls)
+    if sub is not None:
+        return sub
+    inner = cls.forward
+
+    @functools.wraps(inner)
+    def forward(self, *args, **kwargs):
+        if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
+            return inner(self, *args, **kwargs)
+        if not getattr(self, "_can_checkpoint_with_cache", False):
             for key, off in _CACHE_KWARGS:
                 if kwargs.get(key):
                     kwargs[key] = off
-        return checkpoint(functools.partial(forward, **kwargs), *args)
+        return self._gradient_checkpointing_func(functools.partial(inner, self, **kwargs), *args)
 
-    checkpointed_forward._dualkv_checkpointed = True
-    return checkpointed_forward
+    sub = type(cls.__name__, (cls,), {"forward": forward, "__call__": torch.nn.Module.__call__,
+                                      "__module__": cls.__module__, "_dualkv_checkpoint_inside": True})
+    _SUBCLASSES[cls] = sub
+    return sub
 
 
 def checkpoint_inside_hooks(model: torch.nn.Module) -> int:
@@ -73,10 +87,7 @@ def checkpoint_inside_hooks(model: torch.nn.Module) -> int:
     for layer in model.modules():
         if not getattr(layer, "gradient_checkpointing", False) or not _checkpoints_its_call(layer, GradientCheckpointingLayer):
             continue
-        if getattr(layer.forward, "_dualkv_checkpointed", False):
-            continue
-        layer.forward = _checkpointed(layer, layer.forward, layer._gradient_checkpointing_func)
-        layer.gradient_checkpointing = False
+        layer.__class__ = _checkpoint_inside(type(layer))
         moved += 1
     if moved:
         log.info("dualkv: activation checkpointing of %d layers moved inside their module hooks (so Dynamo compiles them)", moved)
