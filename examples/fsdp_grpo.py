@@ -214,12 +214,12 @@ def wrap(model, args, device):
     return model
 
 
-def in_shared_batch(step):
+def in_shared_batch(step, min_shared=1):
     """The step with the batch's layout detected once by the caller (``dualkv_compile.shared_batch``): under FSDP2
     per layer no graph of the model sees ``input_ids`` by name, and the first layer's would detect it from its
-    hidden states on every call."""
+    hidden states on every call; the lm_head's graph sees the ids but no mask, and would count padding as tokens."""
     def run(model, batch):
-        with dualkv_compile.shared_batch(batch["input_ids"], batch["attention_mask"]):
+        with dualkv_compile.shared_batch(batch["input_ids"], batch["attention_mask"], min_shared=min_shared):
             return step(model, batch)
     return run
 
@@ -351,6 +351,8 @@ def run_rank(args, device) -> int:
     dk_step = dualkv_compile.policy_loss(grpo_loss, inner=inner, sequence_parallel=sp_mesh)
     if not args.no_shared_batch:
         dk_step = in_shared_batch(dk_step)
+        if args.baseline == "ulysses":  # its layout too, nothing shared: remove padding's tokens, no more
+            plain_step = in_shared_batch(plain_step, min_shared=10**9)
 
     batch = make_batch(args, data_rank, device)  # the ranks of a sequence-parallel group read the same batch
     # Prompts split across data-parallel ranks (the ranks of a sequence-parallel group share theirs by design).

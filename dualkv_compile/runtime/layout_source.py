@@ -94,6 +94,10 @@ class FromTokenIds(LayoutSource):
         ids = args[self.index[Role.INPUT_IDS]]
         mask = args[self.index[Role.ATTENTION_MASK]] if Role.ATTENTION_MASK in self.index else None
         pos = args[self.index[Role.POSITION_IDS]] if Role.POSITION_IDS in self.index else None
+        if mask is None and not self.attention:
+            current = self._current(ids, args)
+            if current is not None:
+                return self.share_check(args, self.active) or current
         try:
             layout = detect(
                 ids, mask, pos, group_size=self.cfg.group_size, min_shared=self.cfg.min_shared, same_columns=self.same_columns,
@@ -106,6 +110,24 @@ class FromTokenIds(LayoutSource):
         self.active = active_layout.publish(layout, self.report.graph_id, "input_ids")
         self.source = "detected from input_ids"
         return self.share_check(args, self.active) or layout
+
+    def _current(self, ids: torch.Tensor, args) -> "SharedPromptLayout | None":
+        """The current layout for a graph with token ids but neither a mask nor attention (the lm_head and
+        log-probs after a graph break: FSDP2's root hook): detected from the ids alone, every padding position
+        would count as a token. Taken when the caller published it (``shared_batch``) or an input of this call
+        was produced by a graph that ran packed on it, it is for this ``[B, S]``, and its shared copies of the ids
+        agree; with one row it may share across columns, so only where the graph reads no column value. None:
+        not taken."""
+        cur = active_layout.current()
+        B, S = int(ids.shape[0]), int(ids.shape[1])
+        if cur is None or not cur.matches(B, S, ids.device) or (B == 1 and self.same_columns):
+            return None
+        if not (cur.trusted or any(cur.produced(args[i]) for _, i in self.carried)):
+            return None
+        if cur.share_mismatch([ids]) is not None:
+            return None
+        self.active, self.source = cur, f"carried from {cur.describe()}"
+        return cur.layout
 
     def first_call_check(self, args, layout: SharedPromptLayout) -> Optional[str]:
         """None if every attention mask of the graph is the causal, padding-aware mask of the layout."""

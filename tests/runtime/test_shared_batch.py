@@ -8,6 +8,7 @@ graph with attention, and the lm_head's, packs on the caller's layout, exactly.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 
@@ -76,3 +77,41 @@ def test_shared_batch_names_a_bad_argument():
     with pytest.raises(ValueError, match="input_ids must be a"):
         with dualkv_compile.shared_batch(torch.zeros(5, dtype=torch.long)):
             pass
+
+
+def _log_probs_after_a_break(model, input_ids, attention_mask):
+    """The lm_head and log-probs in a graph of their own after the backbone's (as after FSDP2's root hook):
+    that graph has the token ids (by their name), but neither a mask nor attention."""
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    torch._dynamo.graph_break()
+    logp = torch.log_softmax(model.lm_head(hidden)[:, :-1].float(), dim=-1)
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_batch", "after_a_packed_graph"])
+def test_a_graph_with_ids_but_no_mask_takes_the_current_layout(shared):
+    """Detected from the ids alone, every padding position of that graph counted as a token (exact, but the
+    lm_head ran on padding: 25,594 rows for 15,198 tokens on the Qwen3-1.7B shape). It now packs on the layout
+    current for its batch (the caller's, or the backbone graph's whose output it reads), padding dropped, the
+    same values at every valid position, and gradients."""
+    from tests.helpers import grpo_batch, hf_model
+
+    model = hf_model("qwen3", "sdpa")
+    ref = copy.deepcopy(model)
+    ids, mask, _ = grpo_batch([(7, [3, 5, 2]), (5, [4, 1])], vocab=101, left_pad=0, right_pad=2, seed=2)
+    valid = (mask[:, 1:] * mask[:, :-1]).bool()
+    want = _log_probs_after_a_break(ref, ids, mask)
+    want[valid].sum().backward()
+    torch._dynamo.reset()
+    step = torch.compile(functools.partial(_log_probs_after_a_break, model), backend="dualkv", options={"inner": "aot_eager"})
+    before = len(dualkv_compile.reports())
+    layout = dualkv_compile.detect(ids, mask)
+    with dualkv_compile.shared_batch(ids, mask) if shared else contextlib.nullcontext():
+        got = step(ids, mask)
+    torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5)
+    got[valid].sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+    head = [r for r in dualkv_compile.reports()[before:] if r.rewritten and not r.num_attention]
+    assert head and all(r.packed_calls == 1 and r.layout_source.startswith("carried from") for r in head), head
+    assert all(r.last_stats.tokens_after == layout.num_tokens for r in head), [str(r) for r in head]
