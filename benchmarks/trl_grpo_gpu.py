@@ -14,7 +14,7 @@ CUDA is synchronised at each boundary. The first step includes compiling; the su
 Rank 0 prints a table and writes ``trl_grpo_gpu.json`` / ``.md`` to ``--out``.
 
     python benchmarks/trl_grpo_gpu.py --out results/            # on a GPU, the Qwen3-0.6B shape
-    python benchmarks/trl_grpo_gpu.py --layers 1 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 \\
+    python benchmarks/trl_grpo_gpu.py --layers 1 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --head-dim 16 \\
         --vocab 300 --prompt-len 12 --max-completion 6 --prompts 2 --generations 4 --steps 2   # a CPU smoke run
 """
 
@@ -45,7 +45,7 @@ def parse(argv=None):
     p.add_argument("--intermediate", type=int, default=3072)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=None, help="default hidden / heads (Qwen3-0.6B: 128)")
+    p.add_argument("--head-dim", type=int, default=128, help="Qwen3-0.6B's 128 (its 16 heads are wider than its hidden size)")
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--generations", type=int, default=8)
@@ -73,7 +73,7 @@ def model(args):
 
     cfg = transformers.Qwen3Config(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim or args.hidden // args.heads,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
         max_position_embeddings=max(4096, args.prompt_len + args.max_completion + 8), pad_token_id=0, eos_token_id=1,
         bos_token_id=1, tie_word_embeddings=True, attn_implementation="sdpa",
     )
