@@ -255,3 +255,21 @@ def packed_loss_graph(loss_fn, model, batch, chunked_log_probs=True):
     layout = dualkv_compile.detect(batch["input_ids"], batch.get("attention_mask"), pos, same_columns=pos is None)
     ShapeProp(packed).propagate(*example_inputs, *PackedInputs.of(layout))
     return packed, layout
+
+
+def shard_per_layer(model):
+    """FSDP2's ``fully_shard`` on each decoder layer and the root, as veRL and TRL shard (a process group must exist)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def assert_sharded_grads_close(model, ref, tol=1e-5):
+    """Every parameter gradient of ``model`` (FSDP2 shards gathered whole) within ``tol`` of ``ref``'s, by norm."""
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        err = ((g - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
+        assert err <= tol, (name, err)

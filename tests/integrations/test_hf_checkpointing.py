@@ -41,8 +41,7 @@ def _call_checkpointing(model):
 
 
 def _rank(rank):
-    from torch.distributed.fsdp import fully_shard
-
+    from tests.helpers import assert_sharded_grads_close, shard_per_layer
     from tests.rewrite.test_gather_unpacked import remove_padding_row, verl_log_probs_only
     from tests.test_sequence_parallel import tiny_model
 
@@ -50,9 +49,7 @@ def _rank(rank):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     _call_checkpointing(model)
     ref = copy.deepcopy(model)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    shard_per_layer(model)
     ids, pos, rolled = remove_padding_row([(9, [3, 5, 2]), (6, [4, 1])], seed=5)
     want = verl_log_probs_only(ref, ids, pos, rolled)
     weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
@@ -67,10 +64,7 @@ def _rank(rank):
             logp = step(input_ids=ids, position_ids=pos, rolled=rolled)
         torch.testing.assert_close(logp, want, rtol=1e-5, atol=1e-5)
         (logp * weights).sum().backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            err = ((g - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
-            assert err <= 1e-5, (name, err)
+        assert_sharded_grads_close(model, ref)
         return [r for r in dualkv_compile.reports()[before:] if r.num_attention]
 
     # Checkpointed around __call__: Dynamo runs torch.utils.checkpoint eagerly and no layer is compiled.
