@@ -68,6 +68,64 @@ def loss_function(model_output, data, dp_group=None):
     return loss, {"loss": loss.detach().item()}
 
 
+def build_engine(config_kwargs: dict, *, dualkv: bool, attn: str, bf16: bool, checkpoint: bool = False,
+                 inner: str = "aot_eager", seed: int = 0):
+    """veRL's ``FSDPEngineWithLMHead`` (FSDP2) over a random-weight Qwen3 saved from ``Qwen3Config(**config_kwargs)``,
+    in train mode; with ``dualkv`` the model config carries the one line (``external_lib``). Needs the process
+    group (and, on CPU, ``verl_cpu_platform.install()``) first."""
+    import transformers
+    import verl.models.transformers.monkey_patch as monkey_patch
+
+    monkey_patch.is_trl_available = lambda: False  # the second stub (module docstring)
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    path = tempfile.mkdtemp()
+    cfg = transformers.Qwen3Config(**config_kwargs, architectures=["Qwen3ForCausalLM"])
+    torch.manual_seed(seed)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
+    # What veRL does with actor_rollout_ref.model.external_lib: import it while building the model config.
+    external_lib = "dualkv_compile.integrations.verl" if dualkv else None
+    model_config = HFModelConfig(
+        path=path, load_tokenizer=False, external_lib=external_lib, enable_gradient_checkpointing=checkpoint,
+        override_config={"attn_implementation": attn},
+    )
+    engine = FSDPEngineWithLMHead(
+        model_config, FSDPEngineConfig(
+            strategy="fsdp2", use_torch_compile=False,
+            mixed_precision=None if bf16 else {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        ), FSDPOptimizerConfig(lr=1e-3),
+        CheckpointConfig(),
+    )
+    engine.initialize()
+    if dualkv:
+        import dualkv_compile.integrations.verl as dualkv_verl
+
+        dualkv_verl.enable(inner=inner)
+    engine.train_mode().__enter__()
+    return engine
+
+
+def verl_batch(ids, mask, pos, response_mask, micro_batch_size=None):
+    """The rollout batch in veRL's remove-padding form (its own ``left_right_2_no_padding``), as the engine reads it."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    B = ids.shape[0]
+    data = TensorDict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "response_mask": response_mask,
+         "prompts": ids[:, : ids.shape[1] - response_mask.shape[1]], "responses": ids[:, ids.shape[1] - response_mask.shape[1]:],
+         "advantages": torch.linspace(-1, 1, B, device=ids.device)},
+        batch_size=[B],
+    )
+    data = left_right_2_no_padding(data)
+    tu.assign_non_tensor(data, temperature=0.7, calculate_entropy=True, use_dynamic_bsz=False,
+                         micro_batch_size_per_gpu=micro_batch_size or B, use_remove_padding=True, return_model_output=True)
+    return data
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -81,58 +139,10 @@ def main():
     import verl_cpu_platform
 
     verl_cpu_platform.install()
-    import transformers
-    import verl.models.transformers.monkey_patch as monkey_patch
-
-    monkey_patch.is_trl_available = lambda: False  # the second stub (module docstring)
-    from tensordict import TensorDict
-    from verl.trainer.config import CheckpointConfig
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-    from verl.workers.utils.padding import left_right_2_no_padding
-
-    path = tempfile.mkdtemp()
-    cfg = transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, architectures=["Qwen3ForCausalLM"],
-    )
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
-    if args.dualkv:
-        # What veRL does with actor_rollout_ref.model.external_lib: import it while building the model config.
-        external_lib = "dualkv_compile.integrations.verl"
-    else:
-        external_lib = None
-    model_config = HFModelConfig(
-        path=path, load_tokenizer=False, external_lib=external_lib, enable_gradient_checkpointing=False,
-        override_config={"attn_implementation": args.attn},
-    )
-    engine = FSDPEngineWithLMHead(
-        model_config, FSDPEngineConfig(
-            strategy="fsdp2", use_torch_compile=False,
-            mixed_precision=None if args.bf16 else {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-        ), FSDPOptimizerConfig(lr=1e-3),
-        CheckpointConfig(),
-    )
-    engine.initialize()
-    if args.dualkv:
-        import dualkv_compile.integrations.verl as dualkv_verl
-
-        dualkv_verl.enable(inner="aot_eager")
-    engine.train_mode().__enter__()
-
-    ids, mask, pos, response_mask = grpo_batch()
-    B = ids.shape[0]
-    data = TensorDict(
-        {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "response_mask": response_mask,
-         "prompts": ids[:, : ids.shape[1] - response_mask.shape[1]], "responses": ids[:, ids.shape[1] - response_mask.shape[1]:],
-         "advantages": torch.linspace(-1, 1, B)},
-        batch_size=[B],
-    )
-    data = left_right_2_no_padding(data)
-    tu.assign_non_tensor(data, temperature=0.7, calculate_entropy=True, use_dynamic_bsz=False,
-                         micro_batch_size_per_gpu=B, use_remove_padding=True, return_model_output=True)
+    tiny = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    engine = build_engine(tiny, dualkv=args.dualkv, attn=args.attn, bf16=args.bf16)
+    data = verl_batch(*grpo_batch())
     outputs = engine.forward_backward_batch(data, loss_function=loss_function, forward_only=False)
     result = {
         "outputs": outputs,

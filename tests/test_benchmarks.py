@@ -180,3 +180,36 @@ def test_attention_report_gives_each_method_its_efficiency_against_cudnn():
     idle = {ln.split(" | ")[0][2:]: ln.split(" | ")[9].rstrip(" |") for ln in table[:6] if not ln.startswith("| ---")}
     assert idle == {"method": "vs cuDNN from idle", "sdpa_cudnn_dup": "", "dualkv_triton": "0.750",
                     "dualkv_gluon": "1.286"}
+
+
+def test_torch_varlen_attention_matches_each_sequence_alone():
+    """The baseline's attention (``benchmarks/varlen_attention.py``, registered with transformers as
+    ``torch_varlen``): on veRL's remove-padding row each sequence attends causally within itself, as the model on
+    that sequence alone; on a padded batch every valid position's logits equal SDPA's (the CPU loop; the GPU path
+    is torch's varlen flash attention)."""
+    import copy
+
+    import varlen_attention  # noqa: F401  (registers torch_varlen)
+
+    from tests.helpers import grpo_batch, hf_model
+    from tests.rewrite.test_gather_unpacked import remove_padding_row
+
+    model = hf_model("qwen3", "sdpa")
+    varlen = copy.deepcopy(model)
+    varlen.config._attn_implementation = "torch_varlen"
+    ids, pos, _ = remove_padding_row([(9, [3, 5, 2]), (6, [4, 1])], seed=3)
+    bounds = (pos[0] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+    alone = torch.cat([model(input_ids=ids[:, s:e]).logits for s, e in zip(bounds[:-1], bounds[1:])], 1)
+    torch.testing.assert_close(varlen(input_ids=ids, position_ids=pos).logits, alone, rtol=1e-5, atol=1e-5)
+    ids, mask, pos = grpo_batch([(7, [3, 5, 2]), (5, [4, 1])], vocab=101, left_pad=2, right_pad=1)
+    want = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[mask.bool()]
+    got = varlen(input_ids=ids, attention_mask=mask, position_ids=pos).logits[mask.bool()]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_varlen_attention_names_a_mask_it_cannot_read():
+    import varlen_attention
+
+    q = torch.zeros(2, 4, 3, 8)
+    with pytest.raises(ValueError, match=r"expected no mask or a \[B, S\] = \[2, 3\] 0/1 mask, got \(2, 1, 3, 3\)"):
+        varlen_attention.torch_varlen_attention(None, q, q, q, torch.ones(2, 1, 3, 3))

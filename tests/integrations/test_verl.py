@@ -65,3 +65,27 @@ def test_engine_step_in_bfloat16_fuses_under_autocast(tmp_path):
         assert _rel(d_out[key].values(), p_out[key].values()) <= 5e-2, key
     for name, g in plain["grads"].items():
         assert _rel(dualkv["grads"][name], g) <= 5e-2, name
+
+
+def test_gpu_benchmark_runs_both_sides_with_the_ray_stub(tmp_path):
+    """``benchmarks/verl_engine_gpu.py``'s CPU smoke form, with ray replaced by its named stub (as on the GPU
+    machine, where ray cannot be carried): both sides run veRL's engine with gradient checkpointing, the plain one
+    on the ``torch_varlen`` attention, dualkv's packed with its log-probs and entropy fused; the comparison runs."""
+    root = os.path.dirname(EXAMPLES)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "benchmarks", "verl_gpu_stubs"), root]),
+               OMP_NUM_THREADS="1")
+    shape = ["--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+             "--kv-heads", "2", "--head-dim", "16", "--vocab", "300", "--groups", "2", "--rollouts", "2",
+             "--prompt-len", "12", "--response-len", "4", "--iters", "1", "--out", str(tmp_path)]
+    script = os.path.join(root, "benchmarks", "verl_engine_gpu.py")
+    for side, port in (("plain", "29615"), ("dualkv", "29616")):
+        proc = subprocess.run([sys.executable, script, "--side", side, *shape], env=dict(env, MASTER_PORT=port),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = subprocess.run([sys.executable, script, "--compare", str(tmp_path), "--report", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "speedup" in proc.stdout, proc.stderr[-4000:]
+    dualkv = torch.load(tmp_path / "dualkv.pt", weights_only=False)
+    assert any("1 attention - rewritten" in r and "packed" in r for r in dualkv["reports"]), dualkv["reports"]
+    assert any("entropy fused" in r for r in dualkv["reports"]), dualkv["reports"]
+    assert "torch_varlen" in open(tmp_path / "verl_engine_gpu.md").read()

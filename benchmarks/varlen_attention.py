@@ -1,0 +1,105 @@
+"""A Hugging Face attention implementation over torch's variable-length flash attention: the strongest baseline.
+
+    import benchmarks.varlen_attention  # registers it
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="torch_varlen")
+
+What veRL and TRL run when FlashAttention is installed (``flash_attention_2``): the rows' valid tokens as
+sequences of one varlen call, each causal within itself, no ``[T, T]`` mask, nothing computed at padding. No
+FlashAttention-2 wheel exists for the GPU machine, so this calls ``torch.nn.attention.varlen.varlen_attn`` (CUDA
+only) instead; on a CPU it loops over the sequences with causal SDPA (the same math, for tests).
+
+Sequences come from, in this order: one row (``B == 1``) whose ``position_ids`` restart at 0 (veRL's remove
+padding: every sequence back to back), or a ``[B, S]`` 0/1 attention mask (each row's valid tokens one sequence,
+padding anywhere contiguous), or neither (each row one causal sequence). Anything else raises ``ValueError``
+naming what was given. The mask function registered beside it is transformers' own for FlashAttention (``None``
+or the 2-D mask), so no ``[B, 1, S, S]`` mask is built.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+
+NAME = "torch_varlen"
+
+
+def _sequences(query: torch.Tensor, attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor]):
+    """``(token index [T], cu_seqlens [n + 1] int32, longest)``: the valid tokens of ``[B, S]`` in row-major order."""
+    B, S = query.shape[0], query.shape[2]
+    device = query.device
+    if B == 1 and attention_mask is None and position_ids is not None:
+        pos = position_ids.reshape(-1)
+        starts = torch.nonzero(pos == 0).flatten()
+        if starts.numel() == 0 or int(starts[0]) != 0:
+            raise ValueError("torch_varlen: position_ids of the one row must start each sequence at 0")
+        cu = torch.cat([starts, torch.tensor([S], device=device)]).to(torch.int32)
+        return torch.arange(S, device=device), cu, int((cu[1:] - cu[:-1]).max())
+    if attention_mask is None:
+        valid = torch.ones(B, S, dtype=torch.bool, device=device)
+    elif attention_mask.dim() == 2 and attention_mask.shape == (B, S):
+        valid = attention_mask.bool()
+    else:
+        raise ValueError(f"torch_varlen: expected no mask or a [B, S] = [{B}, {S}] 0/1 mask, got {tuple(attention_mask.shape)}")
+    lens = valid.sum(1)
+    index = torch.nonzero(valid.reshape(-1)).flatten()
+    cu = torch.cat([torch.zeros(1, dtype=torch.long, device=device), lens.cumsum(0)]).to(torch.int32)
+    return index, cu, int(lens.max())
+
+
+def _varlen_cuda(q, k, v, cu, longest, scale):
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    extra = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, **extra)
+
+
+def _varlen_loop(q, k, v, cu, scale):
+    rep = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    bounds = cu.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e > s:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1), k[s:e].repeat_interleave(rep, 1).transpose(0, 1),
+                v[s:e].repeat_interleave(rep, 1).transpose(0, 1), is_causal=True, scale=scale)
+            out[s:e] = o.transpose(0, 1)
+    return out
+
+
+def torch_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-function signature: ``query`` ``[B, Hq, S, D]``, ``key``/``value`` ``[B, Hkv, S, D]``;
+    returns ``([B, S, Hq, D], None)``, zeros at padding."""
+    if dropout:
+        raise ValueError("torch_varlen: attention dropout is not supported (training runs it at 0 here)")
+    B, Hq, S, D = query.shape
+    index, cu, longest = _sequences(query, attention_mask, kwargs.get("position_ids"))
+
+    def tokens(x):
+        return x.transpose(1, 2).reshape(B * S, x.shape[1], x.shape[-1]).index_select(0, index)
+
+    q, k, v = tokens(query), tokens(key), tokens(value)
+    o = _varlen_cuda(q, k, v, cu, longest, scaling) if q.is_cuda else _varlen_loop(q, k, v, cu, scaling)
+    out = query.new_zeros(B * S, Hq, value.shape[-1]).index_copy(0, index, o.to(query.dtype))
+    return out.reshape(B, S, Hq, value.shape[-1]), None
+
+
+def register() -> str:
+    """Register the implementation and its mask function with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    AttentionInterface.register(NAME, torch_varlen_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, flash_attention_mask)
+    return NAME
+
+
+register()

@@ -1,0 +1,177 @@
+"""veRL 0.9's FSDP engine on a GPU with and without dualkv: the forward/backward step at a Qwen3-1.7B shape.
+
+One process per side, then a comparison (each side builds the same random-weight model from the same seed):
+
+    python benchmarks/verl_engine_gpu.py --side plain --out /tmp/verl      # veRL's own forward_step
+    python benchmarks/verl_engine_gpu.py --side dualkv --out /tmp/verl     # + external_lib=dualkv_compile.integrations.verl
+    python benchmarks/verl_engine_gpu.py --compare /tmp/verl --report OUT  # times, peaks, log-prob and gradient agreement
+
+The engine is veRL's ``FSDPEngineWithLMHead`` (FSDP2 on every layer, one NCCL rank, veRL's default bf16 mixed
+precision, its gradient checkpointing on) built by ``examples/verl_engine_step.build_engine``; the batch is
+veRL's remove-padding form of ``--groups`` prompts of ``--prompt-len`` tokens with ``--rollouts`` responses of
+``--response-len`` tokens each, one micro-batch, a GRPO-style loss on the log-probs with an entropy bonus.
+The plain side's attention is ``--plain-attn`` (default ``torch_varlen``: ``benchmarks/varlen_attention.py``,
+torch's varlen flash attention over the row's sequences, standing in for the FlashAttention-2 varlen call veRL
+configures, whose wheel does not exist for the machine); dualkv's model is configured with ``sdpa``, whose
+attention its kernel replaces on the packed stream. Each side saves to ``--out``: step times, peak memory, the
+loss, the log-probs and the gradients (bfloat16) of its first step.
+
+veRL 0.9 imports ray at import time (``verl.protocol``) and ray's wheel is larger than what can be carried to
+the GPU machine: ``benchmarks/verl_gpu_stubs/ray`` is a stub of it, named as such, put first on ``PYTHONPATH``
+for these runs only; the engine's forward/backward in one process never calls ray.
+
+On the GPU machine (torch 2.11, transformers 5.17 there) carry these wheels (``--no-deps``; README of the device
+tool): verl 0.9.1, tensordict 0.15.3, pyvers 0.2.3, codetiming 1.4.0, hydra-core 1.3.8, omegaconf 2.4.0,
+antlr4-python3-runtime 4.9.3 (built here as a wheel: only its sdist is on the index), pydantic 2.14.4,
+pydantic_core 2.50.5, typing-inspection 0.4.5, annotated-types 0.8.0, orjson 3.13.0, pylatexenc 2.11 (7.7 MB
+with trl's and datasets'), then:
+
+    export PYTHONPATH=$PWD/benchmarks/verl_gpu_stubs:/tmp/site:$PWD
+    python3 benchmarks/verl_engine_gpu.py --side plain && python3 benchmarks/verl_engine_gpu.py --side dualkv \
+        && python3 benchmarks/verl_engine_gpu.py --compare /tmp/verl_engine_gpu --report $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--side", choices=["plain", "dualkv"])
+    ap.add_argument("--out", default="/tmp/verl_engine_gpu")
+    ap.add_argument("--compare", default=None, help="a directory both sides wrote: compare them")
+    ap.add_argument("--report", default=None, help="with --compare: write verl_engine_gpu.{json,md} here")
+    ap.add_argument("--plain-attn", default="torch_varlen")
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=6144)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--groups", type=int, default=2)
+    ap.add_argument("--rollouts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=4096)
+    ap.add_argument("--response-len", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=3, help="timed steps after the first")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run (gloo, veRL's CPU stub)")
+    return ap.parse_args(argv)
+
+
+def batch(args, device):
+    g = torch.Generator().manual_seed(1)
+    P, R = args.prompt_len, args.response_len
+    rows = []
+    for _ in range(args.groups):
+        prompt = torch.randint(1, args.vocab, (P,), generator=g)
+        rows += [torch.cat([prompt, torch.randint(1, args.vocab, (R,), generator=g)]) for _ in range(args.rollouts)]
+    ids = torch.stack(rows).to(device)
+    mask = torch.ones_like(ids)
+    pos = torch.arange(P + R, device=device).expand_as(ids).contiguous()
+    response_mask = torch.ones(ids.shape[0], R, dtype=torch.long, device=device)
+    return ids, mask, pos, response_mask
+
+
+def run_side(args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29543"), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    cuda = args.device == "cuda"
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(0)
+    else:
+        import verl_cpu_platform
+
+        verl_cpu_platform.install()
+    import verl_engine_step as ves
+
+    import benchmarks.varlen_attention  # noqa: F401  (registers torch_varlen)
+
+    dualkv = args.side == "dualkv"
+    config = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                  num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                  head_dim=args.head_dim, max_position_embeddings=max(4096, args.prompt_len + args.response_len + 8))
+    engine = ves.build_engine(config, dualkv=dualkv, attn="sdpa" if dualkv else args.plain_attn, bf16=True,
+                              checkpoint=True, inner="inductor" if cuda else "aot_eager")
+    data = ves.verl_batch(*batch(args, "cuda" if cuda else "cpu"))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    times, first = [], None
+    for i in range(1 + args.iters):
+        sync()
+        t = time.perf_counter()
+        out = engine.forward_backward_batch(data, loss_function=ves.loss_function, forward_only=False)
+        sync()
+        times.append(time.perf_counter() - t)
+        print(f"verl_engine_gpu: {args.side} step {i + 1}: {times[-1]:.3f} s", flush=True)
+        if i == 0:
+            first = {
+                "loss": float(out["metrics"]["loss"][0]) if isinstance(out.get("metrics", {}).get("loss"), list) else out.get("metrics"),
+                "log_probs": out["model_output"]["log_probs"].values().float().cpu() if "model_output" in out else None,
+                "grads": {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).to(torch.bfloat16).cpu()
+                          for n, p in engine.module.named_parameters() if p.grad is not None},
+            }
+        engine.module.zero_grad(set_to_none=True)
+    result = {"side": args.side, "attn": "sdpa (dualkv kernel)" if dualkv else args.plain_attn, "step_s": times,
+              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, **first}
+    if dualkv:
+        import dualkv_compile
+
+        result["reports"] = [str(r) for r in dualkv_compile.reports()]
+    os.makedirs(args.out, exist_ok=True)
+    torch.save(result, os.path.join(args.out, f"{args.side}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def compare(args) -> int:
+    a, b = (torch.load(os.path.join(args.compare, f"{s}.pt"), weights_only=False) for s in ("plain", "dualkv"))
+    grad_rel = {n: ((b["grads"][n].float() - g.float()).norm() / g.float().norm().clamp_min(1e-30)).item()
+                for n, g in a["grads"].items() if n in b["grads"]}
+    worst = max(grad_rel, key=grad_rel.get)
+    lp = (b["log_probs"] - a["log_probs"]).abs().max().item() if a["log_probs"] is not None and b["log_probs"] is not None else None
+    pm, dm = statistics.mean(a["step_s"][1:] or a["step_s"]), statistics.mean(b["step_s"][1:] or b["step_s"])
+    import transformers
+
+    summary = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "transformers": transformers.__version__,
+               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+               "plain": {k: a[k] for k in ("attn", "step_s", "peak_gib", "loss")},
+               "dualkv": {k: b[k] for k in ("attn", "step_s", "peak_gib", "loss")},
+               "speedup": pm / dm, "log_prob_max_abs_diff": lp, "grad_max_rel": grad_rel[worst], "grad_worst": worst,
+               "dualkv_reports": b.get("reports")}
+    text = (f"veRL engine step (steps 2+): plain ({a['attn']}) {pm * 1e3:.1f} ms, dualkv {dm * 1e3:.1f} ms, speedup {pm / dm:.2f}x; "
+            f"first step {a['step_s'][0]:.1f} s / {b['step_s'][0]:.1f} s; peak {a['peak_gib']} / {b['peak_gib']} GiB; "
+            f"log-probs max |diff| {lp}; gradients max rel {grad_rel[worst]:.2e} ({worst})")
+    print(text, flush=True)
+    if args.report:
+        os.makedirs(args.report, exist_ok=True)
+        with open(os.path.join(args.report, "verl_engine_gpu.json"), "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+        with open(os.path.join(args.report, "verl_engine_gpu.md"), "w") as f:
+            f.write(f"# veRL engine, with and without dualkv ({summary['date']})\n\n{summary['gpu']}; torch {summary['torch']}, "
+                    f"transformers {summary['transformers']}\n\n{text}\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.compare:
+        return compare(args)
+    if not args.side:
+        raise SystemExit("--side plain|dualkv, or --compare DIR")
+    run_side(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
