@@ -245,9 +245,14 @@ def _input_info(t, ev, B: int, S: int) -> NodeInfo:
 
 def _creation_info(node: fx.Node, ev, B: int, S: int) -> NodeInfo:
     if node.op == "call_function" and node.target is torch.arange and isinstance(ev, torch.Tensor):
-        # arange(S) is the column index (positions, cache_position); arange(B)
-        # the row index, which only a mask builds on.
-        if ev.dim() == 1 and hint(ev.shape[0]) == S and S != B:
+        # arange(S) is the column index (positions, cache_position); arange(B) the row index, which only a mask
+        # builds on. When B == S a static graph holds both as arange(S), with nothing to tell them apart, so each is
+        # tagged a column value: the tag is a claim about positions only (entry c stands for column c, and the
+        # packed stream gathers entry col(t) for token t), checked where the value meets a token value. Lined up
+        # with the s axis, the original reads entry c at column c as well, whatever the arange was written for,
+        # so the gather is exact; lined up with the b axis (a row index), it conflicts with b and the value is
+        # computed in the original layout (``RuleFailed``), as a constant of length B lined up with b always is.
+        if ev.dim() == 1 and hint(ev.shape[0]) == S:
             return NodeInfo(Kind.COLUMN, ("s",), slen=S)
     if isinstance(ev, torch.Tensor):
         return NodeInfo(Kind.NONE, (None,) * ev.dim())

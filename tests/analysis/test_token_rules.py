@@ -655,3 +655,36 @@ def test_driver_size_of_a_token_value_is_a_number_not_a_refusal():
     axes, (whole, cols, scaled) = _analyze(build)
     assert axes.info[whole].kind is Kind.NONE and axes.info[cols].kind is Kind.NONE
     assert (axes.info[scaled].kind, axes.info[scaled].tags) == (Kind.TOKEN, ("b", "s"))
+
+
+def test_driver_arange_of_a_batch_as_long_as_its_sequence():
+    """With B == S a static graph's ``arange(S)`` (the column index) and ``arange(B)`` (a row index) are one op,
+    ``arange(n)``. It is a column value: lined up with the sequence axis the packed stream reads entry c at column
+    c, as the original does whatever it was written for; lined up with the batch axis (a row index) it conflicts,
+    and the value is computed in the original layout rather than packed as a column."""
+    n = 5
+    graph = fx.Graph()
+    ids = graph.placeholder("input_ids")
+    ids.meta["example_value"] = torch.randint(0, 10, (n, n))
+
+    def op(target, *args, method=False):
+        node = (graph.call_method if method else graph.call_function)(target, args)
+        vals = [a.meta["example_value"] if isinstance(a, fx.Node) else a for a in args]
+        node.meta["example_value"] = getattr(vals[0], target)(*vals[1:]) if method else target(*vals)
+        return node
+
+    idx = op(torch.arange, n)
+    f = op("float", ids, method=True)
+    by_column = op(operator.add, f, idx)  # f[b, s] + s
+    rows = op(operator.getitem, idx, (slice(None), None))
+    by_row = op(operator.add, f, rows)  # f[b, s] + b
+    rows_expanded = op("expand", rows, n, n, method=True)
+    by_expanded_row = op(operator.add, f, rows_expanded)
+    graph.output((by_column, by_row, by_expanded_row))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    axes = analyze_token_axes(gm, TokenInputs((TokenInput(Role.INPUT_IDS, ids),)), attention=[])
+    assert (axes.info[idx].kind, axes.info[idx].tags) == (Kind.COLUMN, ("s",))
+    assert (axes.info[by_column].kind, axes.info[by_column].tags) == (Kind.TOKEN, ("b", "s"))
+    assert axes.info[by_row].kind is Kind.ORIG and "broadcasts token axis" in axes.info[by_row].cause
+    assert axes.info[by_expanded_row].kind is Kind.ORIG
+    assert axes.refusals == ()

@@ -6,6 +6,8 @@ the ``; x = None`` frees dropped) so they stay stable across runs.
 
 from __future__ import annotations
 
+import copy
+
 import expecttest
 import pytest
 import torch
@@ -20,7 +22,9 @@ from dualkv_compile.analysis.node_info import Kind
 from dualkv_compile.analysis.token_axes import analyze_token_axes
 from dualkv_compile.analysis.token_inputs import find_token_inputs
 
-from tests.helpers import assert_packed_structure, capture, normalise
+from tests.helpers import (
+    assert_loss_and_grads_match, assert_packed_structure, capture, grpo_token_mean, hf_model, make_batch, normalise,
+)
 
 from tests.tiny_decoder import TinyDecoder
 
@@ -177,3 +181,22 @@ def test_sizes_read_off_token_values(positions):
     assert layout.num_tokens == 13
     out = packed(*inputs, *PackedInputs.of(layout))[0]
     torch.testing.assert_close(out, model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_as_long_as_its_sequence_packs():
+    """A static-shape graph of a [B, S] batch with B == S (TRL's first scoring call was [16, 16]): Hugging Face's
+    ``arange(S)`` (the cache positions the rotary tables are built from) has the batch's length too, and was left a
+    constant, which refused the graph (``combines a constant of length S with the s axis``). Packed, with the loss
+    and every gradient equal to the undecorated loss's."""
+    torch._dynamo.reset()
+    model = hf_model("qwen3", "sdpa", layers=1)
+    ref_model = copy.deepcopy(model)
+    batch = make_batch([(5, [3, 4, 2, 1]), (5, [2, 4, 3, 1]), (4, [2, 4, 3, 1])])
+    B, S = batch["input_ids"].shape
+    assert B == S == 12
+    start = len(dualkv_compile.reports())
+    loss = dualkv_compile.policy_loss(grpo_token_mean, inner="aot_eager")(model, batch)
+    report, = dualkv_compile.reports()[start:]
+    assert report.rewritten and report.packed_calls == 1, str(report)
+    assert report.last_stats.num_groups == 3
+    assert_loss_and_grads_match(loss, grpo_token_mean(ref_model, batch), model, ref_model)
