@@ -8,8 +8,9 @@ sequences of one varlen call, each causal within itself, no ``[T, T]`` mask, not
 FlashAttention-2 wheel exists for the GPU machine, so this calls ``torch.nn.attention.varlen.varlen_attn`` (CUDA
 only) instead; on a CPU it loops over the sequences with causal SDPA (the same math, for tests).
 
-Sequences come from, in this order: one row (``B == 1``) whose ``position_ids`` restart at 0 (veRL's remove
-padding: every sequence back to back), or a ``[B, S]`` 0/1 attention mask (each row's valid tokens one sequence,
+Sequences come from, in this order: FlashAttention's ``cu_seq_lens_q`` and ``max_length_q`` keyword arguments
+for one row (passed through the model's call, as veRL passes them; no host sync), one row (``B == 1``) whose
+``position_ids`` restart at 0 (veRL's remove padding: every sequence back to back), or a ``[B, S]`` 0/1 attention mask (each row's valid tokens one sequence,
 padding anywhere contiguous), or neither (each row one causal sequence). Anything else raises ``ValueError``
 naming what was given. The mask function registered beside it is transformers' own for FlashAttention (``None``
 or the 2-D mask), so no ``[B, 1, S, S]`` mask is built.
@@ -25,17 +26,21 @@ import torch
 NAME = "torch_varlen"
 
 
-def _sequences(query: torch.Tensor, attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor]):
-    """``(token index [T], cu_seqlens [n + 1] int32, longest)``: the valid tokens of ``[B, S]`` in row-major order."""
+def _sequences(query: torch.Tensor, attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
+               cu_seqlens: Optional[torch.Tensor] = None, longest: Optional[int] = None):
+    """``(token index [T] or None for every token, cu_seqlens [n + 1] int32, longest)``: the valid tokens of
+    ``[B, S]`` in row-major order."""
     B, S = query.shape[0], query.shape[2]
     device = query.device
+    if B == 1 and cu_seqlens is not None:  # given by the caller (FlashAttention's kwargs): no host sync here
+        return None, cu_seqlens.to(torch.int32), int(longest)
     if B == 1 and attention_mask is None and position_ids is not None:
         pos = position_ids.reshape(-1)
         starts = torch.nonzero(pos == 0).flatten()
         if starts.numel() == 0 or int(starts[0]) != 0:
             raise ValueError("torch_varlen: position_ids of the one row must start each sequence at 0")
         cu = torch.cat([starts, torch.tensor([S], device=device)]).to(torch.int32)
-        return torch.arange(S, device=device), cu, int((cu[1:] - cu[:-1]).max())
+        return None, cu, int((cu[1:] - cu[:-1]).max())
     if attention_mask is None:
         valid = torch.ones(B, S, dtype=torch.bool, device=device)
     elif attention_mask.dim() == 2 and attention_mask.shape == (B, S):
@@ -48,13 +53,22 @@ def _sequences(query: torch.Tensor, attention_mask: Optional[torch.Tensor], posi
     return index, cu, int(lens.max())
 
 
-def _varlen_cuda(q, k, v, cu, longest, scale):
+try:  # torch >= 2.10; its keywords differ between releases, so they are read once here, not while tracing
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
-    extra = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    _PARAMS = inspect.signature(varlen_attn).parameters
+    _CAUSAL = {"is_causal": True} if "is_causal" in _PARAMS else {"window_size": (-1, 0)}
+    _GQA = "enable_gqa" in _PARAMS
+except ImportError:
+    varlen_attn = None
+
+
+def _varlen_cuda(q, k, v, cu, longest, scale):
+    if varlen_attn is None:
+        raise RuntimeError(f"torch_varlen: torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn")
+    extra = dict(_CAUSAL)
     if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
+        if _GQA:
             extra["enable_gqa"] = True
         else:
             rep = q.shape[1] // k.shape[1]
@@ -81,15 +95,18 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
     if dropout:
         raise ValueError("torch_varlen: attention dropout is not supported (training runs it at 0 here)")
     B, Hq, S, D = query.shape
-    index, cu, longest = _sequences(query, attention_mask, kwargs.get("position_ids"))
+    index, cu, longest = _sequences(query, attention_mask, kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"),
+                                    kwargs.get("max_length_q"))
 
     def tokens(x):
-        return x.transpose(1, 2).reshape(B * S, x.shape[1], x.shape[-1]).index_select(0, index)
+        flat = x.transpose(1, 2).reshape(B * S, x.shape[1], x.shape[-1])
+        return flat if index is None else flat.index_select(0, index)
 
     q, k, v = tokens(query), tokens(key), tokens(value)
-    o = _varlen_cuda(q, k, v, cu, longest, scaling) if q.is_cuda else _varlen_loop(q, k, v, cu, scaling)
-    out = query.new_zeros(B * S, Hq, value.shape[-1]).index_copy(0, index, o.to(query.dtype))
-    return out.reshape(B, S, Hq, value.shape[-1]), None
+    o = (_varlen_cuda(q, k, v, cu, longest, scaling) if q.is_cuda else _varlen_loop(q, k, v, cu, scaling)).to(query.dtype)
+    if index is not None:
+        o = query.new_zeros(B * S, Hq, value.shape[-1]).index_copy(0, index, o)
+    return o.reshape(B, S, Hq, value.shape[-1]), None
 
 
 def register() -> str:

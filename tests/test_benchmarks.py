@@ -213,3 +213,19 @@ def test_torch_varlen_attention_names_a_mask_it_cannot_read():
     q = torch.zeros(2, 4, 3, 8)
     with pytest.raises(ValueError, match=r"expected no mask or a \[B, S\] = \[2, 3\] 0/1 mask, got \(2, 1, 3, 3\)"):
         varlen_attention.torch_varlen_attention(None, q, q, q, torch.ones(2, 1, 3, 3))
+
+
+@pytest.mark.slow  # a minute on 2 cores: its path (varlen attention, @policy_loss) is covered by the tests above
+def test_model_remove_padding_compares_with_the_strongest_baseline_on_cpu(tmp_path):
+    """``model_remove_padding.py``'s CPU smoke form: the varlen baseline, dualkv with nothing shared and dualkv give
+    one loss, dualkv packs, and the speedup is reported against the strongest baseline."""
+    cmd = [sys.executable, "benchmarks/model_remove_padding.py", "--device", "cpu", "--model", "tiny", "--groups", "2",
+           "--rollouts", "3", "--prompt", "24", "--response", "8", "--reps", "1", "--skip-weak", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(tmp_path / "model_remove_padding.json") as f:
+        rows = json.load(f)["rows"]
+    assert [r["variant"] for r in rows][0].startswith("remove padding, torch varlen") and len(rows) == 3
+    assert max(abs(r["loss"] - rows[0]["loss"]) for r in rows) <= 1e-4 * abs(rows[0]["loss"])
+    assert rows[-1]["packed_calls"] > 0
+    assert "Speedup against the strongest baseline" in (tmp_path / "model_remove_padding.md").read_text()

@@ -208,9 +208,8 @@ def test_grpo_with_checkpointing_is_not_recompiled_at_every_step(tmp_path):
     Qwen3-0.6B shape). With the copies dropped: no recompile after Dynamo's dynamic-size one, packed at
     every step."""
     ex = _example()
-    # Completions of up to 6 tokens: with the default 8 this seed's first batch is 16 x 16, and a static graph
-    # whose rows and columns are both 16 is refused (its constants cannot be told apart from the token axis).
-    args = ex.parse_args(["--steps", "3", "--steps-per-generation", "1", "--layers", "1", "--max-completion", "6"])
+    # This seed's first batch is 16 x 16: rows as many as columns (which packs since a02bda3).
+    args = ex.parse_args(["--steps", "3", "--steps-per-generation", "1", "--layers", "1"])
     args.output_dir = str(tmp_path)
     torch._dynamo.reset()
     seen = len(dualkv_compile.reports())
