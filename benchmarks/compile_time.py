@@ -1,0 +1,121 @@
+"""Compile time of a GRPO loss step: ``@policy_loss(dynamic=True)`` against plain Inductor, cold and warm-started.
+
+Every measurement is a fresh process (as every rank of every new training job is), timing the first forward +
+backward (Dynamo, the rewrite, AOTAutograd, Inductor, the first run) and then one more step (the steady
+state). Per side, two processes share one Inductor cache directory (``TORCHINDUCTOR_CACHE_DIR``): the first
+starts with it empty (cold), the second finds the FX graph and AOTAutograd caches the first filled (warm).
+
+    python benchmarks/compile_time.py --model 1.7b --shape 16,4096,1024 --out results/     # on a GPU
+    python benchmarks/compile_time.py --device cpu --model tiny --shape 4,64,16            # the mechanism, on CPU
+
+Sides: ``plain`` is ``torch.compile(grpo_loss, dynamic=True)`` (Inductor) on the duplicated batch, ``dualkv``
+is ``dualkv_compile.policy_loss(grpo_loss, dynamic=True)``; the loss is ``model_gpu.grpo_loss``. Prints a table
+and writes ``compile_time.{json,md}`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="1.7b", help="a model_gpu.MODELS key (tiny, 0.6b, 1.7b, 8b)")
+    ap.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    ap.add_argument("--shape", default="16,4096,1024", help="N,P,R: one group of N responses of R after a P-token prompt")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--one", choices=["plain", "dualkv"], default=None, help=argparse.SUPPRESS)  # a child process
+    return ap.parse_args(argv)
+
+
+def child(args) -> dict:
+    """One process: the first step (compiling) and the next, in seconds."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.dirname(HERE))
+    import dualkv_compile
+    from model_gpu import MODELS, TINY_VOCAB, VOCAB, grpo_loss, make_batch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = dict(MODELS[args.model])
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+    vocab = TINY_VOCAB if args.model == "tiny" else VOCAB
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, max_position_embeddings=32768, use_cache=False,
+                                         attn_implementation="sdpa", **cfg))
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = model.to(device=args.device, dtype=dtype).train()
+    batch = make_batch(tuple(int(x) for x in args.shape.split(",")), args.device, vocab=vocab)
+    fn = (dualkv_compile.policy_loss(grpo_loss, dynamic=True, inner="inductor") if args.one == "dualkv"
+          else torch.compile(grpo_loss, dynamic=True))
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    times = []
+    for _ in range(2):
+        sync()
+        t = time.perf_counter()
+        fn(model, batch).backward()
+        sync()
+        times.append(time.perf_counter() - t)
+        model.zero_grad(set_to_none=True)
+    packed = any(r.packed_calls for r in dualkv_compile.reports()) if args.one == "dualkv" else None
+    return {"first_s": times[0], "second_s": times[1], "packed": packed}
+
+
+def run(args, side: str, cache: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", side, "--model", args.model, "--shape", args.shape,
+           "--device", args.device] + (["--layers", str(args.layers)] if args.layers else [])
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"compile_time: the {side} process failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.one:
+        print(json.dumps(child(args)), flush=True)
+        return 0
+    rows = {}
+    for side in ("plain", "dualkv"):
+        with tempfile.TemporaryDirectory() as cache:
+            for state in ("cold", "warm"):
+                print(f"compile_time: {side}, {state} cache ...", file=sys.stderr, flush=True)
+                rows[(side, state)] = run(args, side, cache)
+    lines = ["| side | cold: first step s | warm: first step s | next step s |", "|---|---:|---:|---:|"]
+    for side in ("plain", "dualkv"):
+        cold, warm = rows[(side, "cold")], rows[(side, "warm")]
+        lines.append(f"| {side} | {cold['first_s']:.2f} | {warm['first_s']:.2f} | {cold['second_s']:.3f} |")
+    ratio = rows[("dualkv", "cold")]["first_s"] / rows[("plain", "cold")]["first_s"]
+    warm_ratio = rows[("dualkv", "warm")]["first_s"] / rows[("plain", "warm")]["first_s"]
+    lines.append(f"\ndualkv's first step / plain Inductor's: cold {ratio:.2f}x, warm {warm_ratio:.2f}x; dualkv packed: "
+                 f"{rows[('dualkv', 'cold')]['packed']}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if args.out:
+        import torch
+
+        os.makedirs(args.out, exist_ok=True)
+        meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "device": args.device,
+                "model": args.model, "layers": args.layers, "shape": args.shape}
+        with open(os.path.join(args.out, "compile_time.json"), "w") as f:
+            json.dump({"meta": meta, "rows": {f"{s}/{t}": r for (s, t), r in rows.items()}}, f, indent=2)
+        with open(os.path.join(args.out, "compile_time.md"), "w") as f:
+            f.write(f"# Compile time ({meta})\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
