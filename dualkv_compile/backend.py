@@ -5,7 +5,7 @@
 
 1. the fallback: the graph unchanged, compiled by the inner compiler
    (``runtime.nested_compile``), what every refused graph or call runs;
-2. ``rewrite.inline_checkpoint``, then ``rewrite.functionalize`` (on copies);
+2. ``normalize``: ``inline_checkpoint``, ``positional_args``, then ``functionalize`` (on copies);
 3. ``analysis.analyze``: token inputs with their roles, attention, the token
    axes of every value, module scalars; a graph that cannot be rewritten is
    refused, the reason logged on the "dualkv_compile" logger and kept for
@@ -33,15 +33,16 @@ import torch
 import torch.fx as fx
 
 from .analysis.analyze import analyze
-from .analysis.node_info import Kind, Refusal, ev, hint as size_hint
+from .analysis.node_info import Kind, hint as size_hint
 from .analysis.token_inputs import Role, find_token_inputs
 from .config import DualKVConfig
 from .layout import carried
 from .report import GraphReport, new_report, reports
-from .rewrite.functionalize import functionalize_mutations, mutation_refusal
+from .normalize.functionalize import functionalize_mutations, mutation_refusal
+from .normalize.graph_pass import Refusal, ev
+from .normalize.inline_checkpoint import inline_checkpoint_regions
+from .normalize.positional_args import positional_args
 from .rewrite.fuse_linear_log_prob import fuse_linear_log_prob
-from .rewrite.inline_checkpoint import inline_checkpoint_regions
-from .rewrite.positional_args import positional_args
 from .rewrite.pack_graph import pack_graph
 from .rewrite.sequence_parallel import shard_packed_graph
 from .runtime.nested_compile import LazyCompile

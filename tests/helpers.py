@@ -22,7 +22,7 @@ from dualkv_compile.backend import dualkv_backend
 from dualkv_compile.rewrite.fuse_linear_log_prob import fuse_linear_log_prob
 from dualkv_compile.rewrite.pack_graph import pack_graph
 from dualkv_compile.rewrite.packed_inputs import PackedInputs
-from dualkv_compile.rewrite.packed_ops import unpack_tokens
+from dualkv_compile.layout.packed_ops import unpack_tokens
 
 transformers = pytest.importorskip("transformers")
 

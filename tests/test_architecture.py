@@ -21,6 +21,7 @@ LAYERS = [
     {"kernels"},  # math only
     {"ops"},  # the dualkv:: torch.library ops over the kernels
     {"config"},  # validates attention_backend against ops.attention.BACKENDS
+    {"normalize"},  # passes that put a Dynamo graph into the form the analysis expects (and Refusal, ev)
     {"analysis"},
     {"rewrite"},
     {"runtime"},
@@ -100,6 +101,13 @@ def _graph() -> dict[str, set[str]]:
 def test_every_module_has_a_layer():
     missing = sorted({_layer_key(m) for m in _modules()} - set(RANK))
     assert not missing, f"add these to LAYERS: {missing}"
+
+
+def test_graph_passes_follow_the_data_path():
+    """normalize -> analysis -> rewrite -> runtime (DESIGN.md, "Architecture"): each may import the ones before it only."""
+    path = ["layout", "normalize", "analysis", "rewrite", "runtime"]
+    assert all(part in RANK for part in path), f"missing from LAYERS: {[p for p in path if p not in RANK]}"
+    assert [RANK[part] for part in path] == sorted({RANK[part] for part in path}), [RANK[part] for part in path]
 
 
 def test_no_import_from_a_lower_layer_to_a_higher_one():

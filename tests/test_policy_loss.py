@@ -10,7 +10,7 @@ import torch
 from torch.testing import FileCheck
 
 import dualkv_compile
-from dualkv_compile.rewrite.packed_ops import unpack_tokens
+from dualkv_compile.layout.packed_ops import unpack_tokens
 
 from tests.helpers import (
     GROUPS, LOSSES, VOCAB, assert_loss_and_grads_match, grpo_token_mean, hf_model, make_batch,
@@ -68,14 +68,14 @@ def test_no_batch_by_sequence_by_vocab_tensor(loss_fn):
     assert all(v[:-1] == (1, T) for v in vocab_sized.values()), vocab_sized
     assert not any(len(v) >= 3 and v[0] == B and v[-1] == VOCAB for v in shapes.values())
     # The next-token gather reads each token's predecessor row in place: no shifted [1, T, V] copy.
-    from dualkv_compile.rewrite.packed_ops import previous_tokens
+    from dualkv_compile.layout.packed_ops import previous_tokens
 
     shifted = [n.name for n in packed.graph.nodes if n.target is previous_tokens and shapes.get(n.name, ())[-1:] == (VOCAB,)]
     assert not shifted, shifted
 
 def test_gather_previous_matches_shift_then_gather():
     """gather_previous == previous_tokens(x).gather(-1, index), values and gradients, on random inputs."""
-    from dualkv_compile.rewrite.packed_ops import gather_previous, previous_tokens
+    from dualkv_compile.layout.packed_ops import gather_previous, previous_tokens
 
     g = torch.Generator().manual_seed(0)
     T, V, K = 13, 11, 2

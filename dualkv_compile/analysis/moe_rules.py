@@ -40,7 +40,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .node_info import Coupling, Kind, NodeInfo, Route, RuleFailed, arg, ev as _ev, hint, kind_of, op_name, shape_of
+from ..normalize.graph_pass import ev as _ev
+from .node_info import Coupling, Kind, NodeInfo, Route, RuleFailed, arg, hint, kind_of, op_name, shape_of
 from .rule_registry import rule_for, token_rule
 from .token_reductions import weighted_histc_rule
 

@@ -2,7 +2,7 @@
 
 Shared by the analysis driver (``token_axes``), its per-op rules and every
 pass that reads the analysis (``rewrite.pack_graph``, the runtime's checks).
-Imports nothing else of the package.
+Imports only ``normalize.graph_pass`` (``ev``: a node's example value) of the package.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from ..normalize.graph_pass import ev
+
 __all__ = [
-    "Kind", "Tags", "NodeInfo", "Route", "Weighted", "Refusal", "RuleFailed", "Coupling",
-    "ev", "hint", "shape_of", "arg", "reduced_dims", "op_name", "kind_of", "untagged",
+    "Kind", "Tags", "NodeInfo", "Route", "Weighted", "RuleFailed", "Coupling",
+    "hint", "shape_of", "arg", "reduced_dims", "op_name", "kind_of", "untagged",
 ]
 
 
@@ -77,17 +79,13 @@ class Weighted:
     """A reduction of ``op`` over every token axis of the TOKEN value ``operand`` (DESIGN.md semantics 12).
 
     On the packed stream each entry is weighted by the number of positions of the original layout the
-    token stands for (``rewrite.packed_ops.token_weights``: the positions ``unpack`` fills from it), so the
+    token stands for (``layout.packed_ops.token_weights``: the positions ``unpack`` fills from it), so the
     result equals the reduction of the unpacked value, zeros at padding; the runner checks, per call, that
-    a factor zeroes every position packing does not compute (``runtime.padding_reads``).
+    a factor zeroes every position packing does not compute (``analysis.padding_reads``).
     """
 
     op: str  # "sum", "mean", "scatter_add", "index_add", "histc"
     operand: fx.Node
-
-
-class Refusal(Exception):
-    """The graph cannot be rewritten; the message says why."""
 
 
 class RuleFailed(Exception):
@@ -96,11 +94,6 @@ class RuleFailed(Exception):
 
 class Coupling(Exception):
     """An op that couples tokens of a packed value: the whole graph is refused."""
-
-
-def ev(x):
-    """The example value of node ``x`` (None for non-nodes)."""
-    return x.meta.get("example_value") if isinstance(x, fx.Node) else None
 
 
 def hint(x) -> int:

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .node_info import Kind, NodeInfo, RuleFailed, arg, ev as _ev, hint, kind_of, shape_of, untagged
+from ..normalize.graph_pass import ev as _ev
+from .node_info import Kind, NodeInfo, RuleFailed, arg, hint, kind_of, shape_of, untagged
 from .rule_registry import token_rule
 
 __all__ = ["is_size_query"]
@@ -272,7 +273,7 @@ def _cat(node, info, B, S) -> NodeInfo:
 @token_rule(torch.slice_scatter, methods=("slice_scatter",))
 def _slice_scatter(node, info, B, S) -> NodeInfo:
     """``base.slice_scatter(src, dim, ...)`` along a dim without a token axis (a buffer filled slice by slice,
-    as ``rewrite.functionalize`` writes ``buf[..., a:b].copy_(src)``): each token's entries from its own."""
+    as ``normalize.functionalize`` writes ``buf[..., a:b].copy_(src)``): each token's entries from its own."""
     base, src = node.args[0], arg(node, 1, "src")
     dim = arg(node, 2, "dim", 0)
     t = info[base].tags

@@ -45,8 +45,9 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from ..normalize.graph_pass import Refusal, ev as _ev
 from .attention_match import AttentionMatch, find_attention
-from .node_info import Coupling, Kind, NodeInfo, Refusal, RuleFailed, ev as _ev, hint, op_name, shape_of, untagged
+from .node_info import Coupling, Kind, NodeInfo, RuleFailed, hint, op_name, shape_of, untagged
 from .moe_rules import routed_rule
 from .shape_rules import is_size_query
 from .token_inputs import Role, TokenInputs

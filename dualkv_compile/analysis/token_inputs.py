@@ -25,8 +25,9 @@ import torch
 import torch.fx as fx
 
 from ..layout.carried import ActiveLayout
+from ..normalize.graph_pass import Refusal
 from .attention_match import AttentionMatch
-from .node_info import Refusal, hint
+from .node_info import hint
 
 __all__ = ["Role", "TokenInput", "TokenInputs", "carried_batch_shape", "complete_token_inputs", "find_token_inputs", "token_major_inputs"]
 

@@ -2,7 +2,7 @@
 
 A sum over the token axes of the original layout counts a shared token once
 per sequence that holds it. On the packed stream the same sum is taken with
-each token weighted by that count (``rewrite.packed_ops.token_weights``), so
+each token weighted by that count (``layout.packed_ops.token_weights``), so
 the value is computed there, in one pass over the packed tokens, rather than
 by unpacking the operand into ``[B, S, ...]``: an MoE router's load-balancing
 statistics, a loss's token sum or mean.
@@ -16,7 +16,7 @@ without token axes along the operand's one token axis (expert counts);
 Assumptions and what is checked elsewhere
     * The original sums padding positions too. Packing does not compute them,
       so the weighted sum equals the original only where a factor zeroes them
-      (a mask multiplied in); ``runtime.padding_reads`` reports each weighted
+      (a mask multiplied in); ``analysis.padding_reads`` reports each weighted
       reduction as a read and the runner checks its factors per call.
     * A reduction whose token operands come from the token inputs alone (a
       mask's sum) is not weighted: it is computed in the original layout from
@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .node_info import Kind, NodeInfo, RuleFailed, Weighted, arg, ev as _ev, op_name, reduced_dims
+from ..normalize.graph_pass import ev as _ev
+from .node_info import Kind, NodeInfo, RuleFailed, Weighted, arg, op_name, reduced_dims
 
 __all__ = ["weighted_reduction", "weighted_scatter", "weighted_histc_rule"]
 

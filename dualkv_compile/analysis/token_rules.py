@@ -24,7 +24,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .node_info import Coupling, Kind, NodeInfo, RuleFailed, arg, ev as _ev, hint, kind_of, reduced_dims, shape_of
+from ..normalize.graph_pass import ev as _ev
+from .node_info import Coupling, Kind, NodeInfo, RuleFailed, arg, hint, kind_of, reduced_dims, shape_of
 from .rule_registry import token_rule
 from .token_reductions import weighted_reduction, weighted_scatter
 

@@ -6,6 +6,7 @@
 ``shared_prompt``  ``SharedPromptLayout``: sequences, nodes, index tensors, stats
 ``detect``         sequences -> forest -> layout
 ``pack``           ``pack``/``unpack`` between ``[B, S, ...]`` and ``[T, ...]``
+``packed_ops``     the same moves as the packed graph calls them (index tensors as inputs), and the meta keys that mark them
 ``carried``        the layout current in a thread, carried across graph breaks
 """
 

@@ -40,13 +40,14 @@ import torch.fx as fx
 
 from ..ops import attention as _attention_op  # noqa: F401  (registers torch.ops.dualkv.attention_fwd)
 from ..analysis.attention_match import AttentionMatch, default_scale
-from .inline_checkpoint import RECOMPUTE_META, TAGGED_OPS
+from ..layout.packed_ops import PICKED_META, gather_columns, gather_previous, gather_unpacked, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
+from ..normalize.graph_pass import Refusal, ev as _ev
+from ..normalize.inline_checkpoint import RECOMPUTE_META, TAGGED_OPS
 from .packed_inputs import PackedInputs
-from .packed_ops import PICKED_META, gather_columns, gather_previous, gather_unpacked, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
 from .packed_shapes import emit_original_size, rewrite_shapes
 from .weighted_reductions import emit_weighted
 from .sp_meta import HEADS_META
-from ..analysis.node_info import Kind, Refusal, shape_of, ev as _ev
+from ..analysis.node_info import Kind, shape_of
 from ..analysis.shape_rules import is_size_query
 from ..analysis.token_axes import TokenAxes
 from ..analysis.token_inputs import Role
@@ -123,7 +124,7 @@ class _Packer:
             o = self.g.call_function(
                 unpack_tokens, (p, self.inp["unpack_index"], self.inp["valid"], ids, b, s, info.shift, truncate)
             )
-        o.meta["unpacked_rank"] = len(shape)  # for runtime.padding_reads
+        o.meta["unpacked_rank"] = len(shape)  # for analysis.padding_reads
         self.orig[n] = o
         return o
 
@@ -153,7 +154,7 @@ class _Packer:
                 if info.kind is Kind.TOKEN:
                     b, s = info.tags.index("b"), info.tags.index("s")
                     self.packed[n] = self.g.call_function(pack_tokens, (self.orig[n], self.inp["pack_index"], b, s))
-                    self.packed[n].meta["dualkv_original"] = n.name  # a mask input as a factor (runtime.padding_reads)
+                    self.packed[n].meta["dualkv_original"] = n.name  # a mask input as a factor (analysis.padding_reads)
                 continue
             if n.op == "output":
                 out = fx.map_arg(n.args[0], self.orig_of)
@@ -236,7 +237,7 @@ class _Packer:
         kwargs = fx.map_arg(n.kwargs, lookup)
         args, kwargs = rewrite_shapes(self, n, args, kwargs)
         new = self.g.create_node(n.op, n.target, args, kwargs, name=n.name + "_packed")
-        new.meta["dualkv_original"] = n.name  # for runtime.padding_reads (a name: meta may be deep-copied)
+        new.meta["dualkv_original"] = n.name  # for analysis.padding_reads (a name: meta may be deep-copied)
         return new
 
     def emit_gather_previous(self, n: fx.Node) -> Optional[fx.Node]:
@@ -284,7 +285,7 @@ class _Packer:
             gather_unpacked, (self.packed_of(src), self.inp["unpack_index"], self.inp["valid"], self.orig_of(index)),
             name=n.name,
         )
-        # For runtime.padding_reads: zero at padding, as unpack leaves it (the fusion marks its replacement alike).
+        # For analysis.padding_reads: zero at padding, as unpack leaves it (the fusion marks its replacement alike).
         picked.meta[PICKED_META] = picked.meta["unpacked_rank"] = len(shape_of(n))
         return picked
 
@@ -319,7 +320,7 @@ class _Packer:
 def _inherit_recompute_tags(n: fx.Node, last: fx.Node) -> None:
     """Give every node emitted after ``last`` (while translating ``n``) ``n``'s checkpoint tags.
 
-    Inside an activation-checkpoint region (``rewrite.inline_checkpoint``) the
+    Inside an activation-checkpoint region (``normalize.inline_checkpoint``) the
     packed copy of a node, the shared-prompt attention op replacing an SDPA,
     and the pack/unpack/gather helpers made for the node's operands belong to
     the region: they are recomputed in the backward like the nodes they

@@ -40,17 +40,17 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..analysis.node_info import Refusal, ev
+from ..layout.packed_ops import (
+    gather_columns, gather_previous, gather_unpacked, pack_tokens, previous_tokens, token_weights, unpack_merged, unpack_tokens,
+)
+from ..normalize.graph_copy import copy_graph_module
+from ..normalize.graph_pass import Refusal, ev
+from ..normalize.inline_checkpoint import RECOMPUTE_META
 from ..ops import linear_log_prob as _linear_log_prob  # noqa: F401  (registers torch.ops.dualkv.linear_log_prob*)
 from ..ops import sp_collectives as _collectives  # noqa: F401  (registers torch.ops.dualkv.sp_*)
 from ..ops.sp_collectives import SPGroup
 from ..ops.ulysses_attention import check_heads, ulysses_attention
-from .graph_copy import copy_graph_module
-from .inline_checkpoint import RECOMPUTE_META
 from .sp_meta import HEADS_META, TOKEN_SUM_META
-from .packed_ops import (
-    gather_columns, gather_previous, gather_unpacked, pack_tokens, previous_tokens, token_weights, unpack_merged, unpack_tokens,
-)
 
 __all__ = ["shard_packed_graph", "local_token_weights"]
 

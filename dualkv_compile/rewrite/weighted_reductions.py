@@ -10,8 +10,8 @@ Contract
     the original count of the reduced dims (read off the batch's sizes, static or symbolic). This equals
     the reduction of the unpacked operand (zeros at padding) up to reassociation.
     The node carrying the weighted operand (``args[0]`` is the packed operand) is marked
-    ``meta["dualkv_weighted"] = (shift, truncate, merged, leading)`` (``leading``: the token axes are
-    the operand's first): ``runtime.padding_reads`` treats it as a
+    ``meta[WEIGHTED_META] = (shift, truncate, merged, leading)`` (``leading``: the token axes are
+    the operand's first): ``analysis.padding_reads`` treats it as a
     read of every position, which the runner checks per call (padding must be zeroed by a factor).
 
 Dtypes: the products are formed in at least float32 (bfloat16 entries times counts above 256 would
@@ -26,14 +26,13 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..analysis.node_info import arg, ev, reduced_dims, shape_of
-from .packed_ops import token_weights, weighted_histc
+from ..analysis.node_info import arg, reduced_dims, shape_of
+from ..layout.packed_ops import WEIGHTED_META, token_weights, weighted_histc
+from ..normalize.graph_pass import ev
 from .packed_shapes import original_dim_size
 from .sp_meta import TOKEN_SUM_META
 
-__all__ = ["emit_weighted", "WEIGHTED_META"]
-
-WEIGHTED_META = "dualkv_weighted"
+__all__ = ["emit_weighted"]
 
 
 def emit_weighted(p, n: fx.Node) -> fx.Node:

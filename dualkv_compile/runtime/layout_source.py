@@ -29,14 +29,14 @@ import torch
 import torch.fx as fx
 
 from ..analysis.analyze import Analysis, floating_carried
-from ..analysis.node_info import ev
+from ..analysis.side_graphs import mask_graph
 from ..analysis.token_inputs import NAMED_ROLES, Role
 from ..config import DualKVConfig
 from ..layout import carried as active_layout
 from ..layout import SharedPromptLayout, detect
+from ..normalize.graph_pass import ev
 from ..report import GraphReport
 from .mask_check import mask_mismatch, pure_mask
-from .side_graphs import mask_graph
 
 log = logging.getLogger("dualkv_compile")
 

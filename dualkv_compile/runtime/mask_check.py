@@ -2,7 +2,7 @@
 
 The rewrite drops the masks a graph builds and attends by the layout instead, so a mask that is not the
 causal mask with the layout's key padding (sliding window, bidirectional, a bias, another batch's padding)
-must stop the packed path. Masks are evaluated by a copy of the graph (``side_graphs.mask_graph``).
+must stop the packed path. Masks are evaluated by a copy of the graph (``analysis.side_graphs.mask_graph``).
 
 A check of evaluated masks sees only what its batch reaches: a sliding window (Gemma 2, Mistral) or
 chunks longer than every sequence of the checked batch look causal there, yet bind on a later batch

@@ -20,20 +20,20 @@ import torch
 import torch.fx as fx
 
 from ..analysis.analyze import Analysis
+from ..analysis.padding_reads import find_padding_reads, tainted
+from ..analysis.side_graphs import factor_graph
 from ..analysis.token_inputs import Role
 from ..config import DualKVConfig
 from ..layout import SharedPromptLayout
 from ..layout import carried as active_layout
+from ..layout.packed_ops import gather_columns, unpack_merged, unpack_tokens
 from ..report import GraphReport
 from ..rewrite.pack_graph import PACKED_INPUTS
 from ..rewrite.packed_inputs import PER_TOKEN_OR_SEGMENT, PackedInputs
-from ..rewrite.packed_ops import gather_columns, unpack_merged, unpack_tokens
 from .layout_source import FromCarried, FromTokenIds
 from .nested_compile import is_dynamic, nested_compile
-from .padding_reads import find_padding_reads, tainted
 from . import exactness_check
 from .sequence_parallel import agree, local_token_count, shard_packed_inputs
-from .side_graphs import factor_graph
 
 log = logging.getLogger("dualkv_compile")
 

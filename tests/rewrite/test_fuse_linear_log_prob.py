@@ -1,4 +1,4 @@
-"""The fusion of lm_head -> log_softmax -> next-token gather (``passes.fuse_linear_log_prob``).
+"""The fusion of lm_head -> log_softmax -> next-token gather (``rewrite.fuse_linear_log_prob``).
 
 What it matches and what it leaves alone, on small hand-written graphs
 (values and gradients against the unfused graph), an entropy of the same
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import dualkv_compile
 from dualkv_compile.backend import DualKVConfig, dualkv_backend
 from dualkv_compile.rewrite.fuse_linear_log_prob import fuse_linear_log_prob
-from dualkv_compile.rewrite.packed_ops import gather_previous
+from dualkv_compile.layout.packed_ops import gather_previous
 
 from tests.helpers import hf_model, rel
 from tests.helpers import GROUPS, VOCAB, packed_loss_graph, assert_loss_and_grads_match, clipped_objective, grpo_token_mean, make_batch, token_logp_and_entropy, with_entropy_and_kl

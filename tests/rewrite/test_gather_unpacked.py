@@ -17,7 +17,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 import dualkv_compile
 from dualkv_compile.backend import dualkv_backend
-from dualkv_compile.rewrite.packed_ops import gather_unpacked, unpack_merged, unpack_tokens
+from dualkv_compile.layout.packed_ops import gather_unpacked, unpack_merged, unpack_tokens
 
 from tests.helpers import VOCAB, grpo_batch, hf_model, packed_loss_graph, rel
 

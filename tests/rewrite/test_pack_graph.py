@@ -15,7 +15,7 @@ from torch.testing import FileCheck
 
 import dualkv_compile
 from dualkv_compile.rewrite.packed_inputs import PackedInputs
-from dualkv_compile.rewrite.packed_ops import unpack_tokens
+from dualkv_compile.layout.packed_ops import unpack_tokens
 
 from dualkv_compile.rewrite.pack_graph import pack_graph
 from dualkv_compile.analysis.node_info import Kind
@@ -60,8 +60,8 @@ def forward(self, L_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter
         self.assertExpectedInline(normalise(packed.code), """\
 def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter.Parameter, pos.weight : torch.nn.parameter.Parameter, l_position_ids_ : torch.Tensor, norm.weight : torch.nn.parameter.Parameter, l_self_modules_norm_parameters_bias_ : torch.nn.parameter.Parameter, qkv.weight : torch.nn.parameter.Parameter, out.weight : torch.nn.parameter.Parameter, head.weight : torch.nn.parameter.Parameter, pack_index, col_index, unpack_index, valid, prev_index, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len):
     size = pack_index.size(0)
-    pack_tokens = dualkv_compile_rewrite_packed_ops_pack_tokens(l_input_ids_, pack_index, 0, 1)
-    pack_tokens_1 = dualkv_compile_rewrite_packed_ops_pack_tokens(l_position_ids_, pack_index, 0, 1)
+    pack_tokens = dualkv_compile_layout_packed_ops_pack_tokens(l_input_ids_, pack_index, 0, 1)
+    pack_tokens_1 = dualkv_compile_layout_packed_ops_pack_tokens(l_position_ids_, pack_index, 0, 1)
     embedding_packed = torch.nn.functional.embedding(pack_tokens, embed.weight, None, None, 2.0, False, False)
     embedding_1_packed = torch.nn.functional.embedding(pack_tokens_1, pos.weight, None, None, 2.0, False, False)
     h_packed = embedding_packed + embedding_1_packed
@@ -79,7 +79,7 @@ def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter
     linear_1_packed = torch._C._nn.linear(reshape_packed, out.weight, None)
     h_1_packed = h_packed + linear_1_packed
     linear_2_packed = torch._C._nn.linear(h_1_packed, head.weight, None)
-    unpack_tokens = dualkv_compile_rewrite_packed_ops_unpack_tokens(linear_2_packed, unpack_index, valid, l_input_ids_, 0, 1, 0, False)
+    unpack_tokens = dualkv_compile_layout_packed_ops_unpack_tokens(linear_2_packed, unpack_index, valid, l_input_ids_, 0, 1, 0, False)
     return (unpack_tokens,)""")
 
     def test_hf_qwen3_attention_block_after(self):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dualkv_compile
-from dualkv_compile.analysis.node_info import Refusal
+from dualkv_compile.normalize.graph_pass import Refusal
 from dualkv_compile.analysis.token_axes import analyze_token_axes
 from dualkv_compile.analysis.token_inputs import find_token_inputs
 from dualkv_compile.layout import tree_segments
@@ -20,7 +20,7 @@ from dualkv_compile.ops.sp_collectives import SPGroup
 from dualkv_compile.ops.ulysses_attention import check_heads, kv_repeat, ulysses_attention
 from dualkv_compile.rewrite.pack_graph import pack_graph
 from dualkv_compile.rewrite.packed_inputs import PackedInputs
-from dualkv_compile.rewrite.packed_ops import token_weights
+from dualkv_compile.layout.packed_ops import token_weights
 from dualkv_compile.rewrite.sequence_parallel import local_token_weights, shard_packed_graph
 from dualkv_compile.runtime.sequence_parallel import local_token_count, shard_packed_inputs
 
@@ -46,10 +46,10 @@ class TestShardedGraph(expecttest.TestCase):
 def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter.Parameter, pos.weight : torch.nn.parameter.Parameter, l_position_ids_ : torch.Tensor, norm.weight : torch.nn.parameter.Parameter, l_self_modules_norm_parameters_bias_ : torch.nn.parameter.Parameter, qkv.weight : torch.nn.parameter.Parameter, out.weight : torch.nn.parameter.Parameter, head.weight : torch.nn.parameter.Parameter, pack_index, col_index, unpack_index, valid, prev_index, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len):
     size_1 = pack_index.size(0)
     local_tokens = size_1 // 2
-    pack_tokens = dualkv_compile_rewrite_packed_ops_pack_tokens(l_input_ids_, pack_index, 0, 1)
+    pack_tokens = dualkv_compile_layout_packed_ops_pack_tokens(l_input_ids_, pack_index, 0, 1)
     mul = local_tokens * 1
     pack_tokens_chunk = pack_tokens.narrow(1, mul, local_tokens)
-    pack_tokens_1 = dualkv_compile_rewrite_packed_ops_pack_tokens(l_position_ids_, pack_index, 0, 1)
+    pack_tokens_1 = dualkv_compile_layout_packed_ops_pack_tokens(l_position_ids_, pack_index, 0, 1)
     mul_1 = local_tokens * 1
     pack_tokens_1_chunk = pack_tokens_1.narrow(1, mul_1, local_tokens)
     embedding_packed = torch.nn.functional.embedding(pack_tokens_chunk, embed.weight, None, None, 2.0, False, False)
@@ -70,7 +70,7 @@ def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter
     h_1_packed = h_packed + linear_1_packed
     linear_2_packed = torch._C._nn.linear(h_1_packed, head.weight, None)
     linear_2_packed_gathered = torch.ops.dualkv.sp_all_gather.default(linear_2_packed, 1, 2, 1, 'sp', 'slice')
-    unpack_tokens = dualkv_compile_rewrite_packed_ops_unpack_tokens(linear_2_packed_gathered, unpack_index, valid, l_input_ids_, 0, 1, 0, False)
+    unpack_tokens = dualkv_compile_layout_packed_ops_unpack_tokens(linear_2_packed_gathered, unpack_index, valid, l_input_ids_, 0, 1, 0, False)
     return (unpack_tokens,)""")
 
 

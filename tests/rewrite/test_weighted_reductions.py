@@ -21,7 +21,7 @@ from dualkv_compile.analysis.token_inputs import find_token_inputs
 from dualkv_compile.backend import dualkv_backend
 from dualkv_compile.rewrite.pack_graph import pack_graph
 from dualkv_compile.rewrite.packed_inputs import PackedInputs
-from dualkv_compile.rewrite.packed_ops import token_weights, unpack_tokens, weighted_histc
+from dualkv_compile.layout.packed_ops import token_weights, unpack_tokens, weighted_histc
 
 from tests.helpers import capture, grpo_batch, hf_model, normalise, rel
 from tests.tiny_decoder import TinyDecoder
@@ -177,7 +177,7 @@ class TestGraphDiff(expecttest.TestCase):
     z_packed = torch.logsumexp(linear_2_packed, dim = -1)
     square_packed = z_packed.square()
     mul_packed = square_packed * pack_tokens_2
-    token_weights = dualkv_compile_rewrite_packed_ops_token_weights(size, unpack_index, valid, l_input_ids_, 0, False)
+    token_weights = dualkv_compile_layout_packed_ops_token_weights(size, unpack_index, valid, l_input_ids_, 0, False)
     view = token_weights.view((1, -1))
     to = view.to(torch.float32)
     mul = mul_packed * to

@@ -10,7 +10,7 @@ import torch
 
 import dualkv_compile
 from dualkv_compile.backend import dualkv_backend
-from dualkv_compile.rewrite.functionalize import functionalize_mutations, mutated_input
+from dualkv_compile.normalize.functionalize import functionalize_mutations, mutated_input
 
 from tests.helpers import hf_model, rel, grpo_batch
 from tests.helpers import assert_loss_and_grads_match, clipped_objective, make_batch

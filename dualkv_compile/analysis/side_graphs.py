@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from ..analysis.token_axes import TokenAxes
-from ..rewrite.functionalize import INPLACE_OPERATORS, inplace_param
+from ..normalize.functionalize import INPLACE_OPERATORS, inplace_param
+from .token_axes import TokenAxes
 
 __all__ = ["factor_graph", "graph_returning", "mask_graph"]
 

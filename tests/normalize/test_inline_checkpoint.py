@@ -2,7 +2,7 @@
 
 Dynamo turns each checkpoint region into a ``tag_activation_checkpoint``
 call whose subgraph holds the layer, attention included. The backend inlines
-the regions (``passes.inline_checkpoint``), tagging their nodes for
+the regions (``normalize.inline_checkpoint``), tagging their nodes for
 recomputation, packs the flat graph, and the packed nodes of a region (the
 shared-prompt attention op included) keep the tags, so AOTAutograd's
 partitioner recomputes them in the backward instead of saving them.
@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 import dualkv_compile
 import dualkv_compile.runtime.nested_compile as nested_compile_module
 from dualkv_compile.backend import dualkv_backend
-from dualkv_compile.rewrite.inline_checkpoint import checkpoint_regions, inline_checkpoint_regions
+from dualkv_compile.normalize.inline_checkpoint import checkpoint_regions, inline_checkpoint_regions
 from dualkv_compile.rewrite.pack_graph import pack_graph
 from dualkv_compile.analysis.token_axes import analyze_token_axes
 from dualkv_compile.analysis.token_inputs import find_token_inputs

@@ -1,4 +1,4 @@
-"""Rewrite: in-place ops on private intermediate values become out-of-place (DESIGN.md semantics 9).
+"""Normalize: in-place ops on private intermediate values become out-of-place (DESIGN.md semantics 9).
 
 Contract
     Input: a Dynamo torch-level ``GraphModule`` whose tensor nodes carry
@@ -44,8 +44,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..analysis.node_info import ev as _ev
 from .graph_copy import copy_graph_module
+from .graph_pass import ev as _ev
 
 log = logging.getLogger("dualkv_compile")
 

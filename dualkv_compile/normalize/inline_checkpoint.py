@@ -46,7 +46,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..analysis.token_axes import Refusal
+from .graph_pass import Refusal
 from .graph_copy import copy_graph_module
 
 log = logging.getLogger("dualkv_compile")

@@ -1,4 +1,4 @@
-"""Operands passed by keyword (``rewrite.positional_args``): made positional before the analysis reads them.
+"""Operands passed by keyword (``normalize.positional_args``): made positional before the analysis reads them.
 
 A model that called ``F.linear(input=x, weight=w)`` or ``F.embedding(input=ids, weight=table)`` made the
 backend raise ``IndexError`` (the rules read ``node.args``), failing the user's ``torch.compile``.
@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dualkv_compile.rewrite.positional_args import positional_args
+from dualkv_compile.normalize.positional_args import positional_args
 
 from tests.helpers import capture, check_model, grpo_batch, normalise
 

@@ -1,4 +1,4 @@
-"""The small functions the rewritten graph calls to move values between layouts.
+"""The small functions the rewritten graph calls to move values between layouts, and the meta keys that mark them.
 
 Each takes the token axes of its value as plain ints, so the rewrite can call
 it on any value: ``[..., B@b_dim, ..., S@s_dim, ...]`` in the original layout,
@@ -6,17 +6,22 @@ the same rank with the batch axis of size 1 and the sequence axis of size T
 in the packed one. All are ordinary torch ops (traceable by Dynamo,
 differentiable: ``unpack_tokens``' backward sums the gradients of a shared
 token over the rows that read it).
+
+They live here, below the graph passes, because two layers name them:
+``rewrite.pack_graph`` (and the fusions after it) emits them, and
+``analysis.padding_reads`` recognises them, with the node meta keys
+``PICKED_META`` and ``WEIGHTED_META``, in the packed graph it reads.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..layout import gather_valid
+from .pack import gather_valid
 
 __all__ = [
-    "PICKED_META", "pack_tokens", "gather_columns", "unpack_tokens", "previous_tokens", "gather_previous", "gather_unpacked",
-    "unpack_merged", "token_weights", "weighted_histc",
+    "PICKED_META", "WEIGHTED_META", "pack_tokens", "gather_columns", "unpack_tokens", "previous_tokens", "gather_previous",
+    "gather_unpacked", "unpack_merged", "token_weights", "weighted_histc",
 ]
 
 
@@ -85,8 +90,13 @@ def gather_previous(x: torch.Tensor, prev_index: torch.Tensor, index: torch.Tens
 
 
 # On a node that is ``gather_unpacked``'s result, or stands for it after a fusion replaced it (the value: its index's
-# rank): ``runtime.padding_reads`` follows it as it follows ``unpack``, since it is zero at padding too.
+# rank): ``analysis.padding_reads`` follows it as it follows ``unpack``, since it is zero at padding too.
 PICKED_META = "dualkv_picked_unpacked"
+
+# On a node of a reduction over the token axes taken on the packed stream with ``token_weights``
+# (``rewrite.weighted_reductions``; the value: ``(shift, truncate, merged, leading)``): ``analysis.padding_reads``
+# counts it a read of every position of the original layout.
+WEIGHTED_META = "dualkv_weighted"
 
 
 def gather_unpacked(x: torch.Tensor, unpack_index: torch.Tensor, valid: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

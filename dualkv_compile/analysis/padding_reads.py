@@ -46,9 +46,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..rewrite.packed_ops import PICKED_META, unpack_merged, unpack_tokens
-from ..rewrite.weighted_reductions import WEIGHTED_META
-from ..analysis.token_rules import POINTWISE_FUNCS, POINTWISE_METHODS, REDUCE_FUNCS, REDUCE_METHODS, SOFTMAX_LIKE, SOFTMAX_METHODS
+from ..layout.packed_ops import PICKED_META, WEIGHTED_META, unpack_merged, unpack_tokens
+from .token_rules import POINTWISE_FUNCS, POINTWISE_METHODS, REDUCE_FUNCS, REDUCE_METHODS, SOFTMAX_LIKE, SOFTMAX_METHODS
 
 __all__ = ["Read", "find_padding_reads", "tainted"]
 

@@ -2,7 +2,8 @@
 
 The passes that run before the analysis (``inline_checkpoint``,
 ``positional_args``, ``functionalize``) change a copy, never ``gm`` itself:
-the caller's fallback keeps running the original. Guarantees: a new
+the caller's fallback keeps running the original (``rewrite.sequence_parallel``
+copies the packed graph the same way). Guarantees: a new
 ``GraphModule`` over a node-for-node copy of ``gm.graph`` (meta included),
 with ``gm``'s attributes, submodules and class name; ``env``, when given, is
 filled with each original node's copy.

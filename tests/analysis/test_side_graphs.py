@@ -1,4 +1,4 @@
-"""Side graphs (runtime.side_graphs): pruned to what the returned values need, in-place ops included only where
+"""Side graphs (analysis.side_graphs): pruned to what the returned values need, in-place ops included only where
 they may write those values; a copy that cannot run on its own says why, and its padding-read factors are unknown."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dualkv_compile
-from dualkv_compile.runtime.side_graphs import graph_returning
+from dualkv_compile.analysis.side_graphs import graph_returning
 
 from tests.helpers import assert_loss_and_grads_match, capture, hf_model
 
