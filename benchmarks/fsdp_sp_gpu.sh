@@ -12,6 +12,8 @@
 #   SET sp4        the Qwen3-8B width at 4 layers (as the sp 2 row of 2026-11-26), a 64K prompt + 8 x 2K responses, --sp 4 on 4 GPUs against
 #                  Ulysses on the duplicated remove-padding batch at sp 4
 #   SET small_shared  the small shape per layer and on the root (dualkv wrapped in shared_batch, the default)
+#   SET q17_fp32   gradient parity at the Qwen3-1.7B depth in float32 (28 layers, 1 GPU, 1 x 8 rollouts of 2K + 512,
+#                  tolerance 1e-4): whether the bf16 runs' 5e-2 gradient differences are rounding
 # Logs and each run's fsdp_grpo.md/json (and profile tables) go under OUTDIR; each log's last lines are printed.
 set -u
 OUT=${1:-fsdp_sp_runs}
@@ -49,6 +51,10 @@ case "$SET" in
     LIMIT=280 run q17_per_layer 2 $Q17 ;;
   sp4)
     LIMIT=560 run w8b_sp4 4 $W8B --sp 4 ;;
+  q17_fp32)
+    LIMIT=280 run q17_fp32 1 --device cuda --mode fsdp --per-layer --checkpoint --logprobs-in-model --baseline ulysses \
+      --layers 28 --hidden 2048 --intermediate 6144 --heads 16 --kv-heads 8 --vocab 151936 --prompts 1 --rollouts 8 \
+      --prompt-len 2048 --response-len 512 --iters 1 ;;
   small_shared)
     run small_per_layer 2 $SMALL --per-layer
     run small_root 2 $SMALL ;;

@@ -378,7 +378,9 @@ def run_rank(args, device) -> int:
     tol = args.tol if args.tol is not None else (5e-2 if args.bf16 else 1e-4)
     loss_err = abs(dk_loss.item() - plain_loss.item()) / max(abs(plain_loss.item()), 1e-12)
     a, b = local_grads(dk_model), local_grads(plain_model)
-    grad_err = max((rel(a[k], b[k]) for k in b if b[k] is not None and b[k].numel()), default=0.0)
+    errs = {k: rel(a[k], b[k]) for k in b if b[k] is not None and b[k].numel()}
+    grad_worst = max(errs, key=errs.get, default=None)
+    grad_err = errs.get(grad_worst, 0.0)
     missing = [k for k in b if (a[k] is None) != (b[k] is None)]
     nonfinite = {}
     for side, grads in (("dualkv", a), ("plain", b)):
@@ -386,7 +388,7 @@ def run_rank(args, device) -> int:
         nonfinite[side] = len(bad)
         if bad:
             say(f"non-finite gradients ({side}): {len(bad)} of {len(grads)}, first {bad[:4]}")
-    say(f"parity: loss {dk_loss.item():+.6f} vs {plain_loss.item():+.6f} (rel {loss_err:.2e}), max rel grad diff {grad_err:.2e}")
+    say(f"parity: loss {dk_loss.item():+.6f} vs {plain_loss.item():+.6f} (rel {loss_err:.2e}), max rel grad diff {grad_err:.2e} ({grad_worst})")
 
     # Timing: the same step again, each variant separately, after the warm-up above.
     timer = Timer(device)
@@ -411,7 +413,7 @@ def run_rank(args, device) -> int:
 
     mine = {
         # Per rank under --sp: the model graph's packed tokens (the one with attention; a loss graph after a graph break has its own layout).
-        "rank": rank, "packed": packed, "local_tokens": max((r.local_tokens or 0 for r in graphs if r.num_attention), default=0) or None, "loss_rel_err": loss_err, "grad_max_rel_err": grad_err, "missing_grads": missing,
+        "rank": rank, "packed": packed, "local_tokens": max((r.local_tokens or 0 for r in graphs if r.num_attention), default=0) or None, "loss_rel_err": loss_err, "grad_max_rel_err": grad_err, "grad_worst": grad_worst, "missing_grads": missing,
         "nonfinite_grads": nonfinite, "stats": {"rows": stats.num_rows, "groups": stats.num_groups, "tokens_before": stats.tokens_before,
                   "tokens_after": stats.tokens_after, "rho": stats.rho, "attention_ratio": stats.attention_ratio},
         "split_prompts": [str(s) for s in report.split], **result,
