@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import dualkv_compile  # noqa: E402
+from examples.trl_grpo import word_tokenizer  # noqa: E402
 
 log = logging.getLogger("trl_grpo_gpu")
 
@@ -56,16 +57,6 @@ def parse(argv=None):
     p.add_argument("--only", choices=["plain", "dualkv"], default=None, help="run one side only")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
-
-
-def tokenizer(vocab: int):
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab)}}
-    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
 def model(args):
@@ -121,10 +112,10 @@ def run(args, use_dualkv: bool, out_dir: str):
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
-    tok = tokenizer(args.vocab)
+    tok = word_tokenizer([f"w{i}" for i in range(args.vocab - 2)])  # ids 0 .. vocab - 1
     policy = model(args)
     g = torch.Generator().manual_seed(1)
-    prompts = [" ".join(f"w{j}" for j in torch.randint(2, args.vocab, (args.prompt_len,), generator=g).tolist())
+    prompts = [" ".join(f"w{j}" for j in torch.randint(0, args.vocab - 2, (args.prompt_len,), generator=g).tolist())
                for _ in range(args.prompts * args.steps)]
     rows = args.prompts * args.generations
     config = GRPOConfig(

@@ -44,11 +44,12 @@ WORDS = [f"w{i}" for i in range(96)]
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"}
 
 
-def word_tokenizer():
+def word_tokenizer(words=WORDS):
+    """A word-level tokenizer built in code: ``<pad>`` 0, ``<eos>`` 1, then ``words`` from 2."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {"<pad>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    vocab = {"<pad>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(words)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")

@@ -68,8 +68,7 @@ def _checkpoint_inside(cls: type) -> type:
                     kwargs[key] = off
         return self._gradient_checkpointing_func(functools.partial(inner, self, **kwargs), *args)
 
-    sub = type(cls.__name__, (cls,), {"forward": forward, "__call__": torch.nn.Module.__call__,
-                                      "__module__": cls.__module__, "_dualkv_checkpoint_inside": True})
+    sub = type(cls.__name__, (cls,), {"forward": forward, "__call__": torch.nn.Module.__call__, "__module__": cls.__module__})
     _SUBCLASSES[cls] = sub
     return sub
 

@@ -57,6 +57,7 @@ class LayoutSource:
         self.causal_unmasked = next((m.output.name for m in self.attention if m.mask is None and m.is_causal), None)
         self.mask_gm = mask_graph(gm, analysis.axes) if masks else None
         self.mask_names = [m.output.name for m in self.attention if m.mask is not None]
+        self.floating_index = [self.position[n] for n in floating_carried(analysis.axes)]
         self.active: Optional[active_layout.ActiveLayout] = None
         self.source: Optional[str] = None
         self.same_columns = True  # the runner clears it when the packed program reads no value of the column
@@ -64,6 +65,11 @@ class LayoutSource:
     def masks(self, args):
         with torch.no_grad():
             return self.mask_gm(*args)
+
+    def vouched_for(self, cur: active_layout.ActiveLayout, args) -> bool:
+        """The caller published ``cur`` (``shared_batch``), or a floating-point input of this call was produced by a
+        graph that ran packed on it: a graph with no mask to tie its padding to ``cur`` may take it."""
+        return cur.trusted or any(cur.produced(args[i]) for i in self.floating_index)
 
     def share_check(self, args, active: active_layout.ActiveLayout) -> Optional[str]:
         """None if every carried input's dropped copies equal the kept ones bitwise, else why not."""
@@ -122,7 +128,7 @@ class FromTokenIds(LayoutSource):
         B, S = int(ids.shape[0]), int(ids.shape[1])
         if cur is None or not cur.matches(B, S, ids.device) or (B == 1 and self.same_columns):
             return None
-        if not (cur.trusted or any(cur.produced(args[i]) for _, i in self.carried)):
+        if not self.vouched_for(cur, args):
             return None
         if cur.share_mismatch([ids]) is not None:
             return None
@@ -166,7 +172,6 @@ class FromCarried(LayoutSource):
         if self.mask_gm is not None:
             self.mask_key = [i for i, p in enumerate(self.mask_gm.graph.find_nodes(op="placeholder")) if p.users]
         self.size_index = self.carried[0][1]
-        self.floating_index = [self.position[n] for n in floating_carried(analysis.axes)]
 
     def __call__(self, args) -> "SharedPromptLayout | str":
         ref = args[self.size_index]
@@ -202,7 +207,7 @@ class FromCarried(LayoutSource):
                     return why
                 cur.mark_mask_checked(keys)
         else:
-            if not cur.trusted and not any(cur.produced(args[i]) for i in self.floating_index):
+            if not self.vouched_for(cur, args):
                 return (
                     "no input of this call was produced by a graph that ran packed on it, and no mask among the "
                     "inputs ties its padding to this call"
