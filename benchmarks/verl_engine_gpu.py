@@ -9,7 +9,9 @@ One process per side, then a comparison (each side builds the same random-weight
 The engine is veRL's ``FSDPEngineWithLMHead`` (FSDP2 on every layer, one NCCL rank, veRL's default bf16 mixed
 precision, its gradient checkpointing on) built by ``examples/verl_engine_step.build_engine``; the batch is
 veRL's remove-padding form of ``--groups`` prompts of ``--prompt-len`` tokens with ``--rollouts`` responses of
-``--response-len`` tokens each, one micro-batch, a GRPO-style loss on the log-probs with an entropy bonus.
+``--response-len`` tokens each, ``--micro-batch`` rows per micro-batch (default: one group, whole), a GRPO-style
+loss on the log-probs with an entropy bonus. ``--side plain --plain-fused`` (saved as ``plain_fused``) runs the plain
+side with veRL's ``use_fused_kernels``; ``--compare`` reads every plain side it finds.
 The plain side's attention is ``--plain-attn`` (default ``torch_varlen``: ``benchmarks/varlen_attention.py``,
 torch's varlen flash attention over the row's sequences, standing in for the FlashAttention-2 varlen call veRL
 configures, whose wheel does not exist for the machine); dualkv's model is configured with ``sdpa``, whose
@@ -34,6 +36,7 @@ with trl's and datasets'), then:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -66,7 +69,13 @@ def parse(argv=None):
     ap.add_argument("--rollouts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--response-len", type=int, default=1024)
+    ap.add_argument("--micro-batch", type=int, default=None,
+                    help="rows per micro-batch (ppo_micro_batch_size_per_gpu), both sides; default --rollouts: one group "
+                    "each, whole (a 2 x 8 batch of 5K rows as one micro-batch is [81920, 151936] float32 logits: 46 GiB)")
+    ap.add_argument("--plain-fused", action="store_true",
+                    help="the plain side with veRL's use_fused_kernels (chunked log-probs and entropy, no [T, V] logits)")
     ap.add_argument("--iters", type=int, default=3, help="timed steps after the first")
+    ap.add_argument("--profile", action="store_true", help="profile the last step: the top ops, printed and saved")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run (gloo, veRL's CPU stub)")
     return ap.parse_args(argv)
 
@@ -103,17 +112,28 @@ def run_side(args) -> None:
     config = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                   num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                   head_dim=args.head_dim, max_position_embeddings=max(4096, args.prompt_len + args.response_len + 8))
+    fused = args.plain_fused and not dualkv
     engine = ves.build_engine(config, dualkv=dualkv, attn="sdpa" if dualkv else args.plain_attn, bf16=True,
-                              checkpoint=True, inner="inductor" if cuda else "aot_eager")
-    data = ves.verl_batch(*batch(args, "cuda" if cuda else "cpu"))
+                              checkpoint=True, inner="inductor" if cuda else "aot_eager", fused=fused)
+    data = ves.verl_batch(*batch(args, "cuda" if cuda else "cpu"), micro_batch_size=args.micro_batch or args.rollouts, fused=fused)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times, first = [], None
     for i in range(1 + args.iters):
+        profiling = args.profile and i == args.iters
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if cuda else [])) if profiling else contextlib.nullcontext()
         sync()
         t = time.perf_counter()
-        out = engine.forward_backward_batch(data, loss_function=ves.loss_function, forward_only=False)
-        sync()
+        with prof:
+            out = engine.forward_backward_batch(data, loss_function=ves.loss_function, forward_only=False)
+            sync()
         times.append(time.perf_counter() - t)
+        if profiling:
+            table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25)
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"profile_{args.side}.txt"), "w") as f:
+                f.write(table)
+            print(table, flush=True)
         print(f"verl_engine_gpu: {args.side} step {i + 1}: {times[-1]:.3f} s", flush=True)
         if i == 0:
             first = {
@@ -123,43 +143,59 @@ def run_side(args) -> None:
                           for n, p in engine.module.named_parameters() if p.grad is not None},
             }
         engine.module.zero_grad(set_to_none=True)
-    result = {"side": args.side, "attn": "sdpa (dualkv kernel)" if dualkv else args.plain_attn, "step_s": times,
+    attn = "sdpa (dualkv kernel)" if dualkv else args.plain_attn + (" + veRL use_fused_kernels" if fused else "")
+    result = {"side": args.side, "attn": attn, "micro_batch": args.micro_batch or args.rollouts, "step_s": times,
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, **first}
     if dualkv:
         import dualkv_compile
 
         result["reports"] = [str(r) for r in dualkv_compile.reports()]
     os.makedirs(args.out, exist_ok=True)
-    torch.save(result, os.path.join(args.out, f"{args.side}.pt"))
+    torch.save(result, os.path.join(args.out, f"{args.side}{'_fused' if fused else ''}.pt"))
     torch.distributed.destroy_process_group()
 
 
-def compare(args) -> int:
-    a, b = (torch.load(os.path.join(args.compare, f"{s}.pt"), weights_only=False) for s in ("plain", "dualkv"))
+def compare_pair(a: dict, b: dict) -> tuple[dict, str]:
+    """One plain side ``a`` against dualkv ``b``: the summary entries and a line of text."""
     grad_rel = {n: ((b["grads"][n].float() - g.float()).norm() / g.float().norm().clamp_min(1e-30)).item()
                 for n, g in a["grads"].items() if n in b["grads"]}
     worst = max(grad_rel, key=grad_rel.get)
     lp = (b["log_probs"] - a["log_probs"]).abs().max().item() if a["log_probs"] is not None and b["log_probs"] is not None else None
     pm, dm = statistics.mean(a["step_s"][1:] or a["step_s"]), statistics.mean(b["step_s"][1:] or b["step_s"])
+    entry = {"plain": {k: a.get(k) for k in ("attn", "micro_batch", "step_s", "peak_gib", "loss")},
+             "speedup": pm / dm, "log_prob_max_abs_diff": lp, "grad_max_rel": grad_rel[worst], "grad_worst": worst}
+    text = (f"plain ({a['attn']}) {pm * 1e3:.1f} ms, dualkv {dm * 1e3:.1f} ms, speedup {pm / dm:.2f}x; "
+            f"first step {a['step_s'][0]:.1f} s / {b['step_s'][0]:.1f} s; peak {a['peak_gib']} / {b['peak_gib']} GiB; "
+            f"log-probs max |diff| {lp}; gradients max rel {grad_rel[worst]:.2e} ({worst})")
+    return entry, text
+
+
+def compare(args) -> int:
+    b = torch.load(os.path.join(args.compare, "dualkv.pt"), weights_only=False)
     import transformers
 
     summary = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "transformers": transformers.__version__,
                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-               "plain": {k: a[k] for k in ("attn", "step_s", "peak_gib", "loss")},
-               "dualkv": {k: b[k] for k in ("attn", "step_s", "peak_gib", "loss")},
-               "speedup": pm / dm, "log_prob_max_abs_diff": lp, "grad_max_rel": grad_rel[worst], "grad_worst": worst,
-               "dualkv_reports": b.get("reports")}
-    text = (f"veRL engine step (steps 2+): plain ({a['attn']}) {pm * 1e3:.1f} ms, dualkv {dm * 1e3:.1f} ms, speedup {pm / dm:.2f}x; "
-            f"first step {a['step_s'][0]:.1f} s / {b['step_s'][0]:.1f} s; peak {a['peak_gib']} / {b['peak_gib']} GiB; "
-            f"log-probs max |diff| {lp}; gradients max rel {grad_rel[worst]:.2e} ({worst})")
-    print(text, flush=True)
+               "dualkv": {k: b.get(k) for k in ("attn", "micro_batch", "step_s", "peak_gib", "loss")},
+               "against": {}, "dualkv_reports": b.get("reports")}
+    lines = []
+    for side in ("plain", "plain_fused"):
+        path = os.path.join(args.compare, f"{side}.pt")
+        if not os.path.exists(path):
+            continue
+        summary["against"][side], text = compare_pair(torch.load(path, weights_only=False), b)
+        lines.append(f"veRL engine step (steps 2+): {text}")
+        print(lines[-1], flush=True)
+    if not lines:
+        raise SystemExit(f"no plain side in {args.compare}: run --side plain first")
     if args.report:
         os.makedirs(args.report, exist_ok=True)
         with open(os.path.join(args.report, "verl_engine_gpu.json"), "w") as f:
             json.dump(summary, f, indent=2, default=str)
         with open(os.path.join(args.report, "verl_engine_gpu.md"), "w") as f:
+            body = "\n\n".join(f"- {t}" for t in lines)
             f.write(f"# veRL engine, with and without dualkv ({summary['date']})\n\n{summary['gpu']}; torch {summary['torch']}, "
-                    f"transformers {summary['transformers']}\n\n{text}\n")
+                    f"transformers {summary['transformers']}\n\n{body}\n")
     return 0
 
 

@@ -56,7 +56,12 @@ def grpo_batch(seed=0):
 
 
 def loss_function(model_output, data, dp_group=None):
-    """A GRPO-style token-mean loss with an entropy bonus, on veRL's nested log-probs and entropy."""
+    """A GRPO-style token-mean loss with an entropy bonus, on veRL's nested log-probs and entropy.
+
+    Normalised by the batch's token count (``batch_num_tokens``, which veRL's ``forward_backward_batch`` sets before
+    it splits the batch), as veRL's own token-mean losses are, so the gradient does not depend on how the batch is
+    split into micro-batches (a micro-batch's own count would weight each micro-batch equally)."""
+    from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
     logp = no_padding_2_padding(model_output["log_probs"], data)  # [B, R] at the response tokens
@@ -64,14 +69,17 @@ def loss_function(model_output, data, dp_group=None):
     mask = data["response_mask"].float()
     adv = data["advantages"][:, None]
     per_token = -torch.exp(logp - logp.detach()) * adv - 0.01 * entropy
-    loss = (per_token * mask).sum() / mask.sum()
+    tokens = tu.get_non_tensor_data(data=data, key="batch_num_tokens", default=None)
+    loss = (per_token * mask).sum() / (mask.sum() if tokens is None else tokens)
     return loss, {"loss": loss.detach().item()}
 
 
 def build_engine(config_kwargs: dict, *, dualkv: bool, attn: str, bf16: bool, checkpoint: bool = False,
-                 inner: str = "aot_eager", seed: int = 0):
+                 inner: str = "aot_eager", seed: int = 0, fused: bool = False):
     """veRL's ``FSDPEngineWithLMHead`` (FSDP2) over a random-weight Qwen3 saved from ``Qwen3Config(**config_kwargs)``,
-    in train mode; with ``dualkv`` the model config carries the one line (``external_lib``). Needs the process
+    in train mode; with ``dualkv`` the model config carries the one line (``external_lib``); ``fused``: veRL's
+    ``use_fused_kernels`` with its config's default ``impl_backend: torch`` (its chunked linear + log-prob + entropy;
+    dualkv leaves such a step to veRL). Needs the process
     group (and, on CPU, ``verl_cpu_platform.install()``) first."""
     import transformers
     import verl.models.transformers.monkey_patch as monkey_patch
@@ -89,7 +97,8 @@ def build_engine(config_kwargs: dict, *, dualkv: bool, attn: str, bf16: bool, ch
     external_lib = "dualkv_compile.integrations.verl" if dualkv else None
     model_config = HFModelConfig(
         path=path, load_tokenizer=False, external_lib=external_lib, enable_gradient_checkpointing=checkpoint,
-        override_config={"attn_implementation": attn},
+        override_config={"attn_implementation": attn}, use_fused_kernels=fused,
+        fused_kernel_options={"impl_backend": "torch"} if fused else {},
     )
     engine = FSDPEngineWithLMHead(
         model_config, FSDPEngineConfig(
@@ -107,8 +116,9 @@ def build_engine(config_kwargs: dict, *, dualkv: bool, attn: str, bf16: bool, ch
     return engine
 
 
-def verl_batch(ids, mask, pos, response_mask, micro_batch_size=None):
-    """The rollout batch in veRL's remove-padding form (its own ``left_right_2_no_padding``), as the engine reads it."""
+def verl_batch(ids, mask, pos, response_mask, micro_batch_size=None, fused=False):
+    """The rollout batch in veRL's remove-padding form (its own ``left_right_2_no_padding``), as the engine reads it;
+    ``fused``: the flag veRL's actor sets with ``use_fused_kernels`` (the engine must be built with it too)."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -122,7 +132,8 @@ def verl_batch(ids, mask, pos, response_mask, micro_batch_size=None):
     )
     data = left_right_2_no_padding(data)
     tu.assign_non_tensor(data, temperature=0.7, calculate_entropy=True, use_dynamic_bsz=False,
-                         micro_batch_size_per_gpu=micro_batch_size or B, use_remove_padding=True, return_model_output=True)
+                         micro_batch_size_per_gpu=micro_batch_size or B, use_remove_padding=True, return_model_output=True,
+                         use_fused_kernels=fused)
     return data
 
 
