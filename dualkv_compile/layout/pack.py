@@ -3,6 +3,13 @@
 Both are differentiable index maps: ``pack`` reads each node of the prefix
 forest from its first sequence; ``unpack`` writes zeros at padding and its
 backward sums the gradient of a shared token over every sequence that reads it.
+
+``gather_valid`` (the gather under ``unpack`` and ``packed_ops.unpack_tokens``)
+takes one of two equivalent forms by device. Both give the same values, and
+the backward of both sums each row's gradients in float32 (the dtype of the
+value) over the positions that read it, padding positions contributing
+nothing. On CPU the sum runs in increasing position order, deterministically,
+on every thread count; on CUDA it is ``index_select``'s backward as before.
 """
 
 from __future__ import annotations
@@ -36,10 +43,39 @@ def unpack(x: torch.Tensor, layout: SharedPromptLayout) -> torch.Tensor:
 def gather_valid(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """``x.index_select(dim, index)`` with zeros where ``keep`` is False (padding positions).
 
+    ``index`` and ``keep`` are 1-D of one length; ``index`` must be in range
+    wherever ``keep`` is True (at padding it is not read on CPU).
     Differentiable: the backward sums the gradients of entries read more than
     once (a shared token read by every row of its group).
     """
+    if x.device.type == "cpu":
+        return _gather_valid_cpu(x, index, keep, dim)
     y = x.index_select(dim, index)
     shape = [1] * y.dim()
     shape[dim] = -1
     return torch.where(keep.view(shape), y, y.new_zeros(()))
+
+
+def _gather_valid_cpu(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
+    """``gather_valid`` as a ``gather`` with a row index expanded over the flattened trailing axes.
+
+    Why: ``index_select``'s backward is an accumulating ``index_put_``
+    (Inductor lowers ``index_add`` to it), which on CPU at two or more threads
+    adds with atomics: slower than one thread (contended rows: a shared
+    token's row is hit by every sequence) and in no fixed order. ``gather``'s
+    backward is ``scatter_add``, which Inductor hands to ATen on CPU (its
+    ``fallback_scatter_reduce_sum``), and ATen's kernel for an index expanded
+    from one axis sorts the index (stably) and sums each row's positions in
+    order, rows in parallel. Eager takes the same kernel.
+
+    Padding positions read an extra zero row after the last: the forward needs
+    no mask, and their gradients go to that row, which the ``cat``'s backward
+    drops, so no masked copy of the ``[N, ...]`` gradient is made.
+    """
+    y = x.movedim(dim, 0)
+    rows, rest = y.shape[0], y.shape[1:]
+    flat = y.flatten(1) if y.dim() > 1 else y.unsqueeze(1)  # flatten, not reshape(rows, -1): rows may be 0
+    flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
+    idx = index.masked_fill(~keep, rows)
+    out = flat.gather(0, idx.unsqueeze(1).expand(idx.shape[0], flat.shape[1]))
+    return out.reshape(idx.shape[0], *rest).movedim(0, dim)
