@@ -6,10 +6,11 @@ backward sums the gradient of a shared token over every sequence that reads it.
 
 ``gather_valid`` (the gather under ``unpack`` and ``packed_ops.unpack_tokens``)
 takes one of two equivalent forms by device. Both give the same values, and
-the backward of both sums each row's gradients in float32 (the dtype of the
-value) over the positions that read it, padding positions contributing
-nothing. On CPU the sum runs in increasing position order, deterministically,
-on every thread count; on CUDA it is ``index_select``'s backward as before.
+the backward of both sums each row's gradients over the positions that read
+it, padding positions contributing nothing. On CPU the sum runs in increasing
+position order, deterministically, on every thread count, in the value's
+dtype (float32 for bf16 and fp16 values, rounded once at the end); on CUDA it
+is ``index_select``'s backward as before.
 """
 
 from __future__ import annotations
@@ -59,14 +60,15 @@ def gather_valid(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, dim: 
 def _gather_valid_cpu(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
     """``gather_valid`` as a ``gather`` with a row index expanded over the flattened trailing axes.
 
-    Why: ``index_select``'s backward is an accumulating ``index_put_``
-    (Inductor lowers ``index_add`` to it), which on CPU at two or more threads
-    adds with atomics: slower than one thread (contended rows: a shared
-    token's row is hit by every sequence) and in no fixed order. ``gather``'s
-    backward is ``scatter_add``, which Inductor hands to ATen on CPU (its
-    ``fallback_scatter_reduce_sum``), and ATen's kernel for an index expanded
-    from one axis sorts the index (stably) and sums each row's positions in
-    order, rows in parallel. Eager takes the same kernel.
+    Why: ``index_select``'s backward is an ``index_add``, which Inductor on
+    CPU at two or more threads compiles to a parallel loop of atomic adds:
+    slower than one thread (a shared token's row is hit by every sequence of
+    its group) and in no fixed order. ``gather``'s backward is ``scatter_add``,
+    which Inductor at two or more threads hands to ATen (its
+    ``cpp.fallback_scatter_reduce_sum``), whose kernel for an index expanded
+    from one axis sorts the index stably and sums each row's positions in
+    order, rows in parallel; eager takes the same kernel, and Inductor at one
+    thread writes a serial loop over the positions in order.
 
     Padding positions read an extra zero row after the last: the forward needs
     no mask, and their gradients go to that row, which the ``cat``'s backward
@@ -75,7 +77,11 @@ def _gather_valid_cpu(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, 
     y = x.movedim(dim, 0)
     rows, rest = y.shape[0], y.shape[1:]
     flat = y.flatten(1) if y.dim() > 1 else y.unsqueeze(1)  # flatten, not reshape(rows, -1): rows may be 0
+    if flat.dtype.is_floating_point and flat.dtype.itemsize < 4:
+        # bf16 / fp16: a scatter_add in the value's dtype would round after every add of a row's up to B
+        # gradients (Inductor's one-thread loop does); in float32 the sum is rounded once, at the cast back.
+        flat = flat.float()
     flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
     idx = index.masked_fill(~keep, rows)
-    out = flat.gather(0, idx.unsqueeze(1).expand(idx.shape[0], flat.shape[1]))
+    out = flat.gather(0, idx.unsqueeze(1).expand(idx.shape[0], flat.shape[1])).to(x.dtype)
     return out.reshape(idx.shape[0], *rest).movedim(0, dim)

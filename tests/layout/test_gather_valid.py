@@ -3,7 +3,8 @@
 The reference is the plain form (today's CUDA path) and, for the gradient, a
 per-row sum in increasing position order written here as a Python loop: the
 CPU form must give the same values exactly and the same float32 sums (the
-order is the one its backward promises), on one thread and on two.
+order is the one its backward promises), on one thread and on two; for bf16
+and fp16 values, the float32 sum rounded once.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ def reference(x, index, keep, dim=0):
 
 
 def ordered_grad(x_shape, dim, index, keep, g):
-    """The gradient of ``gather_valid`` summed row by row in increasing position order, in ``g``'s dtype."""
-    gm = g.movedim(dim, 0)
-    out = torch.zeros(x_shape[dim], *gm.shape[1:], dtype=g.dtype)
+    """The gradient of ``gather_valid`` summed row by row in increasing position order, in ``g``'s dtype
+    (float32 for bf16 / fp16, rounded at the end)."""
+    acc = torch.float32 if g.dtype.itemsize < 4 else g.dtype
+    gm = g.movedim(dim, 0).to(acc)
+    out = torch.zeros(x_shape[dim], *gm.shape[1:], dtype=acc)
     for p in range(index.numel()):
         if keep[p]:
             out[index[p]] += gm[p]
-    return out.movedim(0, dim)
+    return out.to(g.dtype).movedim(0, dim)
 
 
 def case(gen, rows, mult_max, pad, rest, dim, dtype):
@@ -91,6 +94,24 @@ def test_matches_index_select_where(threads, dtype, rows, mult_max, pad, rest, d
         torch.set_num_threads(n)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_sums_in_float32(threads, dtype):
+    """Rows read up to 64 times: the bf16 / fp16 gradient is the float32 ordered sum rounded once."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        x, index, keep = case(gen, 12, 64, 7, (24,), 0, dtype)
+        out = gather_valid(x, index, keep)
+        torch.testing.assert_close(out, reference(x, index, keep), rtol=0, atol=0)
+        g = torch.randn(out.shape, generator=gen).to(dtype)
+        (grad,) = torch.autograd.grad(out, x, g)
+        torch.testing.assert_close(grad, ordered_grad(x.shape, 0, index, keep, g), rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(n)
+
+
 def test_padding_reads_no_value():
     """A row read only at padding positions: zeros in the output even where it holds NaN."""
     x = torch.tensor([[1.0, 2.0], [float("nan"), float("inf")]], requires_grad=True)
@@ -101,25 +122,29 @@ def test_padding_reads_no_value():
     assert torch.equal(x.grad, torch.tensor([[2.0, 2.0], [0.0, 0.0]]))
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_compiled_matches_eager(dynamic):
-    """Through Inductor (at two threads its CPU scatter is ATen's kernel), static and symbolic shapes."""
+@pytest.mark.parametrize(
+    "dynamic,threads,dtype",
+    [(False, 2, torch.float32), (True, 2, torch.float32), (False, 1, torch.bfloat16), (True, 2, torch.bfloat16)],
+)
+def test_compiled_matches_eager(dynamic, threads, dtype):
+    """Through Inductor (at two threads its CPU scatter is ATen's kernel, at one its own loop), static and
+    symbolic shapes: the values of the plain form, the gradient of the eager ordered sum."""
     n = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     try:
         torch._dynamo.reset()
         gen = torch.Generator().manual_seed(0)
         fn = torch.compile(lambda x, i, k: gather_valid(x.movedim(0, 1), i, k, dim=1) * 2, dynamic=dynamic)
         for rows, pad in ((9, 3), (12, 5)):
-            x, index, keep = case(gen, rows, 4, pad, (2, 24), 0, torch.float32)
+            x, index, keep = case(gen, rows, 4, pad, (2, 24), 0, dtype)
             xc = x.detach().clone().requires_grad_()
             out = fn(xc, index, keep)
             ref = reference(x.movedim(0, 1), index, keep, dim=1) * 2
             torch.testing.assert_close(out, ref, rtol=0, atol=0)
-            g = torch.randn(out.shape, generator=gen)
+            g = torch.randn(out.shape, generator=gen).to(dtype)
             out.backward(g)
-            ref.backward(g)
-            torch.testing.assert_close(xc.grad, x.grad, rtol=1e-6, atol=1e-6)
+            expected = ordered_grad(x.movedim(0, 1).shape, 1, index, keep, g * 2).movedim(1, 0)
+            torch.testing.assert_close(xc.grad, expected, rtol=1e-6, atol=1e-6)
     finally:
         torch.set_num_threads(n)
         torch._dynamo.reset()
