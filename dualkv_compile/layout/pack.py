@@ -3,6 +3,14 @@
 Both are differentiable index maps: ``pack`` reads each node of the prefix
 forest from its first sequence; ``unpack`` writes zeros at padding and its
 backward sums the gradient of a shared token over every sequence that reads it.
+
+``gather_valid`` (the gather under ``unpack`` and ``packed_ops.unpack_tokens``)
+takes one of two equivalent forms by device. Both give the same values, and
+the backward of both sums each row's gradients over the positions that read
+it, padding positions contributing nothing. On CPU the sum runs in increasing
+position order, deterministically, on every thread count, in the value's
+dtype (float32 for bf16 and fp16 values, rounded once at the end); on CUDA it
+is ``index_select``'s backward as before.
 """
 
 from __future__ import annotations
@@ -36,10 +44,44 @@ def unpack(x: torch.Tensor, layout: SharedPromptLayout) -> torch.Tensor:
 def gather_valid(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """``x.index_select(dim, index)`` with zeros where ``keep`` is False (padding positions).
 
+    ``index`` and ``keep`` are 1-D of one length; ``index`` must be in range
+    wherever ``keep`` is True (at padding it is not read on CPU).
     Differentiable: the backward sums the gradients of entries read more than
     once (a shared token read by every row of its group).
     """
+    if x.device.type == "cpu":
+        return _gather_valid_cpu(x, index, keep, dim)
     y = x.index_select(dim, index)
     shape = [1] * y.dim()
     shape[dim] = -1
     return torch.where(keep.view(shape), y, y.new_zeros(()))
+
+
+def _gather_valid_cpu(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
+    """``gather_valid`` as a ``gather`` with a row index expanded over the flattened trailing axes.
+
+    Why: ``index_select``'s backward is an ``index_add``, which Inductor on
+    CPU at two or more threads compiles to a parallel loop of atomic adds:
+    slower than one thread (a shared token's row is hit by every sequence of
+    its group) and in no fixed order. ``gather``'s backward is ``scatter_add``,
+    which Inductor at two or more threads hands to ATen (its
+    ``cpp.fallback_scatter_reduce_sum``), whose kernel for an index expanded
+    from one axis sorts the index stably and sums each row's positions in
+    order, rows in parallel; eager takes the same kernel, and Inductor at one
+    thread writes a serial loop over the positions in order.
+
+    Padding positions read an extra zero row after the last: the forward needs
+    no mask, and their gradients go to that row, which the ``cat``'s backward
+    drops, so no masked copy of the ``[N, ...]`` gradient is made.
+    """
+    y = x.movedim(dim, 0)
+    rows, rest = y.shape[0], y.shape[1:]
+    flat = y.flatten(1) if y.dim() > 1 else y.unsqueeze(1)  # flatten, not reshape(rows, -1): rows may be 0
+    if flat.dtype.is_floating_point and flat.dtype.itemsize < 4:
+        # bf16 / fp16: a scatter_add in the value's dtype would round after every add of a row's up to B
+        # gradients (Inductor's one-thread loop does); in float32 the sum is rounded once, at the cast back.
+        flat = flat.float()
+    flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
+    idx = index.masked_fill(~keep, rows)
+    out = flat.gather(0, idx.unsqueeze(1).expand(idx.shape[0], flat.shape[1])).to(x.dtype)
+    return out.reshape(idx.shape[0], *rest).movedim(0, dim)

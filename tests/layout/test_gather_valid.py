@@ -1,0 +1,150 @@
+"""Tests of dualkv_compile.layout.gather_valid against ``index_select`` + ``where``.
+
+The reference is the plain form (today's CUDA path) and, for the gradient, a
+per-row sum in increasing position order written here as a Python loop: the
+CPU form must give the same values exactly and the same float32 sums (the
+order is the one its backward promises), on one thread and on two; for bf16
+and fp16 values, the float32 sum rounded once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dualkv_compile.layout import gather_valid
+
+
+def reference(x, index, keep, dim=0):
+    y = x.index_select(dim, index)
+    shape = [1] * y.dim()
+    shape[dim] = -1
+    return torch.where(keep.view(shape), y, y.new_zeros(()))
+
+
+def ordered_grad(x_shape, dim, index, keep, g):
+    """The gradient of ``gather_valid`` summed row by row in increasing position order, in ``g``'s dtype
+    (float32 for bf16 / fp16, rounded at the end)."""
+    acc = torch.float32 if g.dtype.itemsize < 4 else g.dtype
+    gm = g.movedim(dim, 0).to(acc)
+    out = torch.zeros(x_shape[dim], *gm.shape[1:], dtype=acc)
+    for p in range(index.numel()):
+        if keep[p]:
+            out[index[p]] += gm[p]
+    return out.to(g.dtype).movedim(0, dim)
+
+
+def case(gen, rows, mult_max, pad, rest, dim, dtype):
+    """x with ``rows`` rows on axis ``dim``; each row read 0..mult_max times, ``pad`` padding positions, shuffled."""
+    reads = []
+    for r in range(rows):
+        reads += [r] * int(torch.randint(0, mult_max + 1, (), generator=gen))
+    index = torch.tensor(reads + [0] * pad, dtype=torch.long)
+    keep = torch.tensor([True] * len(reads) + [False] * pad, dtype=torch.bool)
+    if pad and rows:  # padding positions point anywhere in range, as a layout's unpack_index may
+        index[len(reads):] = torch.randint(0, rows, (pad,), generator=gen)
+    perm = torch.randperm(index.numel(), generator=gen)
+    index, keep = index[perm], keep[perm]
+    shape = list(rest)
+    shape.insert(dim, rows)
+    x = torch.randn(shape, generator=gen, dtype=dtype, requires_grad=True)
+    return x, index, keep
+
+
+CASES = [  # rows, mult_max, pad, rest, dim
+    (7, 1, 0, (5,), 0),
+    (7, 4, 3, (5,), 0),
+    (9, 8, 5, (3, 32), 0),  # trailing size >= 16: ATen's sorted kernel for an expanded index
+    (6, 3, 2, (4, 2), 1),
+    (6, 3, 2, (4, 2), 2),
+    (5, 3, 4, (), 0),  # 1-D x
+    (1, 6, 1, (40,), 0),
+    (0, 0, 4, (3,), 0),  # empty T: every position padding
+    (0, 0, 0, (3,), 0),  # and nothing read
+    (4, 0, 0, (33,), 0),  # rows nobody reads
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows,mult_max,pad,rest,dim", CASES)
+def test_matches_index_select_where(threads, dtype, rows, mult_max, pad, rest, dim):
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(rows * 1000 + mult_max * 100 + pad * 10 + dim)
+        x, index, keep = case(gen, rows, mult_max, pad, rest, dim, dtype)
+        out = gather_valid(x, index, keep, dim)
+        if rows:
+            torch.testing.assert_close(out, reference(x, index, keep, dim), rtol=0, atol=0)
+        else:
+            assert out.shape == (*rest[:dim], index.numel(), *rest[dim:]) and not out.any()
+        g = torch.randn(out.shape, generator=gen, dtype=dtype)
+        g[(slice(None),) * dim + (~keep,)] = float("nan")  # padding's gradient must not leak
+        (grad,) = torch.autograd.grad(out, x, g)
+        expected = ordered_grad(x.shape, dim, index, keep, g)
+        torch.testing.assert_close(grad, expected, rtol=0, atol=0)  # same order, same dtype: bit for bit
+        if rows:
+            (grad_ref,) = torch.autograd.grad(reference(x, index, keep, dim), x, g)
+            tol = 1e-5 if dtype == torch.float32 else 1e-12
+            torch.testing.assert_close(grad, grad_ref, rtol=tol, atol=tol)
+        (again,) = torch.autograd.grad(gather_valid(x, index, keep, dim), x, g)
+        assert torch.equal(again, grad)  # deterministic
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_sums_in_float32(threads, dtype):
+    """Rows read up to 64 times: the bf16 / fp16 gradient is the float32 ordered sum rounded once."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        x, index, keep = case(gen, 12, 64, 7, (24,), 0, dtype)
+        out = gather_valid(x, index, keep)
+        torch.testing.assert_close(out, reference(x, index, keep), rtol=0, atol=0)
+        g = torch.randn(out.shape, generator=gen).to(dtype)
+        (grad,) = torch.autograd.grad(out, x, g)
+        torch.testing.assert_close(grad, ordered_grad(x.shape, 0, index, keep, g), rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_padding_reads_no_value():
+    """A row read only at padding positions: zeros in the output even where it holds NaN."""
+    x = torch.tensor([[1.0, 2.0], [float("nan"), float("inf")]], requires_grad=True)
+    index, keep = torch.tensor([0, 1, 0]), torch.tensor([True, False, True])
+    out = gather_valid(x, index, keep)
+    assert torch.equal(out, torch.tensor([[1.0, 2.0], [0.0, 0.0], [1.0, 2.0]]))
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.tensor([[2.0, 2.0], [0.0, 0.0]]))
+
+
+@pytest.mark.parametrize(
+    "dynamic,threads,dtype",
+    [(False, 2, torch.float32), (True, 2, torch.float32), (False, 1, torch.bfloat16), (True, 2, torch.bfloat16)],
+)
+def test_compiled_matches_eager(dynamic, threads, dtype):
+    """Through Inductor (at two threads its CPU scatter is ATen's kernel, at one its own loop), static and
+    symbolic shapes: the values of the plain form, the gradient of the eager ordered sum."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch._dynamo.reset()
+        gen = torch.Generator().manual_seed(0)
+        fn = torch.compile(lambda x, i, k: gather_valid(x.movedim(0, 1), i, k, dim=1) * 2, dynamic=dynamic)
+        for rows, pad in ((9, 3), (12, 5)):
+            x, index, keep = case(gen, rows, 4, pad, (2, 24), 0, dtype)
+            xc = x.detach().clone().requires_grad_()
+            out = fn(xc, index, keep)
+            ref = reference(x.movedim(0, 1), index, keep, dim=1) * 2
+            torch.testing.assert_close(out, ref, rtol=0, atol=0)
+            g = torch.randn(out.shape, generator=gen).to(dtype)
+            out.backward(g)
+            expected = ordered_grad(x.movedim(0, 1).shape, 1, index, keep, g * 2).movedim(1, 0)
+            torch.testing.assert_close(xc.grad, expected, rtol=1e-6, atol=1e-6)
+    finally:
+        torch.set_num_threads(n)
+        torch._dynamo.reset()
