@@ -1,0 +1,415 @@
+"""Peers (issue 36): dualkv beside the other shared-prefix methods, one model, one GRPO batch, one process.
+
+One Hugging Face Qwen3 model built from its config (random weights; tiny on CPU, ``--shape qwen3-0.6b|qwen3-1.7b``
+on a GPU) and one GRPO batch (``--groups`` prompts of ``--prompt-len`` tokens, ``--rollouts`` responses each of
+``--response-len`` tokens; ``--ragged``: response lengths uniform in [R/2, R], right padded). A step is forward +
+backward of the token-mean GRPO loss ``mean(-logp * advantage)`` over the response tokens (fixed random advantage
+per response). Each side runs that step on the same weights and batch, in the layout its method asks for:
+
+- ``plain``: the HF model on the duplicated padded batch (SDPA); ``plain_compiled`` the same under Inductor
+  (``--compile``); ``plain_varlen``: the batch's sequences as one remove-padding row through torch's varlen
+  attention with chunked log-probs (``model_remove_padding.py``'s strongest baseline, what veRL users run).
+- ``dualkv``: the same loss function as ``plain`` under ``@dualkv_compile.policy_loss``.
+- ``prefix_grouper``: PrefixGrouper (``pip install prefix-grouper``) through its transformers integration
+  (``register_attention``: attention ``prefix_grouper_attention``, its ``PrefixGrouper`` object passed through the
+  model call), the [prefix | suffixes] layout from its ``concat_input`` / ``split_output``, positions as its README
+  prescribes. Its attention calls an inner function with FlashAttention-2's contract (2-D padding mask, causal
+  aligned at the bottom right); ``flash_attention_2`` where ``flash_attn`` is installed, else ``flash_style_sdpa``
+  below (SDPA with that contract: transformers' ``sdpa`` takes 4-D masks, PrefixGrouper lists SDPA as future work).
+- ``trl_prefix_tree``: TRL 1.16's ``trl.experimental.async_grpo.packing`` (``TreeRow`` packs the samples into a
+  prefix trie, ``tree_attention`` gathers each segment's root path), its FlashAttention-3 kernel from the Hub
+  (``kernels``). ``trl_prefix_tree_sdpa``: the same packing and attention function with that kernel call answered by
+  SDPA (labelled: it checks TRL's layout, not its kernel's speed). TRL packs in its collator, so packing is not timed.
+- ``flash_pref``: flash-pref's ``shared_prefix`` context (``pip install flash-pref``; written for transformers
+  < 4.52, shares attention only under ``flash_attention_2``).
+
+For each: loss and largest parameter-gradient difference relative to ``plain`` (float32 on CPU, bf16 on GPU), the
+tokens the layers run on, whether that is packed, the median step time over ``--iters`` after 2 warm-up steps
+(``model_gpu.time_step``), peak CUDA memory. A side that is not installed or fails gives ``cannot run: <reason>``.
+Writes ``peers.json`` and ``peers.md`` to ``--out``.
+
+    python benchmarks/peers.py --device cpu --out /tmp/peers                      # tiny, about a minute on 2 cores
+    python benchmarks/peers.py --device cuda --shape qwen3-0.6b --groups 4 --rollouts 8 --prompt-len 2048 \\
+        --response-len 512 --ragged --compile --out benchmarks/results/peers_h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import sys
+import time
+import traceback
+from contextlib import nullcontext
+from unittest import mock
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+import dualkv_compile  # noqa: E402
+from model_gpu import MODELS, VOCAB, time_step  # noqa: E402
+from model_remove_padding import chunked_next_token_logp  # noqa: E402
+import varlen_attention  # noqa: E402,F401  (registers torch_varlen)
+
+SHAPES = {"qwen3-0.6b": MODELS["0.6b"], "qwen3-1.7b": MODELS["1.7b"]}
+
+
+def log(msg):
+    print(f"[peers {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def unmet_requirements(dist):
+    """The declared requirements of ``dist`` that the installed packages do not meet, as text ('' if none)."""
+    from packaging.requirements import Requirement
+
+    unmet = []
+    for text in importlib.metadata.requires(dist) or []:
+        req = Requirement(text)
+        if req.marker is None and (have := version(req.name)) is not None and have not in req.specifier:
+            unmet.append(f"{dist} requires {req}, installed {have}")
+    return "; ".join(unmet)
+
+
+def make_batch(groups, rollouts, prompt_len, response_len, ragged, vocab, device, seed=0):
+    """The duplicated batch [prompt | response | right pad] (rows group by group) and its parts per group."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, vocab, (prompt_len,), generator=g) for _ in range(groups)]
+    lens = [int(torch.randint(response_len // 2, response_len + 1, (), generator=g)) if ragged else response_len
+            for _ in range(groups * rollouts)]
+    R = max(lens)
+    B, S = groups * rollouts, prompt_len + R
+    ids, mask, resp = torch.zeros(B, S, dtype=torch.long), torch.zeros(B, S, dtype=torch.long), torch.zeros(B, S)
+    comp, comp_mask = torch.zeros(B, R, dtype=torch.long), torch.zeros(B, R, dtype=torch.long)
+    for b, r in enumerate(lens):
+        comp[b, :r], comp_mask[b, :r] = torch.randint(2, vocab, (r,), generator=g), 1
+        ids[b, :prompt_len], ids[b, prompt_len:prompt_len + r] = prompts[b // rollouts], comp[b, :r]
+        mask[b, :prompt_len + r], resp[b, prompt_len:prompt_len + r] = 1, 1
+    batch = dict(input_ids=ids, attention_mask=mask, response_mask=resp, advantages=torch.randn(B, generator=g),
+                 prompt_ids=torch.stack(prompts), prompt_mask=torch.ones(groups, prompt_len, dtype=torch.long),
+                 completion_ids=comp, completion_mask=comp_mask)
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def grpo_loss(model, batch):
+    """mean(-logp * advantage) over the response tokens of the padded batch (plain, plain_compiled, dualkv)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    logp = logp.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    mask = batch["response_mask"][:, 1:].float()
+    return -(logp * batch["advantages"][:, None] * mask).sum() / mask.sum()
+
+
+def masked_mean_loss(logp, adv, mask):
+    """The same loss from the log-probs a peer lays out its own way (``[M]`` or ``[B, R]``), ``mask`` 1 on targets."""
+    mask = mask.float()
+    return -(logp * adv * mask).sum() / mask.sum()
+
+
+def flash_style_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """FlashAttention-2's contract in transformers, on SDPA: ``attention_mask`` ``[B, Sk]`` marks valid keys, the
+    queries are the last ``Sq`` columns' valid tokens, and causality is aligned at the bottom right of each row's
+    valid tokens (query i of n_q sees keys up to i + n_k - n_q). Returns ``[B, Sq, H, D]``, padding rows arbitrary."""
+    B, H, Sq, D = query.shape
+    kmask = attention_mask.bool() if attention_mask is not None else query.new_ones(B, key.shape[2], dtype=torch.bool)
+    qmask = kmask[:, -Sq:]
+    rank_k, rank_q = kmask.cumsum(-1) - 1, qmask.cumsum(-1) - 1
+    shift = (kmask.sum(-1) - qmask.sum(-1))[:, None, None]
+    allowed = kmask[:, None, :] & (rank_k[:, None, :] <= rank_q[:, :, None] + shift)
+    allowed |= ~qmask[:, :, None]  # padding queries see every key: no empty softmax row (their output is dropped)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed[:, None], scale=scaling,
+                                                           enable_gqa=key.shape[1] != H)
+    return out.transpose(1, 2), None
+
+
+class SdpaVarlenKernel:
+    """Answers ``flash_attn_varlen_func`` (the call TRL's ``tree_attention`` makes) with ``flash_style_sdpa`` per
+    segment: tokens-first ``[T, H, D]``, causal at the bottom right, as FlashAttention's varlen call."""
+
+    @staticmethod
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=True, window_size=(-1, -1), **kw):
+        if not causal or tuple(window_size) != (-1, -1) or kw:
+            raise NotImplementedError(f"stand-in kernel: only causal full attention, got {window_size}, {sorted(kw)}")
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        outs = [flash_style_sdpa(None, *(x[a:b].transpose(0, 1)[None] for x, a, b in ((q, cq[s], cq[s + 1]),
+                                                                                     (k, ck[s], ck[s + 1]), (v, ck[s], ck[s + 1]))),
+                                 None, softmax_scale)[0][0] for s in range(len(cq) - 1)]
+        return torch.cat(outs)
+
+
+# Each side: (loss function of (model, batch), attention implementation, tokens computed, packed, note).
+
+def side_plain(model, batch, args):
+    return grpo_loss, "sdpa", int(batch["input_ids"].numel()), False, "duplicated padded batch, SDPA"
+
+
+def side_plain_compiled(model, batch, args):
+    return torch.compile(grpo_loss, dynamic=False), "sdpa", int(batch["input_ids"].numel()), False, "Inductor"
+
+
+def side_plain_varlen(model, batch, args):
+    keep = batch["attention_mask"].bool()
+    lens = keep.sum(1)
+    row = dict(input_ids=batch["input_ids"][keep][None], position_ids=(keep.cumsum(1) - 1)[keep][None],
+               adv=batch["advantages"][:, None].expand_as(keep)[keep][None, 1:], mask=batch["response_mask"][keep][None, 1:],
+               cu=torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32), longest=int(lens.max()))
+
+    def loss(model, _):
+        hidden = model.model(input_ids=row["input_ids"], position_ids=row["position_ids"], cu_seq_lens_q=row["cu"],
+                             cu_seq_lens_k=row["cu"], max_length_q=row["longest"], max_length_k=row["longest"]).last_hidden_state
+        return masked_mean_loss(chunked_next_token_logp(hidden, model.lm_head, row["input_ids"]), row["adv"], row["mask"])
+
+    fn = torch.compile(loss, dynamic=False) if args.compile else loss
+    return fn, "torch_varlen", int(keep.sum()), False, "remove padding, torch varlen attention, chunked log-probs" + (
+        ", Inductor" if args.compile else "")
+
+
+def side_dualkv(model, batch, args):
+    stats = dualkv_compile.detect(batch["input_ids"], batch["attention_mask"]).stats()
+    return (dualkv_compile.policy_loss(grpo_loss, inner=args.inner), "sdpa", stats.tokens_after, None,
+            f"@policy_loss, inner {args.inner}")
+
+
+def side_prefix_grouper(model, batch, args):
+    from prefix_grouper import PrefixGrouper
+    from prefix_grouper.utils.register_transformers import register_attention
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    register_attention()
+    # Its attention ignores the model's mask; registering FlashAttention's mask function (the 2-D mask or None) keeps
+    # transformers from building a [B, 1, S, S] one for a name it does not know.
+    ALL_MASK_ATTENTION_FUNCTIONS.register("prefix_grouper_attention", flash_attention_mask)
+    inner = "flash_attention_2" if args.device == "cuda" and version("flash-attn") else "flash_style_sdpa"
+    AttentionInterface.register("flash_style_sdpa", flash_style_sdpa)
+    N = args.rollouts
+
+    def loss(model, batch):
+        pg = PrefixGrouper.from_ungrouped_masks(prefix_mask=batch["prompt_mask"], suffix_mask=batch["completion_mask"],
+                                                group_sizes=N, padding_mode="right", device=batch["input_ids"].device)
+        ids = pg.concat_input(batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"])
+        # Its README: each response's positions continue from the prefix, [0..p-1, p..p+r1-1, p..p+r2-1, ...].
+        pos = torch.zeros_like(ids)
+        for i, info in enumerate(pg.group_info):
+            p = info.prefix_len
+            pos[i, : p + sum(info.suffix_lens)] = torch.cat([torch.arange(p)] + [torch.arange(p, p + r) for r in info.suffix_lens])
+        logits = model(input_ids=ids, position_ids=pos, prefix_grouper=pg, prefix_grouper_attn_func=inner).logits
+        _, _, suffix, suffix_mask = pg.split_output(logits, include_prefix_last=1)
+        targets = pg.convert_padding(batch["completion_ids"], batch["completion_mask"], padding_mode="right")
+        logp = torch.log_softmax(suffix[:, :-1].float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return masked_mean_loss(logp, batch["advantages"][:, None], suffix_mask[:, 1:])
+
+    tokens = args.groups * args.prompt_len + int(batch["completion_mask"].sum())
+    loss.dist = "prefix-grouper"
+    return loss, "prefix_grouper_attention", tokens, True, f"register_attention, inner attention {inner}, eager"
+
+
+def _trl_side(model, batch, args, stand_in):
+    from trl.experimental.async_grpo import packing
+
+    packing.register_tree_attention()
+    row = packing.TreeRow()
+    keep, resp = batch["attention_mask"].bool().cpu(), batch["response_mask"].cpu()
+    for b in range(keep.shape[0]):  # the samples as TRL's rollout worker hands them over: unpadded, one group id per prompt
+        row.add(dict(input_ids=batch["input_ids"][b].cpu()[keep[b]], completion_mask=resp[b][keep[b]],
+                     old_log_probs=torch.zeros(int(keep[b].sum())), advantage=float(batch["advantages"][b]),
+                     group_id=b // args.rollouts))
+    p = {k: v.to(args.device) for k, v in row.pack().items()}
+    kw = dict(tree_kv_index=p["tree_kv_index"], tree_cu_seqlens_q=p["tree_cu_seqlens_q"],
+              tree_cu_seqlens_k=p["tree_cu_seqlens_k"])
+    kw["tree_max_seqlen_q"], kw["tree_max_seqlen_k"] = p["tree_max_seqlens"].tolist()
+    targets = p["shift_labels"][p["token_index"]]
+
+    def loss(model, _):
+        # What TRL's compute_loss does, with the plain lm_head and log_softmax in place of its fused_lm_head patch.
+        with mock.patch.object(packing, "_flash_attn", lambda: SdpaVarlenKernel) if stand_in else nullcontext():
+            logits = model(input_ids=p["input_ids"][None], position_ids=p["position_ids"][None], **kw).logits[0]
+        logp = torch.log_softmax(logits[p["token_index"]].float(), -1).gather(-1, targets[:, None])[:, 0]
+        return masked_mean_loss(logp, p["advantages"], torch.ones_like(logp))
+
+    note = "TreeRow packing (in TRL's collator: not timed), tree_attention" + (" with SDPA standing in for its FlashAttention-3 kernel" if stand_in else "")
+    return loss, packing.TREE_ATTENTION, int(p["input_ids"].numel()), True, note
+
+
+def side_trl_prefix_tree(model, batch, args):
+    return _trl_side(model, batch, args, stand_in=False)
+
+
+def side_trl_prefix_tree_sdpa(model, batch, args):
+    return _trl_side(model, batch, args, stand_in=True)
+
+
+def side_flash_pref(model, batch, args):
+    from flash_pref import shared_prefix
+
+    attn = "flash_attention_2" if args.device == "cuda" and version("flash-attn") else "sdpa"
+
+    def loss(model, batch):
+        with shared_prefix(model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], group_size=args.rollouts):
+            return grpo_loss(model, batch)
+
+    tokens = int(batch["attention_mask"].sum()) - (args.rollouts - 1) * args.groups * args.prompt_len
+    loss.dist = "flash-pref"
+    return loss, attn, tokens, True, f"shared_prefix, {attn}" + ("" if attn == "flash_attention_2" else " (attention unshared)")
+
+
+SIDES = {"plain": side_plain, "plain_compiled": side_plain_compiled, "plain_varlen": side_plain_varlen,
+         "dualkv": side_dualkv, "prefix_grouper": side_prefix_grouper, "trl_prefix_tree": side_trl_prefix_tree,
+         "trl_prefix_tree_sdpa": side_trl_prefix_tree_sdpa, "flash_pref": side_flash_pref}
+
+
+def loss_and_grads(fn, model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = fn(model, batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+def grad_rel(grads, ref):
+    """Largest over parameters of max |g - g_ref| / max |g_ref|; a parameter without a gradient counts as 1."""
+    worst = 0.0
+    for name, r in ref.items():
+        g = grads.get(name)
+        rel = 1.0 if g is None else float((g.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-30))
+        worst = max(worst, rel)
+    return worst
+
+
+def run_side(name, model, batch, args, ref):
+    row, fn = dict(side=name), None
+    try:
+        fn, attn, tokens, packed, note = SIDES[name](model, batch, args)
+        row.update(tokens=tokens, note=note)
+        model.config._attn_implementation = attn
+        torch._dynamo.reset()
+        start = len(dualkv_compile.reports())
+        loss, grads = loss_and_grads(fn, model, batch)
+        if packed is None:  # dualkv: packed if one of its graphs ran rewritten on a packed call
+            packed = any(r.rewritten and r.packed_calls for r in dualkv_compile.reports()[start:])
+        row.update(packed=packed, loss=loss)
+        if ref is not None:
+            row.update(loss_rel=abs(loss - ref[0]) / max(abs(ref[0]), 1e-30), grad_rel=grad_rel(grads, ref[1]))
+        kept = (loss, grads) if ref is None else None
+        del grads
+        ms, peak, _ = time_step(fn, model, batch, args.iters, args.device)
+        row.update(status="ok", ms=ms, peak_gb=peak if args.device == "cuda" else None)
+        return row, kept
+    except Exception as e:  # noqa: BLE001  (a peer that fails is a row, not a crash)
+        if args.device == "cuda" and isinstance(e, torch.OutOfMemoryError):
+            torch.cuda.empty_cache()
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
+        unmet = unmet_requirements(getattr(fn, "dist", "")) if getattr(fn, "dist", None) else ""
+        row.update(status=f"cannot run: {reason} (at {os.path.basename(where.filename)}:{where.lineno})"
+                          + (f"; {unmet}" if unmet else ""))
+        return row, None
+    finally:
+        model.config._attn_implementation = "sdpa"
+        model.zero_grad(set_to_none=True)
+
+
+def markdown(meta, rows):
+    fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    lines = [f"# Peers: one GRPO step, {meta['model']} ({meta['device']}, {meta['dtype']}, {meta['date']})", "",
+             f"- batch: {meta['batch']}; {meta['tokens_duplicated']} valid tokens duplicated, {meta['tokens_unique']} unique",
+             f"- torch {meta['torch']}, transformers {meta['transformers']}, trl {meta['trl']}, prefix-grouper "
+             f"{meta['prefix_grouper']}, flash-pref {meta['flash_pref']}; median of {meta['iters']} steps after 2 warm-up",
+             f"- loss / grad rel: against `plain`; grad rel = max over parameters of max|g - g_plain| / max|g_plain|",
+             f"- `{meta['command']}`", "",
+             "| side | status | packed | tokens | step ms | vs plain | peak GB | loss | loss rel | grad rel | how |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    base = next((r.get("ms") for r in rows if r["side"] == "plain"), None)
+    for r in rows:
+        speed = f"{base / r['ms']:.2f}x" if base and r.get("ms") else "-"
+        lines.append(f"| {r['side']} | {r['status']} | {r.get('packed', '-')} | {r.get('tokens', '-')} | {fmt(r.get('ms'), '.1f')} "
+                     f"| {speed} | {fmt(r.get('peak_gb'), '.2f')} | {fmt(r.get('loss'), '.6f')} | {fmt(r.get('loss_rel'), '.1e')} "
+                     f"| {fmt(r.get('grad_rel'), '.1e')} | {r.get('note', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="a Qwen3 preset (vocab 151936), over the shape flags")
+    for flag, default in (("layers", 2), ("hidden", 64), ("heads", 4), ("kv-heads", 2), ("head-dim", 16),
+                          ("intermediate", 128), ("vocab", 512)):
+        ap.add_argument(f"--{flag}", type=int, default=default)
+    ap.add_argument("--groups", type=int, default=2)
+    ap.add_argument("--rollouts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=48)
+    ap.add_argument("--response-len", type=int, default=12)
+    ap.add_argument("--ragged", action="store_true", help="response lengths uniform in [R/2, R]")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="add plain_compiled (Inductor) and compile plain_varlen")
+    ap.add_argument("--inner", default=None, help="dualkv's inner compiler (default inductor on cuda, aot_eager on cpu)")
+    ap.add_argument("--sides", default=",".join(s for s in SIDES if s != "plain_compiled"))
+    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results", "peers")))
+    args = ap.parse_args(argv)
+    args.inner = args.inner or ("inductor" if args.device == "cuda" else "aot_eager")
+    sides = [s for s in args.sides.split(",") if s]
+    if args.compile and "plain_compiled" not in sides:
+        sides.insert(1, "plain_compiled")
+    if "plain" in sides:
+        sides.remove("plain")
+    unknown = set(sides) - set(SIDES)
+    if unknown:
+        ap.error(f"unknown sides {sorted(unknown)}; known: {list(SIDES)}")
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = dict(SHAPES[args.shape]) if args.shape else dict(
+        hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=args.intermediate)
+    vocab = VOCAB if args.shape else args.vocab
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, max_position_embeddings=32768, use_cache=False,
+                                         tie_word_embeddings=False, attn_implementation="sdpa", **cfg))
+    model = model.to(device=args.device, dtype=dtype).train()
+    batch = make_batch(args.groups, args.rollouts, args.prompt_len, args.response_len, args.ragged, vocab, args.device)
+    valid = int(batch["attention_mask"].sum())
+    meta = dict(
+        date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        dtype=str(dtype).removeprefix("torch."), torch=torch.__version__, transformers=version("transformers"),
+        trl=version("trl"), prefix_grouper=version("prefix-grouper"), flash_pref=version("flash-pref"),
+        model=args.shape or "qwen3 ({num_hidden_layers} layers, hidden {hidden_size}, heads {num_attention_heads}/"
+                                 "{num_key_value_heads}, head_dim {head_dim}, mlp {intermediate_size}, vocab {v})".format(v=vocab, **cfg), vocab=vocab, iters=args.iters, command=" ".join(["python"] + sys.argv),
+        batch=f"{args.groups} prompts x {args.prompt_len} tokens, {args.rollouts} responses each of "
+              f"{f'{args.response_len // 2}..' if args.ragged else ''}{args.response_len} tokens",
+        tokens_duplicated=valid, tokens_unique=valid - (args.rollouts - 1) * args.groups * args.prompt_len)
+    os.makedirs(args.out, exist_ok=True)
+
+    log(f"{meta['model']} on {meta['device']}: {meta['batch']}; sides plain, {', '.join(sides)}")
+    plain, ref = run_side("plain", model, batch, args, None)
+    rows = [plain]
+    log(f"plain: {plain['status']} {plain.get('ms', 0):.1f} ms")
+    for name in sides:
+        log(f"{name}: exactness, warm-up and {args.iters} steps")
+        row, _ = run_side(name, model, batch, args, ref)
+        rows.append(row)
+        log(f"{name}: {row['status']}" + (f", {row['ms']:.1f} ms, grad rel {row.get('grad_rel', 0):.1e}, packed "
+                                          f"{row['packed']}" if row["status"] == "ok" else ""))
+        with open(os.path.join(args.out, "peers.json"), "w") as f:  # after every side: a run cut short keeps what it has
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    text = markdown(meta, rows)
+    with open(os.path.join(args.out, "peers.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
