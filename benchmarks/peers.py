@@ -28,7 +28,7 @@ tokens the layers run on, whether that is packed, the median step time over ``--
 (``model_gpu.time_step``), peak CUDA memory. A side that is not installed or fails gives ``cannot run: <reason>``.
 Writes ``peers.json`` and ``peers.md`` to ``--out``.
 
-    python benchmarks/peers.py --device cpu --out /tmp/peers                      # tiny, about a minute on 2 cores
+    python benchmarks/peers.py --device cpu --out /tmp/peers                      # tiny, about 15 s on 2 cores
     python benchmarks/peers.py --device cuda --shape qwen3-0.6b --groups 4 --rollouts 8 --prompt-len 2048 \\
         --response-len 512 --ragged --compile --out benchmarks/results/peers_h100
 """
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -142,10 +143,9 @@ class SdpaVarlenKernel:
         if not causal or tuple(window_size) != (-1, -1) or kw:
             raise NotImplementedError(f"stand-in kernel: only causal full attention, got {window_size}, {sorted(kw)}")
         cq, ck = cu_q.tolist(), cu_k.tolist()
-        outs = [flash_style_sdpa(None, *(x[a:b].transpose(0, 1)[None] for x, a, b in ((q, cq[s], cq[s + 1]),
-                                                                                     (k, ck[s], ck[s + 1]), (v, ck[s], ck[s + 1]))),
-                                 None, softmax_scale)[0][0] for s in range(len(cq) - 1)]
-        return torch.cat(outs)
+        seg = lambda x, c, s: x[c[s]:c[s + 1]].transpose(0, 1)[None]  # noqa: E731  ([1, H, len, D])
+        return torch.cat([flash_style_sdpa(None, seg(q, cq, s), seg(k, ck, s), seg(v, ck, s), None, softmax_scale)[0][0]
+                          for s in range(len(cq) - 1)])
 
 
 # Each side: (loss function of (model, batch), attention implementation, tokens computed, packed, note).
@@ -215,7 +215,8 @@ def side_prefix_grouper(model, batch, args):
     return loss, "prefix_grouper_attention", tokens, True, f"register_attention, inner attention {inner}, eager"
 
 
-def _trl_side(model, batch, args, stand_in):
+def side_trl(model, batch, args, stand_in):
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # the import is the point here: no warning about it
     from trl.experimental.async_grpo import packing
 
     packing.register_tree_attention()
@@ -238,16 +239,9 @@ def _trl_side(model, batch, args, stand_in):
         logp = torch.log_softmax(logits[p["token_index"]].float(), -1).gather(-1, targets[:, None])[:, 0]
         return masked_mean_loss(logp, p["advantages"], torch.ones_like(logp))
 
-    note = "TreeRow packing (in TRL's collator: not timed), tree_attention" + (" with SDPA standing in for its FlashAttention-3 kernel" if stand_in else "")
+    note = "TreeRow packing (in TRL's collator: not timed), tree_attention" + (
+        " with SDPA standing in for its FlashAttention-3 kernel" if stand_in else " (kernels-community/flash-attn3)")
     return loss, packing.TREE_ATTENTION, int(p["input_ids"].numel()), True, note
-
-
-def side_trl_prefix_tree(model, batch, args):
-    return _trl_side(model, batch, args, stand_in=False)
-
-
-def side_trl_prefix_tree_sdpa(model, batch, args):
-    return _trl_side(model, batch, args, stand_in=True)
 
 
 def side_flash_pref(model, batch, args):
@@ -265,8 +259,8 @@ def side_flash_pref(model, batch, args):
 
 
 SIDES = {"plain": side_plain, "plain_compiled": side_plain_compiled, "plain_varlen": side_plain_varlen,
-         "dualkv": side_dualkv, "prefix_grouper": side_prefix_grouper, "trl_prefix_tree": side_trl_prefix_tree,
-         "trl_prefix_tree_sdpa": side_trl_prefix_tree_sdpa, "flash_pref": side_flash_pref}
+         "dualkv": side_dualkv, "prefix_grouper": side_prefix_grouper, "trl_prefix_tree": functools.partial(side_trl, stand_in=False),
+         "trl_prefix_tree_sdpa": functools.partial(side_trl, stand_in=True), "flash_pref": side_flash_pref}
 
 
 def loss_and_grads(fn, model, batch, ref=None):
