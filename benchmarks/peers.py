@@ -29,8 +29,8 @@ tokens the layers run on, whether that is packed, the median step time over ``--
 Writes ``peers.json`` and ``peers.md`` to ``--out``.
 
     python benchmarks/peers.py --device cpu --out /tmp/peers                      # tiny, about 15 s on 2 cores
-    python benchmarks/peers.py --device cuda --shape qwen3-0.6b --groups 4 --rollouts 8 --prompt-len 2048 \\
-        --response-len 512 --ragged --compile --out benchmarks/results/peers_h100
+    python benchmarks/peers.py --device cuda --shape qwen3-0.6b --groups 2 --rollouts 8 --prompt-len 1024 \\
+        --response-len 128 --ragged --compile --iters 5 --out benchmarks/results/peers_h100
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import gc
 import importlib.metadata
 import json
 import os
@@ -202,8 +203,8 @@ def side_prefix_grouper(model, batch, args):
         # Its README: each response's positions continue from the prefix, [0..p-1, p..p+r1-1, p..p+r2-1, ...].
         pos = torch.zeros_like(ids)
         for i, info in enumerate(pg.group_info):
-            p = info.prefix_len
-            pos[i, : p + sum(info.suffix_lens)] = torch.cat([torch.arange(p)] + [torch.arange(p, p + r) for r in info.suffix_lens])
+            p, at = info.prefix_len, functools.partial(torch.arange, device=ids.device)
+            pos[i, : p + sum(info.suffix_lens)] = torch.cat([at(p)] + [at(p, p + r) for r in info.suffix_lens])
         logits = model(input_ids=ids, position_ids=pos, prefix_grouper=pg, prefix_grouper_attn_func=inner).logits
         _, _, suffix, suffix_mask = pg.split_output(logits, include_prefix_last=1)
         targets = pg.convert_padding(batch["completion_ids"], batch["completion_mask"], padding_mode="right")
@@ -299,8 +300,6 @@ def run_side(name, model, batch, args, ref):
         row.update(status="ok", ms=ms, peak_gb=peak if args.device == "cuda" else None)
         return row, checked if ref is None else None
     except Exception as e:  # noqa: BLE001  (a peer that fails is a row, not a crash)
-        if args.device == "cuda" and isinstance(e, torch.OutOfMemoryError):
-            torch.cuda.empty_cache()
         where = traceback.extract_tb(e.__traceback__)[-1]
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
         unmet = unmet_requirements(getattr(fn, "dist", "")) if getattr(fn, "dist", None) else ""
@@ -310,6 +309,9 @@ def run_side(name, model, batch, args, ref):
     finally:
         model.config._attn_implementation = "sdpa"
         model.zero_grad(set_to_none=True)
+        if args.device == "cuda":  # what a side left (an out-of-memory one's tensors too) is not the next side's peak
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 def markdown(meta, rows):
@@ -317,7 +319,8 @@ def markdown(meta, rows):
     lines = [f"# Peers: one GRPO step, {meta['model']} ({meta['device']}, {meta['dtype']}, {meta['date']})", "",
              f"- batch: {meta['batch']}; {meta['tokens_duplicated']} valid tokens duplicated, {meta['tokens_unique']} unique",
              f"- torch {meta['torch']}, transformers {meta['transformers']}, trl {meta['trl']}, prefix-grouper "
-             f"{meta['prefix_grouper']}, flash-pref {meta['flash_pref']}, kernels {meta['kernels']}, flash-attn {meta['flash_attn']}; median of {meta['iters']} steps after 2 warm-up",
+             f"{meta['prefix_grouper']}, flash-pref {meta['flash_pref']}, kernels {meta['kernels']}, flash-attn {meta['flash_attn']}; median of {meta['iters']} steps after 2 warm-up"
+             + (f", CPU threads: {meta['threads']}" if meta.get("threads") else ""),
              f"- loss / grad rel: against `plain`; grad rel = max over parameters of max|g - g_plain| / max|g_plain|",
              f"- `{meta['command']}`", "",
              "| side | status | packed | tokens | step ms | vs fastest plain | peak GB | loss | loss rel | grad rel | how |",
@@ -350,10 +353,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ragged", action="store_true", help="response lengths uniform in [R/2, R]")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="add plain_compiled (Inductor) and compile plain_varlen")
+    ap.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads); 1 gives steady times on shared cores")
     ap.add_argument("--inner", default=None, help="dualkv's inner compiler (default inductor on cuda, aot_eager on cpu)")
     ap.add_argument("--sides", default=",".join(s for s in SIDES if s != "plain_compiled"))
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results", "peers")))
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     args.inner = args.inner or ("inductor" if args.device == "cuda" else "aot_eager")
     sides = [s for s in args.sides.split(",") if s]
     if args.compile and "plain_compiled" not in sides:
@@ -382,7 +388,7 @@ def main(argv=None) -> int:
         dtype=str(dtype).removeprefix("torch."), torch=torch.__version__, transformers=version("transformers"),
         trl=version("trl"), prefix_grouper=version("prefix-grouper"), flash_pref=version("flash-pref"),
         kernels=version("kernels"), flash_attn=version("flash-attn"),
-        model=args.shape or "qwen3 ({num_hidden_layers} layers, hidden {hidden_size}, heads {num_attention_heads}/"
+        threads=torch.get_num_threads() if args.device == "cpu" else None, model=args.shape or "qwen3 ({num_hidden_layers} layers, hidden {hidden_size}, heads {num_attention_heads}/"
                                  "{num_key_value_heads}, head_dim {head_dim}, mlp {intermediate_size}, vocab {v})".format(v=vocab, **cfg), vocab=vocab, iters=args.iters, command=" ".join(["python"] + sys.argv),
         batch=f"{args.groups} prompts x {args.prompt_len} tokens, {args.rollouts} responses each of "
               f"{f'{args.response_len // 2}..' if args.ragged else ''}{args.response_len} tokens",
