@@ -236,7 +236,7 @@ def test_peers_smoke_on_cpu(tmp_path):
     every other side either ran, with a step time, and matches the plain model too, or says why it cannot run
     (flash-pref and TRL's FlashAttention-3 kernel do not run here: see the script's docstring)."""
     cmd = [sys.executable, "benchmarks/peers.py", "--device", "cpu", "--groups", "2", "--rollouts", "3",
-           "--prompt-len", "16", "--response-len", "6", "--ragged", "--iters", "1", "--out", str(tmp_path)]
+           "--prompt-len", "16", "--response-len", "6", "--ragged", "--iters", "1", "--threads", "1", "--out", str(tmp_path)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     with open(tmp_path / "peers.json") as f:
