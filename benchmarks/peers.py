@@ -14,12 +14,15 @@ per response). Each side runs that step on the same weights and batch, in the la
   (``register_attention``: attention ``prefix_grouper_attention``, its ``PrefixGrouper`` object passed through the
   model call), the [prefix | suffixes] layout from its ``concat_input`` / ``split_output``, positions as its README
   prescribes. Its attention calls an inner function with FlashAttention-2's contract (2-D padding mask, causal
-  aligned at the bottom right); ``flash_attention_2`` where ``flash_attn`` is installed, else ``flash_style_sdpa``
-  below (SDPA with that contract: transformers' ``sdpa`` takes 4-D masks, PrefixGrouper lists SDPA as future work).
+  aligned at the bottom right): ``flash_attention_2`` where ``flash_attn`` is installed, else ``flash_style`` below
+  (on CUDA torch's varlen flash attention on the valid tokens, standing in for FlashAttention-2 as in
+  ``varlen_attention.py``; elsewhere SDPA with that mask: transformers' ``sdpa`` takes only 4-D masks, and
+  PrefixGrouper lists SDPA as future work). Its layout work (``from_ungrouped_masks``, positions) is timed.
 - ``trl_prefix_tree``: TRL 1.16's ``trl.experimental.async_grpo.packing`` (``TreeRow`` packs the samples into a
-  prefix trie, ``tree_attention`` gathers each segment's root path), its FlashAttention-3 kernel from the Hub
-  (``kernels``). ``trl_prefix_tree_sdpa``: the same packing and attention function with that kernel call answered by
-  SDPA (labelled: it checks TRL's layout, not its kernel's speed). TRL packs in its collator, so packing is not timed.
+  prefix trie, ``tree_attention`` gathers each segment's root path) with its FlashAttention-3 kernel, fetched from the
+  Hub through ``kernels``. ``trl_prefix_tree_standin``: the same packing and attention function with that kernel's
+  call answered by torch's varlen flash attention on CUDA, SDPA per segment elsewhere (labelled). TRL packs in its
+  collator, outside the step, so the packing is not timed.
 - ``flash_pref``: flash-pref's ``shared_prefix`` context (``pip install flash-pref``; written for transformers
   < 4.52, shares attention only under ``flash_attention_2``).
 
@@ -119,13 +122,16 @@ def masked_mean_loss(logp, adv, mask):
     return -(logp * adv * mask).sum() / mask.sum()
 
 
-def flash_style_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """FlashAttention-2's contract in transformers, on SDPA: ``attention_mask`` ``[B, Sk]`` marks valid keys, the
-    queries are the last ``Sq`` columns' valid tokens, and causality is aligned at the bottom right of each row's
-    valid tokens (query i of n_q sees keys up to i + n_k - n_q). Returns ``[B, Sq, H, D]``, padding rows arbitrary."""
+def flash_style_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """FlashAttention-2's contract in transformers: ``attention_mask`` ``[B, Sk]`` marks valid keys, the queries are the
+    last ``Sq`` columns' valid tokens, and causality is aligned at the bottom right of each row's valid tokens (query i
+    of n_q sees keys up to i + n_k - n_q). Returns ``[B, Sq, H, D]``. On CUDA torch's varlen flash attention on the
+    valid tokens (as FlashAttention-2 unpads them), elsewhere SDPA with that mask (padding rows arbitrary)."""
     B, H, Sq, D = query.shape
     kmask = attention_mask.bool() if attention_mask is not None else query.new_ones(B, key.shape[2], dtype=torch.bool)
     qmask = kmask[:, -Sq:]
+    if query.is_cuda:
+        return unpadded_varlen(query, key, value, qmask, kmask, scaling, varlen_attention._varlen_cuda), None
     rank_k, rank_q = kmask.cumsum(-1) - 1, qmask.cumsum(-1) - 1
     shift = (kmask.sum(-1) - qmask.sum(-1))[:, None, None]
     allowed = kmask[:, None, :] & (rank_k[:, None, :] <= rank_q[:, :, None] + shift)
@@ -135,18 +141,37 @@ def flash_style_sdpa(module, query, key, value, attention_mask, scaling=None, dr
     return out.transpose(1, 2), None
 
 
-class SdpaVarlenKernel:
-    """Answers ``flash_attn_varlen_func`` (the call TRL's ``tree_attention`` makes) with ``flash_style_sdpa`` per
-    segment: tokens-first ``[T, H, D]``, causal at the bottom right, as FlashAttention's varlen call."""
+def unpadded_varlen(query, key, value, qmask, kmask, scale, kernel):
+    """``[B, H, S, D]`` rows to their valid tokens, through ``kernel`` (``varlen_attention._varlen_cuda``'s
+    signature), back to ``[B, Sq, H, D]`` with zeros at padding."""
+    B, H, Sq, D = query.shape
+    tokens = lambda x, m: x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])[m.reshape(-1)]  # noqa: E731
+    nq, nk = qmask.sum(1), kmask.sum(1)
+    cu = lambda n: torch.cat([n.new_zeros(1), n.cumsum(0)]).to(torch.int32)  # noqa: E731
+    o = kernel(tokens(query, qmask), tokens(key, kmask), tokens(value, kmask), cu(nq), int(nq.max()), scale, cu(nk),
+               int(nk.max()))
+    return query.new_zeros(B * Sq, H, value.shape[3]).index_put((qmask.reshape(-1),), o.to(query.dtype)).view(B, Sq, H, -1)
+
+
+def segments_sdpa(q, k, v, cu_q, max_q, scale, cu_k, max_k):
+    """``varlen_attention._varlen_cuda``'s call on any device: SDPA per sequence, causal at the bottom right."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    seg = lambda x, c, s: x[c[s]:c[s + 1]].transpose(0, 1)[None]  # noqa: E731  ([1, H, len, D])
+    return torch.cat([flash_style_attention(None, seg(q, cq, s), seg(k, ck, s), seg(v, ck, s), None, scale)[0][0]
+                      for s in range(len(cq) - 1)])
+
+
+class StandInKernel:
+    """Answers ``flash_attn_varlen_func`` (the call TRL's ``tree_attention`` makes to FlashAttention-3) with torch's
+    varlen flash attention on CUDA, ``segments_sdpa`` elsewhere: tokens-first ``[T, H, D]``, causal at the bottom
+    right. The exactness columns check that claim of alignment against the plain model."""
 
     @staticmethod
     def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=True, window_size=(-1, -1), **kw):
         if not causal or tuple(window_size) != (-1, -1) or kw:
             raise NotImplementedError(f"stand-in kernel: only causal full attention, got {window_size}, {sorted(kw)}")
-        cq, ck = cu_q.tolist(), cu_k.tolist()
-        seg = lambda x, c, s: x[c[s]:c[s + 1]].transpose(0, 1)[None]  # noqa: E731  ([1, H, len, D])
-        return torch.cat([flash_style_sdpa(None, seg(q, cq, s), seg(k, ck, s), seg(v, ck, s), None, softmax_scale)[0][0]
-                          for s in range(len(cq) - 1)])
+        kernel = varlen_attention._varlen_cuda if q.is_cuda else segments_sdpa
+        return kernel(q, k, v, cu_q, max_q, softmax_scale, cu_k, max_k)
 
 
 # Each side: (loss function of (model, batch), attention implementation, tokens computed, packed, note).
@@ -192,8 +217,8 @@ def side_prefix_grouper(model, batch, args):
     # Its attention ignores the model's mask; registering FlashAttention's mask function (the 2-D mask or None) keeps
     # transformers from building a [B, 1, S, S] one for a name it does not know.
     ALL_MASK_ATTENTION_FUNCTIONS.register("prefix_grouper_attention", flash_attention_mask)
-    inner = "flash_attention_2" if args.device == "cuda" and version("flash-attn") else "flash_style_sdpa"
-    AttentionInterface.register("flash_style_sdpa", flash_style_sdpa)
+    inner = "flash_attention_2" if args.device == "cuda" and version("flash-attn") else "flash_style"
+    AttentionInterface.register("flash_style", flash_style_attention)
     N = args.rollouts
 
     def loss(model, batch):
@@ -235,13 +260,14 @@ def side_trl(model, batch, args, stand_in):
 
     def loss(model, _):
         # What TRL's compute_loss does, with the plain lm_head and log_softmax in place of its fused_lm_head patch.
-        with mock.patch.object(packing, "_flash_attn", lambda: SdpaVarlenKernel) if stand_in else nullcontext():
+        with mock.patch.object(packing, "_flash_attn", lambda: StandInKernel) if stand_in else nullcontext():
             logits = model(input_ids=p["input_ids"][None], position_ids=p["position_ids"][None], **kw).logits[0]
         logp = torch.log_softmax(logits[p["token_index"]].float(), -1).gather(-1, targets[:, None])[:, 0]
         return masked_mean_loss(logp, p["advantages"], torch.ones_like(logp))
 
     note = "TreeRow packing (in TRL's collator: not timed), tree_attention" + (
-        " with SDPA standing in for its FlashAttention-3 kernel" if stand_in else " (kernels-community/flash-attn3)")
+        f" with {'torch varlen flash attention' if args.device == 'cuda' else 'SDPA'} standing in for its FlashAttention-3"
+        " kernel" if stand_in else " (kernels-community/flash-attn3)")
     return loss, packing.TREE_ATTENTION, int(p["input_ids"].numel()), True, note
 
 
@@ -261,7 +287,7 @@ def side_flash_pref(model, batch, args):
 
 SIDES = {"plain": side_plain, "plain_compiled": side_plain_compiled, "plain_varlen": side_plain_varlen,
          "dualkv": side_dualkv, "prefix_grouper": side_prefix_grouper, "trl_prefix_tree": functools.partial(side_trl, stand_in=False),
-         "trl_prefix_tree_sdpa": functools.partial(side_trl, stand_in=True), "flash_pref": side_flash_pref}
+         "trl_prefix_tree_standin": functools.partial(side_trl, stand_in=True), "flash_pref": side_flash_pref}
 
 
 def loss_and_grads(fn, model, batch, ref=None):

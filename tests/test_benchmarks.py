@@ -242,7 +242,7 @@ def test_peers_smoke_on_cpu(tmp_path):
     with open(tmp_path / "peers.json") as f:
         run = json.load(f)
     rows = {r["side"]: r for r in run["rows"]}
-    assert {"plain", "plain_varlen", "dualkv", "prefix_grouper", "trl_prefix_tree", "trl_prefix_tree_sdpa",
+    assert {"plain", "plain_varlen", "dualkv", "prefix_grouper", "trl_prefix_tree", "trl_prefix_tree_standin",
             "flash_pref"} == set(rows)
     dualkv = rows["dualkv"]
     assert dualkv["status"] == "ok" and dualkv["packed"] is True, dualkv
@@ -255,5 +255,5 @@ def test_peers_smoke_on_cpu(tmp_path):
                 assert r["grad_rel"] < 1e-4 and r["loss_rel"] < 1e-4, r
         else:
             assert r["status"].startswith("cannot run: ") and len(r["status"]) > len("cannot run: ") + 5, r
-    assert rows["trl_prefix_tree_sdpa"]["status"] == "ok" and rows["trl_prefix_tree_sdpa"]["packed"] is True
+    assert rows["trl_prefix_tree_standin"]["status"] == "ok" and rows["trl_prefix_tree_standin"]["packed"] is True
     assert "| dualkv | ok | True |" in (tmp_path / "peers.md").read_text()
