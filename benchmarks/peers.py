@@ -49,6 +49,7 @@ import sys
 import time
 import traceback
 from contextlib import nullcontext
+from types import SimpleNamespace
 from unittest import mock
 
 import torch
@@ -161,27 +162,22 @@ def segments_sdpa(q, k, v, cu_q, max_q, scale, cu_k, max_k):
                       for s in range(len(cq) - 1)])
 
 
-class StandInKernel:
-    """Answers ``flash_attn_varlen_func`` (the call TRL's ``tree_attention`` makes to FlashAttention-3) with torch's
-    varlen flash attention on CUDA, ``segments_sdpa`` elsewhere: tokens-first ``[T, H, D]``, causal at the bottom
-    right. The exactness columns check that claim of alignment against the plain model."""
-
-    @staticmethod
-    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=True, window_size=(-1, -1), **kw):
-        if not causal or tuple(window_size) != (-1, -1) or kw:
-            raise NotImplementedError(f"stand-in kernel: only causal full attention, got {window_size}, {sorted(kw)}")
-        kernel = varlen_attention._varlen_cuda if q.is_cuda else segments_sdpa
-        return kernel(q, k, v, cu_q, max_q, softmax_scale, cu_k, max_k)
+def stand_in_flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=True,
+                                    window_size=(-1, -1), **kw):
+    """The call TRL's ``tree_attention`` makes to FlashAttention-3, answered by torch's varlen flash attention on CUDA,
+    ``segments_sdpa`` elsewhere: tokens-first ``[T, H, D]``, causal at the bottom right (the exactness columns check
+    that alignment against the plain model)."""
+    if not causal or tuple(window_size) != (-1, -1) or kw:
+        raise NotImplementedError(f"stand-in kernel: only causal full attention, got {window_size}, {sorted(kw)}")
+    kernel = varlen_attention._varlen_cuda if q.is_cuda else segments_sdpa
+    return kernel(q, k, v, cu_q, max_q, softmax_scale, cu_k, max_k)
 
 
 # Each side: (loss function of (model, batch), attention implementation, tokens computed, packed, note).
 
-def side_plain(model, batch, args):
-    return grpo_loss, "sdpa", int(batch["input_ids"].numel()), False, "duplicated padded batch, SDPA"
-
-
-def side_plain_compiled(model, batch, args):
-    return torch.compile(grpo_loss, dynamic=False), "sdpa", int(batch["input_ids"].numel()), False, "Inductor"
+def side_plain(model, batch, args, compiled=False):
+    fn, how = (torch.compile(grpo_loss, dynamic=False), "Inductor") if compiled else (grpo_loss, "eager")
+    return fn, "sdpa", int(batch["input_ids"].numel()), False, f"duplicated padded batch, SDPA, {how}"
 
 
 def side_plain_varlen(model, batch, args):
@@ -257,10 +253,11 @@ def side_trl(model, batch, args, stand_in):
               tree_cu_seqlens_k=p["tree_cu_seqlens_k"])
     kw["tree_max_seqlen_q"], kw["tree_max_seqlen_k"] = p["tree_max_seqlens"].tolist()
     targets = p["shift_labels"][p["token_index"]]
+    kernel = SimpleNamespace(flash_attn_varlen_func=stand_in_flash_attn_varlen_func)  # what TRL's _flash_attn() returns
 
     def loss(model, _):
         # What TRL's compute_loss does, with the plain lm_head and log_softmax in place of its fused_lm_head patch.
-        with mock.patch.object(packing, "_flash_attn", lambda: StandInKernel) if stand_in else nullcontext():
+        with mock.patch.object(packing, "_flash_attn", lambda: kernel) if stand_in else nullcontext():
             logits = model(input_ids=p["input_ids"][None], position_ids=p["position_ids"][None], **kw).logits[0]
         logp = torch.log_softmax(logits[p["token_index"]].float(), -1).gather(-1, targets[:, None])[:, 0]
         return masked_mean_loss(logp, p["advantages"], torch.ones_like(logp))
@@ -285,8 +282,9 @@ def side_flash_pref(model, batch, args):
     return loss, attn, tokens, True, f"shared_prefix, {attn}" + ("" if attn == "flash_attention_2" else " (attention unshared)")
 
 
-SIDES = {"plain": side_plain, "plain_compiled": side_plain_compiled, "plain_varlen": side_plain_varlen,
-         "dualkv": side_dualkv, "prefix_grouper": side_prefix_grouper, "trl_prefix_tree": functools.partial(side_trl, stand_in=False),
+SIDES = {"plain": side_plain, "plain_compiled": functools.partial(side_plain, compiled=True),
+         "plain_varlen": side_plain_varlen, "dualkv": side_dualkv, "prefix_grouper": side_prefix_grouper,
+         "trl_prefix_tree": functools.partial(side_trl, stand_in=False),
          "trl_prefix_tree_standin": functools.partial(side_trl, stand_in=True), "flash_pref": side_flash_pref}
 
 
@@ -342,23 +340,20 @@ def run_side(name, model, batch, args, ref):
 
 def markdown(meta, rows):
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    # The speedup is against the fastest way to run the duplicated batch without sharing (plain, compiled, varlen).
+    fastest = min((r for r in rows if r["side"].startswith("plain") and r.get("ms")), key=lambda r: r["ms"], default={})
     lines = [f"# Peers: one GRPO step, {meta['model']} ({meta['device']}, {meta['dtype']}, {meta['date']})", "",
              f"- batch: {meta['batch']}; {meta['tokens_duplicated']} valid tokens duplicated, {meta['tokens_unique']} unique",
              f"- torch {meta['torch']}, transformers {meta['transformers']}, trl {meta['trl']}, prefix-grouper "
-             f"{meta['prefix_grouper']}, flash-pref {meta['flash_pref']}, kernels {meta['kernels']}, flash-attn {meta['flash_attn']}; median of {meta['iters']} steps after 2 warm-up"
+             f"{meta['prefix_grouper']}, flash-pref {meta['flash_pref']}, kernels {meta['kernels']}, flash-attn "
+             f"{meta['flash_attn']}; median of {meta['iters']} steps after 2 warm-up"
              + (f", CPU threads: {meta['threads']}" if meta.get("threads") else ""),
-             f"- loss / grad rel: against `plain`; grad rel = max over parameters of max|g - g_plain| / max|g_plain|",
-             f"- `{meta['command']}`", "",
+             "- loss / grad rel: against `plain`; grad rel = max over parameters of max|g - g_plain| / max|g_plain|",
+             f"- vs fastest plain: {fastest.get('side')}'s step time over the side's", f"- `{meta['command']}`", "",
              "| side | status | packed | tokens | step ms | vs fastest plain | peak GB | loss | loss rel | grad rel | how |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    # The speedup is against the fastest way to run the duplicated batch without sharing (plain, compiled, varlen).
-    plains = [r for r in rows if r["side"].startswith("plain") and r.get("ms")]
-    fastest = min(plains, key=lambda r: r["ms"]) if plains else None
-    if fastest:
-        lines.insert(5, f"- vs fastest plain: {fastest['side']}'s step time over the side's")
-    base = fastest["ms"] if fastest else None
     for r in rows:
-        speed = f"{base / r['ms']:.2f}x" if base and r.get("ms") else "-"
+        speed = f"{fastest['ms'] / r['ms']:.2f}x" if fastest and r.get("ms") else "-"
         lines.append(f"| {r['side']} | {r['status']} | {r.get('packed', '-')} | {r.get('tokens', '-')} | {fmt(r.get('ms'), '.1f')} "
                      f"| {speed} | {fmt(r.get('peak_gb'), '.2f')} | {fmt(r.get('loss'), '.6f')} | {fmt(r.get('loss_rel'), '.1e')} "
                      f"| {fmt(r.get('grad_rel'), '.1e')} | {r.get('note', '')} |")
@@ -370,64 +365,58 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--shape", choices=sorted(SHAPES), help="a Qwen3 preset (vocab 151936), over the shape flags")
     for flag, default in (("layers", 2), ("hidden", 64), ("heads", 4), ("kv-heads", 2), ("head-dim", 16),
-                          ("intermediate", 128), ("vocab", 512)):
+                          ("intermediate", 128), ("vocab", 512), ("groups", 2), ("rollouts", 4), ("prompt-len", 48),
+                          ("response-len", 12), ("iters", 3)):
         ap.add_argument(f"--{flag}", type=int, default=default)
-    ap.add_argument("--groups", type=int, default=2)
-    ap.add_argument("--rollouts", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=48)
-    ap.add_argument("--response-len", type=int, default=12)
     ap.add_argument("--ragged", action="store_true", help="response lengths uniform in [R/2, R]")
-    ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="add plain_compiled (Inductor) and compile plain_varlen")
     ap.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads); 1 gives steady times on shared cores")
     ap.add_argument("--inner", default=None, help="dualkv's inner compiler (default inductor on cuda, aot_eager on cpu)")
-    ap.add_argument("--sides", default=",".join(s for s in SIDES if s != "plain_compiled"))
+    ap.add_argument("--sides", default=",".join(s for s in SIDES if s not in ("plain", "plain_compiled")),
+                    help="the sides beside plain (which always runs first: the reference)")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results", "peers")))
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     args.inner = args.inner or ("inductor" if args.device == "cuda" else "aot_eager")
-    sides = [s for s in args.sides.split(",") if s]
+    sides = [s for s in args.sides.split(",") if s and s != "plain"]
     if args.compile and "plain_compiled" not in sides:
-        sides.insert(1, "plain_compiled")
-    if "plain" in sides:
-        sides.remove("plain")
-    unknown = set(sides) - set(SIDES)
-    if unknown:
-        ap.error(f"unknown sides {sorted(unknown)}; known: {list(SIDES)}")
+        sides.insert(0, "plain_compiled")
+    if set(sides) - set(SIDES):
+        ap.error(f"unknown sides {sorted(set(sides) - set(SIDES))}; known: {list(SIDES)}")
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = dict(SHAPES[args.shape]) if args.shape else dict(
         hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=args.intermediate)
-    vocab = VOCAB if args.shape else args.vocab
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    vocab, dtype = (VOCAB if args.shape else args.vocab), (torch.bfloat16 if args.device == "cuda" else torch.float32)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, max_position_embeddings=32768, use_cache=False,
                                          tie_word_embeddings=False, attn_implementation="sdpa", **cfg))
     model = model.to(device=args.device, dtype=dtype).train()
     batch = make_batch(args.groups, args.rollouts, args.prompt_len, args.response_len, args.ragged, vocab, args.device)
     valid = int(batch["attention_mask"].sum())
+    label = ("qwen3 ({num_hidden_layers} layers, hidden {hidden_size}, heads {num_attention_heads}/{num_key_value_heads}, "
+             "head_dim {head_dim}, mlp {intermediate_size}, vocab {v})").format(v=vocab, **cfg)
     meta = dict(
         date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         dtype=str(dtype).removeprefix("torch."), torch=torch.__version__, transformers=version("transformers"),
         trl=version("trl"), prefix_grouper=version("prefix-grouper"), flash_pref=version("flash-pref"),
-        kernels=version("kernels"), flash_attn=version("flash-attn"),
-        threads=torch.get_num_threads() if args.device == "cpu" else None, model=args.shape or "qwen3 ({num_hidden_layers} layers, hidden {hidden_size}, heads {num_attention_heads}/"
-                                 "{num_key_value_heads}, head_dim {head_dim}, mlp {intermediate_size}, vocab {v})".format(v=vocab, **cfg), vocab=vocab, iters=args.iters, command=" ".join(["python"] + sys.argv),
+        kernels=version("kernels"), flash_attn=version("flash-attn"), model=f"{args.shape or 'qwen3'} {label[6:]}",
+        threads=torch.get_num_threads() if args.device == "cpu" else None, iters=args.iters,
+        command=" ".join(["python"] + sys.argv), tokens_duplicated=valid,
+        tokens_unique=valid - (args.rollouts - 1) * args.groups * args.prompt_len,
         batch=f"{args.groups} prompts x {args.prompt_len} tokens, {args.rollouts} responses each of "
-              f"{f'{args.response_len // 2}..' if args.ragged else ''}{args.response_len} tokens",
-        tokens_duplicated=valid, tokens_unique=valid - (args.rollouts - 1) * args.groups * args.prompt_len)
+              f"{f'{args.response_len // 2}..' if args.ragged else ''}{args.response_len} tokens")
     os.makedirs(args.out, exist_ok=True)
 
     log(f"{meta['model']} on {meta['device']}: {meta['batch']}; sides plain, {', '.join(sides)}")
-    plain, ref = run_side("plain", model, batch, args, None)
-    rows = [plain]
-    log(f"plain: {plain['status']} {plain.get('ms', 0):.1f} ms")
-    for name in sides:
+    rows, ref = [], None
+    for name in ["plain"] + sides:
         log(f"{name}: exactness, warm-up and {args.iters} steps")
-        row, _ = run_side(name, model, batch, args, ref)
+        row, checked = run_side(name, model, batch, args, ref)
+        ref = checked if name == "plain" else ref
         rows.append(row)
         log(f"{name}: {row['status']}" + (f", {row['ms']:.1f} ms, grad rel {row.get('grad_rel', 0):.1e}, packed "
                                           f"{row['packed']}" if row["status"] == "ok" else ""))
