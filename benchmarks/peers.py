@@ -15,13 +15,14 @@ per response). Each side runs that step on the same weights and batch, in the la
   model call), the [prefix | suffixes] layout from its ``concat_input`` / ``split_output``, positions as its README
   prescribes. Its attention calls an inner function with FlashAttention-2's contract (2-D padding mask, causal
   aligned at the bottom right): ``flash_attention_2`` where ``flash_attn`` is installed, else ``flash_style`` below
-  (on CUDA torch's varlen flash attention on the valid tokens, standing in for FlashAttention-2 as in
-  ``varlen_attention.py``; elsewhere SDPA with that mask: transformers' ``sdpa`` takes only 4-D masks, and
-  PrefixGrouper lists SDPA as future work). Its layout work (``from_ungrouped_masks``, positions) is timed.
+  (``--standin varlen``, the default on CUDA: torch's varlen flash attention on the valid tokens, standing in for
+  FlashAttention-2 as in ``varlen_attention.py``; ``sdpa``: SDPA with that mask, as transformers' ``sdpa`` takes only
+  4-D masks and PrefixGrouper lists SDPA as future work). Its layout work (``from_ungrouped_masks``, positions) is
+  timed.
 - ``trl_prefix_tree``: TRL 1.16's ``trl.experimental.async_grpo.packing`` (``TreeRow`` packs the samples into a
   prefix trie, ``tree_attention`` gathers each segment's root path) with its FlashAttention-3 kernel, fetched from the
   Hub through ``kernels``. ``trl_prefix_tree_standin``: the same packing and attention function with that kernel's
-  call answered by torch's varlen flash attention on CUDA, SDPA per segment elsewhere (labelled). TRL packs in its
+  call answered by the ``--standin`` kernel (SDPA per segment with ``sdpa``). TRL packs in its
   collator, outside the step, so the packing is not timed.
 - ``flash_pref``: flash-pref's ``shared_prefix`` context (``pip install flash-pref``; written for transformers
   < 4.52, shares attention only under ``flash_attention_2``).
@@ -123,15 +124,15 @@ def masked_mean_loss(logp, adv, mask):
     return -(logp * adv * mask).sum() / mask.sum()
 
 
-def flash_style_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def flash_style_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, varlen=False, **kwargs):
     """FlashAttention-2's contract in transformers: ``attention_mask`` ``[B, Sk]`` marks valid keys, the queries are the
     last ``Sq`` columns' valid tokens, and causality is aligned at the bottom right of each row's valid tokens (query i
-    of n_q sees keys up to i + n_k - n_q). Returns ``[B, Sq, H, D]``. On CUDA torch's varlen flash attention on the
-    valid tokens (as FlashAttention-2 unpads them), elsewhere SDPA with that mask (padding rows arbitrary)."""
+    of n_q sees keys up to i + n_k - n_q). Returns ``[B, Sq, H, D]``. ``varlen``: torch's varlen flash attention (CUDA)
+    on the valid tokens, as FlashAttention-2 unpads them; else SDPA with that mask (padding rows arbitrary)."""
     B, H, Sq, D = query.shape
     kmask = attention_mask.bool() if attention_mask is not None else query.new_ones(B, key.shape[2], dtype=torch.bool)
     qmask = kmask[:, -Sq:]
-    if query.is_cuda:
+    if varlen:
         return unpadded_varlen(query, key, value, qmask, kmask, scaling, varlen_attention._varlen_cuda), None
     rank_k, rank_q = kmask.cumsum(-1) - 1, qmask.cumsum(-1) - 1
     shift = (kmask.sum(-1) - qmask.sum(-1))[:, None, None]
@@ -163,13 +164,13 @@ def segments_sdpa(q, k, v, cu_q, max_q, scale, cu_k, max_k):
 
 
 def stand_in_flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=True,
-                                    window_size=(-1, -1), **kw):
-    """The call TRL's ``tree_attention`` makes to FlashAttention-3, answered by torch's varlen flash attention on CUDA,
-    ``segments_sdpa`` elsewhere: tokens-first ``[T, H, D]``, causal at the bottom right (the exactness columns check
+                                    window_size=(-1, -1), varlen=False, **kw):
+    """The call TRL's ``tree_attention`` makes to FlashAttention-3, answered by torch's varlen flash attention (CUDA)
+    with ``varlen``, else ``segments_sdpa``: tokens-first ``[T, H, D]``, causal at the bottom right (the exactness columns check
     that alignment against the plain model)."""
     if not causal or tuple(window_size) != (-1, -1) or kw:
         raise NotImplementedError(f"stand-in kernel: only causal full attention, got {window_size}, {sorted(kw)}")
-    kernel = varlen_attention._varlen_cuda if q.is_cuda else segments_sdpa
+    kernel = varlen_attention._varlen_cuda if varlen else segments_sdpa
     return kernel(q, k, v, cu_q, max_q, softmax_scale, cu_k, max_k)
 
 
@@ -214,7 +215,7 @@ def side_prefix_grouper(model, batch, args):
     # transformers from building a [B, 1, S, S] one for a name it does not know.
     ALL_MASK_ATTENTION_FUNCTIONS.register("prefix_grouper_attention", flash_attention_mask)
     inner = "flash_attention_2" if args.device == "cuda" and version("flash-attn") else "flash_style"
-    AttentionInterface.register("flash_style", flash_style_attention)
+    AttentionInterface.register("flash_style", functools.partial(flash_style_attention, varlen=args.standin == "varlen"))
     N = args.rollouts
 
     def loss(model, batch):
@@ -234,7 +235,8 @@ def side_prefix_grouper(model, batch, args):
 
     tokens = args.groups * args.prompt_len + int(batch["completion_mask"].sum())
     loss.dist = "prefix-grouper"
-    return loss, "prefix_grouper_attention", tokens, True, f"register_attention, inner attention {inner}, eager"
+    return loss, "prefix_grouper_attention", tokens, True, f"register_attention, inner attention {inner}" + (
+        f" ({'torch varlen flash attention' if args.standin == 'varlen' else 'SDPA'})" if inner == "flash_style" else "")
 
 
 def side_trl(model, batch, args, stand_in):
@@ -253,7 +255,8 @@ def side_trl(model, batch, args, stand_in):
               tree_cu_seqlens_k=p["tree_cu_seqlens_k"])
     kw["tree_max_seqlen_q"], kw["tree_max_seqlen_k"] = p["tree_max_seqlens"].tolist()
     targets = p["shift_labels"][p["token_index"]]
-    kernel = SimpleNamespace(flash_attn_varlen_func=stand_in_flash_attn_varlen_func)  # what TRL's _flash_attn() returns
+    kernel = SimpleNamespace(  # what TRL's _flash_attn() returns
+        flash_attn_varlen_func=functools.partial(stand_in_flash_attn_varlen_func, varlen=args.standin == "varlen"))
 
     def loss(model, _):
         # What TRL's compute_loss does, with the plain lm_head and log_softmax in place of its fused_lm_head patch.
@@ -263,7 +266,7 @@ def side_trl(model, batch, args, stand_in):
         return masked_mean_loss(logp, p["advantages"], torch.ones_like(logp))
 
     note = "TreeRow packing (in TRL's collator: not timed), tree_attention" + (
-        f" with {'torch varlen flash attention' if args.device == 'cuda' else 'SDPA'} standing in for its FlashAttention-3"
+        f" with {'torch varlen flash attention' if args.standin == 'varlen' else 'SDPA'} standing in for its FlashAttention-3"
         " kernel" if stand_in else " (kernels-community/flash-attn3)")
     return loss, packing.TREE_ATTENTION, int(p["input_ids"].numel()), True, note
 
@@ -371,6 +374,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ragged", action="store_true", help="response lengths uniform in [R/2, R]")
     ap.add_argument("--compile", action="store_true", help="add plain_compiled (Inductor) and compile plain_varlen")
     ap.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads); 1 gives steady times on shared cores")
+    ap.add_argument("--standin", choices=["varlen", "sdpa"], help="the kernel that answers PrefixGrouper's inner "
+                    "attention and TRL's FlashAttention-3 call: torch's varlen flash attention (CUDA; the default there) or SDPA")
     ap.add_argument("--inner", default=None, help="dualkv's inner compiler (default inductor on cuda, aot_eager on cpu)")
     ap.add_argument("--sides", default=",".join(s for s in SIDES if s not in ("plain", "plain_compiled")),
                     help="the sides beside plain (which always runs first: the reference)")
@@ -378,6 +383,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.standin = args.standin or ("varlen" if args.device == "cuda" else "sdpa")
     args.inner = args.inner or ("inductor" if args.device == "cuda" else "aot_eager")
     sides = [s for s in args.sides.split(",") if s and s != "plain"]
     if args.compile and "plain_compiled" not in sides:
