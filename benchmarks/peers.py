@@ -59,7 +59,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 import dualkv_compile  # noqa: E402
-from model_gpu import MODELS, VOCAB, time_step  # noqa: E402
+from model_gpu import MODELS, TINY_VOCAB, VOCAB, time_step  # noqa: E402
 from model_remove_padding import chunked_next_token_logp  # noqa: E402
 import varlen_attention  # noqa: E402,F401  (registers torch_varlen)
 
@@ -366,10 +366,12 @@ def markdown(meta, rows):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--shape", choices=sorted(SHAPES), help="a Qwen3 preset (vocab 151936), over the shape flags")
-    for flag, default in (("layers", 2), ("hidden", 64), ("heads", 4), ("kv-heads", 2), ("head-dim", 16),
-                          ("intermediate", 128), ("vocab", 512), ("groups", 2), ("rollouts", 4), ("prompt-len", 48),
-                          ("response-len", 12), ("iters", 3)):
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="a Qwen3 preset (vocab 151936); shape flags given override it")
+    model_flags = dict(layers="num_hidden_layers", hidden="hidden_size", heads="num_attention_heads",
+                       kv_heads="num_key_value_heads", head_dim="head_dim", intermediate="intermediate_size")
+    for flag in [*model_flags, "vocab"]:  # unset: the preset's, else model_gpu.py's tiny model (vocab 512)
+        ap.add_argument(f"--{flag.replace('_', '-')}", type=int)
+    for flag, default in (("groups", 2), ("rollouts", 4), ("prompt-len", 48), ("response-len", 12), ("iters", 3)):
         ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--ragged", action="store_true", help="response lengths uniform in [R/2, R]")
     ap.add_argument("--compile", action="store_true", help="add plain_compiled (Inductor) and compile plain_varlen")
@@ -393,10 +395,10 @@ def main(argv=None) -> int:
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = dict(SHAPES[args.shape]) if args.shape else dict(
-        hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=args.intermediate)
-    vocab, dtype = (VOCAB if args.shape else args.vocab), (torch.bfloat16 if args.device == "cuda" else torch.float32)
+    cfg = dict(SHAPES[args.shape] if args.shape else MODELS["tiny"])
+    cfg.update({key: getattr(args, flag) for flag, key in model_flags.items() if getattr(args, flag) is not None})
+    vocab = args.vocab or (VOCAB if args.shape else TINY_VOCAB)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, max_position_embeddings=32768, use_cache=False,
                                          tie_word_embeddings=False, attn_implementation="sdpa", **cfg))
