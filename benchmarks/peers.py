@@ -426,8 +426,8 @@ def main(argv=None) -> int:
         row, checked = run_side(name, model, batch, args, ref)
         ref = checked if name == "plain" else ref
         rows.append(row)
-        log(f"{name}: {row['status']}" + (f", {row['ms']:.1f} ms, grad rel {row.get('grad_rel', 0):.1e}, packed "
-                                          f"{row['packed']}" if row["status"] == "ok" else ""))
+        log(f"{name}: {row['status']}" + (f", {row['ms']:.1f} ms, packed {row['packed']}" if row["status"] == "ok" else "")
+            + (f", grad rel {row['grad_rel']:.1e}" if "grad_rel" in row else ""))
         with open(os.path.join(args.out, "peers.json"), "w") as f:  # after every side: a run cut short keeps what it has
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
     text = markdown(meta, rows)
