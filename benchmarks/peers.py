@@ -208,12 +208,8 @@ def side_prefix_grouper(model, batch, args):
     from prefix_grouper import PrefixGrouper
     from prefix_grouper.utils.register_transformers import register_attention
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
-    register_attention()
-    # Its attention ignores the model's mask; registering FlashAttention's mask function (the 2-D mask or None) keeps
-    # transformers from building a [B, 1, S, S] one for a name it does not know.
-    ALL_MASK_ATTENTION_FUNCTIONS.register("prefix_grouper_attention", flash_attention_mask)
+    register_attention()  # (transformers builds no mask for an attention it has no mask function for: none is needed)
     inner = "flash_attention_2" if args.device == "cuda" and version("flash-attn") else "flash_style"
     AttentionInterface.register("flash_style", functools.partial(flash_style_attention, varlen=args.standin == "varlen"))
     N = args.rollouts
