@@ -63,7 +63,9 @@ except ImportError:
     varlen_attn = None
 
 
-def _varlen_cuda(q, k, v, cu, longest, scale):
+def _varlen_cuda(q, k, v, cu, longest, scale, cu_k=None, longest_k=None):
+    """Tokens-first ``[T, H, D]`` sequences, causal. ``cu_k``/``longest_k``: the keys' bounds where a sequence has more
+    keys than queries (its queries are its last keys: FlashAttention's window (-1, 0) aligns at the bottom right)."""
     if varlen_attn is None:
         raise RuntimeError(f"torch_varlen: torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn")
     extra = dict(_CAUSAL)
@@ -73,7 +75,8 @@ def _varlen_cuda(q, k, v, cu, longest, scale):
         else:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, **extra)
+    return varlen_attn(q, k, v, cu, cu if cu_k is None else cu_k, longest, longest if longest_k is None else longest_k,
+                       scale=scale, **extra)
 
 
 def _varlen_loop(q, k, v, cu, scale):

@@ -229,3 +229,31 @@ def test_model_remove_padding_compares_with_the_strongest_baseline_on_cpu(tmp_pa
     assert max(abs(r["loss"] - rows[0]["loss"]) for r in rows) <= 1e-4 * abs(rows[0]["loss"])
     assert rows[-1]["packed_calls"] > 0
     assert "Speedup against the strongest baseline" in (tmp_path / "model_remove_padding.md").read_text()
+
+
+def test_peers_smoke_on_cpu(tmp_path):
+    """``peers.py`` on a tiny model and a ragged batch: dualkv packs and is exact against the plain model (float32);
+    every other side either ran, with a step time, and matches the plain model too, or says why it cannot run
+    (flash-pref and TRL's FlashAttention-3 kernel do not run here: see the script's docstring)."""
+    cmd = [sys.executable, "benchmarks/peers.py", "--device", "cpu", "--groups", "2", "--rollouts", "3",
+           "--prompt-len", "16", "--response-len", "6", "--ragged", "--iters", "1", "--threads", "1", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(tmp_path / "peers.json") as f:
+        run = json.load(f)
+    rows = {r["side"]: r for r in run["rows"]}
+    assert {"plain", "plain_varlen", "dualkv", "prefix_grouper", "trl_prefix_tree", "trl_prefix_tree_standin",
+            "flash_pref"} == set(rows)
+    dualkv = rows["dualkv"]
+    assert dualkv["status"] == "ok" and dualkv["packed"] is True, dualkv
+    assert dualkv["grad_rel"] < 1e-4 and dualkv["loss_rel"] < 1e-4, dualkv
+    assert dualkv["tokens"] < rows["plain"]["tokens"]
+    for name, r in rows.items():
+        if r["status"] == "ok":
+            assert isinstance(r["ms"], float) and r["ms"] > 0, r
+            if name != "plain":
+                assert r["grad_rel"] < 1e-4 and r["loss_rel"] < 1e-4, r
+        else:
+            assert r["status"].startswith("cannot run: ") and len(r["status"]) > len("cannot run: ") + 5, r
+    assert rows["trl_prefix_tree_standin"]["status"] == "ok" and rows["trl_prefix_tree_standin"]["packed"] is True
+    assert "| dualkv | ok | True |" in (tmp_path / "peers.md").read_text()
