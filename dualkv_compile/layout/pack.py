@@ -8,9 +8,10 @@ backward sums the gradient of a shared token over every sequence that reads it.
 takes one of two equivalent forms by device. Both give the same values, and
 the backward of both sums each row's gradients over the positions that read
 it, padding positions contributing nothing. On CPU the sum runs in increasing
-position order, deterministically, on every thread count, in the value's
-dtype (float32 for bf16 and fp16 values, rounded once at the end); on CUDA it
-is ``index_select``'s backward as before.
+position order, deterministically, on every thread count, in a wider dtype than
+the value's (float64 for float32, float32 for bf16 and fp16), rounded once at
+the end; on CUDA it is ``index_select``'s backward as before (float32 atomic
+adds, in no fixed order).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def gather_valid(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, dim: 
     return torch.where(keep.view(shape), y, y.new_zeros(()))
 
 
+# The dtype a CPU gather's backward sums in, for each dtype it is given.
+_WIDER = {torch.float32: torch.float64, torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+
 def _gather_valid_cpu(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
     """``gather_valid`` as a ``gather`` with a row index expanded over the flattened trailing axes.
 
@@ -77,10 +82,12 @@ def _gather_valid_cpu(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, 
     y = x.movedim(dim, 0)
     rows, rest = y.shape[0], y.shape[1:]
     flat = y.flatten(1) if y.dim() > 1 else y.unsqueeze(1)  # flatten, not reshape(rows, -1): rows may be 0
-    if flat.dtype.is_floating_point and flat.dtype.itemsize < 4:
-        # bf16 / fp16: a scatter_add in the value's dtype would round after every add of a row's up to B
-        # gradients (Inductor's one-thread loop does); in float32 the sum is rounded once, at the cast back.
-        flat = flat.float()
+    if flat.dtype in _WIDER:
+        # A scatter_add in the value's dtype rounds after every add of a row's up to B gradients, in order:
+        # for a prompt read by 2,048 rows that is 20x the uncompiled model's float32 error, whose sums run
+        # per row inside blocked matrix products (issue 35, defect 5). In the wider dtype the sum is rounded
+        # once, at the cast back; the forward's values are unchanged (both casts are exact).
+        flat = flat.to(_WIDER[flat.dtype])
     flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
     idx = index.masked_fill(~keep, rows)
     out = flat.gather(0, idx.unsqueeze(1).expand(idx.shape[0], flat.shape[1])).to(x.dtype)

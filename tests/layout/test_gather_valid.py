@@ -2,9 +2,9 @@
 
 The reference is the plain form (today's CUDA path) and, for the gradient, a
 per-row sum in increasing position order written here as a Python loop: the
-CPU form must give the same values exactly and the same float32 sums (the
-order is the one its backward promises), on one thread and on two; for bf16
-and fp16 values, the float32 sum rounded once.
+CPU form must give the same values exactly and the same sums (the order is the
+one its backward promises), on one thread and on two, each summed in a wider
+dtype and rounded once: float64 for float32, float32 for bf16 and fp16.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ def reference(x, index, keep, dim=0):
 
 
 def ordered_grad(x_shape, dim, index, keep, g):
-    """The gradient of ``gather_valid`` summed row by row in increasing position order, in ``g``'s dtype
-    (float32 for bf16 / fp16, rounded at the end)."""
-    acc = torch.float32 if g.dtype.itemsize < 4 else g.dtype
+    """The gradient of ``gather_valid`` summed row by row in increasing position order, in a dtype wider than
+    ``g``'s (float64 for float32, float32 for bf16 / fp16), rounded at the end."""
+    acc = {torch.float32: torch.float64, torch.float64: torch.float64}.get(g.dtype, torch.float32)
     gm = g.movedim(dim, 0).to(acc)
     out = torch.zeros(x_shape[dim], *gm.shape[1:], dtype=acc)
     for p in range(index.numel()):
@@ -83,7 +83,7 @@ def test_matches_index_select_where(threads, dtype, rows, mult_max, pad, rest, d
         g[(slice(None),) * dim + (~keep,)] = float("nan")  # padding's gradient must not leak
         (grad,) = torch.autograd.grad(out, x, g)
         expected = ordered_grad(x.shape, dim, index, keep, g)
-        torch.testing.assert_close(grad, expected, rtol=0, atol=0)  # same order, same dtype: bit for bit
+        torch.testing.assert_close(grad, expected, rtol=0, atol=0)  # same order, same dtypes: bit for bit
         if rows:
             (grad_ref,) = torch.autograd.grad(reference(x, index, keep, dim), x, g)
             tol = 1e-5 if dtype == torch.float32 else 1e-12
@@ -148,3 +148,24 @@ def test_compiled_matches_eager(dynamic, threads, dtype):
     finally:
         torch.set_num_threads(n)
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_sum_of_many_copies_is_rounded_once(threads):
+    """One row read by 4,096 positions (a prompt token under 4,096 responses): its float32 gradient is the
+    float64 sum rounded once, where a float32 running sum drifts by thousands of ulps (issue 35, defect 5)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.zeros(2, 8, requires_grad=True)
+        index, keep = torch.zeros(4096, dtype=torch.long), torch.ones(4096, dtype=torch.bool)
+        g = torch.full((4096, 8), 0.1) + torch.linspace(0, 1e-3, 8)
+        (grad,) = torch.autograd.grad(gather_valid(x, index, keep), x, g)
+        truth = g.double().sum(0)
+        assert torch.equal(grad[0], truth.float())
+        running = torch.zeros(8)
+        for row in g:  # what a float32 scatter_add in position order computes
+            running += row
+        assert (running.double() - truth).abs().max() > 1000 * (grad[0].double() - truth).abs().max().clamp_min(1e-12)
+    finally:
+        torch.set_num_threads(n)
