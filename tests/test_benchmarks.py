@@ -257,3 +257,17 @@ def test_peers_smoke_on_cpu(tmp_path):
             assert r["status"].startswith("cannot run: ") and len(r["status"]) > len("cannot run: ") + 5, r
     assert rows["trl_prefix_tree_standin"]["status"] == "ok" and rows["trl_prefix_tree_standin"]["packed"] is True
     assert "| dualkv | ok | True |" in (tmp_path / "peers.md").read_text()
+
+
+def test_grad_bf16_check_holds_dualkv_to_the_original_models_bf16_error(tmp_path):
+    """``grad_bf16_check.py`` on 2 narrow layers under autocast: dualkv packs, and its bf16 gradients are no
+    further from the float32 original's than the original model's own bf16 gradients are (1.5x, all together)."""
+    cmd = [sys.executable, "benchmarks/grad_bf16_check.py", "--device", "cpu", "--layers", "2", "--N", "4", "--P", "32",
+           "--R", "8", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    with open(tmp_path / "grad_bf16_check_deep-narrow_autocast.json") as f:
+        run = json.load(f)
+    assert run["packed_calls"] > 0 and run["pass"] is True
+    assert 0 < run["all_grads_rel"]["plain"] < 0.1  # bf16 differs from float32, and not by everything
+    assert run["all_grads_rel"]["dualkv"] <= 1.5 * run["all_grads_rel"]["plain"]
