@@ -12,7 +12,7 @@ TORCH_CPU ?= torch==2.13.0
 LATEST := .venv-latest
 LATEST_STAMP := $(LATEST)/.installed
 
-.PHONY: demo test test-slow test-verl test-latest lock venv clean
+.PHONY: demo test test-slow test-verl test-latest test-torch lock venv clean
 
 # PIP_CONSTRAINT reaches pip's isolated build environment too (setuptools, wheel).
 $(STAMP): pyproject.toml Makefile $(LOCK)
@@ -67,6 +67,23 @@ test-latest: $(LATEST_STAMP)
 	$(LATEST)/bin/python -m pip freeze --exclude-editable | grep -E '^(torch|transformers|triton|numpy|hypothesis|expecttest|pytest)=='
 	$(LATEST)/bin/python -m pytest -q tests
 
+# The suite on another torch release (not run by CI): `make test-torch TORCH=2.11.0` (the oldest the project supports,
+# the GPU machine's). PyPI has only CUDA builds of older releases: several GB, run on the CPU. Everything else comes
+# from constraints.txt but triton, which is the one that torch release asks for.
+TORCH ?= 2.11.0
+OTHER := .venv-torch-$(TORCH)
+
+$(OTHER)/.installed: pyproject.toml Makefile $(LOCK)
+	test -x $(OTHER)/bin/python || $(PYTHON) -m venv $(OTHER)
+	grep -v -E '^(torch|triton)==' $(LOCK) > $(OTHER)/constraints.txt
+	$(OTHER)/bin/python -m pip install -q "torch==$(TORCH)"
+	PIP_CONSTRAINT=$(OTHER)/constraints.txt $(OTHER)/bin/python -m pip install -q "torch==$(TORCH)" -e ".[test,bench]"
+	touch $(OTHER)/.installed
+
+test-torch: $(OTHER)/.installed
+	$(OTHER)/bin/python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+	$(OTHER)/bin/python -m pytest -q -p no:cacheprovider tests
+
 # Rewrite constraints.txt from the newest releases (run test-latest first, then commit the lock with a message).
 lock: $(LATEST_STAMP)
 	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager "$(TORCH_CPU)" -e ".[test,bench]"
@@ -75,4 +92,4 @@ lock: $(LATEST_STAMP)
 	mv $(LOCK).new $(LOCK)
 
 clean:
-	rm -rf $(VENV) $(LATEST) $(VERL) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LATEST) $(VERL) .venv-torch-* *.egg-info .pytest_cache .hypothesis
