@@ -6,7 +6,8 @@ and value gradients, the unpack gather's backward); the uncompiled model sums th
 Measured on the embedding's gradient, which both sides accumulate inside autograd in float32 (a measurement that
 sums per-row copies in float64 itself would hand the uncompiled side a float64 sum and compare unlike things).
 The rows share a 2-token prompt; each response is 2 tokens, so the prompt's rows of the embedding gradient sum
-N terms each. Expected values come from the uncompiled model in float64.
+N terms each. Expected values come from the uncompiled model in float64. The CUDA form (float32 atomic adds)
+runs where a GPU is.
 """
 
 from __future__ import annotations
@@ -22,20 +23,25 @@ from tests.helpers import grpo_batch, hf_model
 def _embedding_grad(model, ids, mask, pos, compiled=None):
     model.zero_grad(set_to_none=True)
     out = (model if compiled is None else compiled)(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    w = torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)
+    w = torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype, device=out.device)
     ((out * mask[..., None]) @ w).sum().backward()
     return model.get_input_embeddings().weight.grad.clone()
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("rows", [2048, 4096])
-def test_shared_token_gradient_is_as_precise_as_the_uncompiled_models(rows):
-    ids, mask, pos = grpo_batch([(2, [2] * rows)], vocab=101, left_pad=0, right_pad=0)
-    model = hf_model("qwen3", "sdpa", layers=1)
+def test_shared_token_gradient_is_as_precise_as_the_uncompiled_models(rows, device):
+    ids, mask, pos = (t.to(device) for t in grpo_batch([(2, [2] * rows)], vocab=101, left_pad=0, right_pad=0))
+    model = hf_model("qwen3", "sdpa", layers=1).to(device)
     truth = _embedding_grad(copy.deepcopy(model).double(), ids, mask, pos)
     plain = _embedding_grad(model, ids, mask, pos)
     torch._dynamo.reset()
     packed_model = copy.deepcopy(model)
-    compiled = torch.compile(packed_model, backend="dualkv", options={"inner": "aot_eager"})
+    inner = "inductor" if device == "cuda" else "aot_eager"  # CUDA: the inner compiler GPU users run
+    compiled = torch.compile(packed_model, backend="dualkv", options={"inner": inner})
     import dualkv_compile
 
     start = len(dualkv_compile.reports())
