@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import attention as bench  # noqa: E402  (benchmarks/attention.py: cases, methods, timing)
+import attention as bench  # noqa: E402  (benchmarks/attention.py: cases, methods, timing, from attention_methods/_timing)
 
 
 def measure(fn, reps: int = 8) -> dict:

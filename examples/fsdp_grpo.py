@@ -55,15 +55,17 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-import dualkv_compile
-from dualkv_compile.distributed import check_groups_on_rank
-
-PAD = 0
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import dualkv_compile  # noqa: E402
+from dualkv_compile.distributed import check_groups_on_rank  # noqa: E402
+from examples.fsdp_grpo_model import LogProbPolicy, build_model, grpo_loss, in_shared_batch, make_batch, wrap  # noqa: E402
+from examples.fsdp_grpo_report import (  # noqa: E402
+    Timer, first_step, local_grads, markdown, out_of_memory_summary, profile_steps, rel,
+)
 
 
 def parse(argv=None):
@@ -102,194 +104,6 @@ def parse(argv=None):
                     "rank 0 writes the tables (by self CPU time and by device time) to --out")
     ap.add_argument("--out", default=None, help="directory for fsdp_grpo.json / .md (rank 0)")
     return ap.parse_args(argv)
-
-
-def build_model(args, device):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    head_dim = args.hidden // args.heads
-    cfg = Qwen3Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate or 2 * args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=head_dim,
-        max_position_embeddings=max(4096, args.prompt_len + args.response_len + 8), use_cache=False, pad_token_id=PAD,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)  # the same weights on every rank, as after a broadcast from rank 0
-    model = Qwen3ForCausalLM(cfg).to(device).train()
-    if args.checkpoint:
-        # torch.utils.checkpoint around each layer: dualkv inlines the regions and keeps them recomputed.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # Up to transformers 5.22 a layer checkpoints its __call__, FSDP2's hooks included, and Dynamo then runs it
-        # uncompiled: the checkpoint goes around the layer's forward instead (both sides; a no-op on newer ones).
-        dualkv_compile.integrations.hf_checkpointing.checkpoint_inside_hooks(model)
-    return model
-
-
-def make_batch(args, rank, device):
-    """Data rank ``rank``'s micro-batch: rows [prompt | response | pad], all rollouts of a prompt here, consecutive.
-
-    Right-padded: no row starts with padding, so the plain side's fused SDPA never sees a query with every key
-    masked (left-padded rows gave NaN gradients on CUDA), and the default positions (0, 1, ...) are each token's."""
-    g = torch.Generator().manual_seed(1000 + rank)
-    rows = []
-    for _ in range(args.prompts):
-        P = args.prompt_len if args.fixed_lengths else int(torch.randint(args.prompt_len // 2, args.prompt_len + 1, (1,), generator=g))
-        prompt = torch.randint(1, args.vocab, (P,), generator=g)
-        for _ in range(args.rollouts):
-            R = args.response_len if args.fixed_lengths else int(torch.randint(1, args.response_len + 1, (1,), generator=g))
-            rows.append((prompt, torch.randint(1, args.vocab, (R,), generator=g)))
-    S = max(len(p) + len(r) for p, r in rows)
-    B = len(rows)
-    ids = torch.full((B, S), PAD)
-    mask = torch.zeros(B, S, dtype=torch.long)
-    resp = torch.zeros(B, S, dtype=torch.long)
-    for b, (p, r) in enumerate(rows):
-        P, n = len(p), len(p) + len(r)
-        ids[b, :P], ids[b, P:n] = p, r
-        mask[b, :n] = 1
-        resp[b, P:n] = 1
-    return {
-        "input_ids": ids.to(device),
-        "attention_mask": mask.to(device),
-        "response_mask": resp.to(device),
-        "old_logp": (torch.randn(B, S - 1, generator=g) * 0.1 - 5.0).to(device),
-        "advantages": torch.randn(B, generator=g).to(device),
-    }
-
-
-class LogProbPolicy(torch.nn.Module):
-    """The model with each next token's log-prob computed in its forward, as veRL's fused kernels return them.
-
-    FSDP2's hooks run outside Dynamo, so on the module ``fully_shard`` wraps they break the graph: with the
-    log-probs after the model's call, its ``[B, S, V]`` logits leave the model's graph unpacked (153 GiB at
-    8 x 67K tokens and a 151,936-token vocabulary). Inside the wrapped forward, the lm_head, log-softmax and
-    gather trace into the model's graph (one chunked op under dualkv) and only ``[B, S - 1]`` log-probs cross.
-
-    The backbone and the lm_head are called from this forward, not through the causal LM's: with ``fully_shard``
-    on each layer too, the graph breaks inside the backbone end Dynamo's trace of every frame around it, so the
-    causal LM's own forward would run its lm_head in a graph of its own and return the logits to this frame's."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask):
-        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return next_token_log_probs(self.model.get_output_embeddings()(hidden), input_ids)
-
-
-def next_token_log_probs(logits, input_ids):
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-
-
-def token_log_probs(model, batch):
-    if isinstance(model, LogProbPolicy):
-        return model(batch["input_ids"], batch["attention_mask"])
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return next_token_log_probs(logits, batch["input_ids"])
-
-
-def grpo_loss(model, batch, clip=0.2):
-    logp = token_log_probs(model, batch)
-    ratio = torch.exp(logp - batch["old_logp"])
-    adv = batch["advantages"][:, None]
-    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
-    mask = batch["response_mask"][:, 1:].float()
-    return (per_token * mask).sum() / mask.sum()
-
-
-def wrap(model, args, device):
-    if args.mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
-    if args.per_layer:
-        for layer in (model.model if isinstance(model, LogProbPolicy) else model).model.layers:
-            fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return model
-
-
-def in_shared_batch(step, min_shared=1):
-    """The step with the batch's layout detected once by the caller (``dualkv_compile.shared_batch``): under FSDP2
-    per layer no graph of the model sees ``input_ids`` by name, and the first layer's would detect it from its
-    hidden states on every call; the lm_head's graph sees the ids but no mask, and would count padding as tokens."""
-    def run(model, batch):
-        with dualkv_compile.shared_batch(batch["input_ids"], batch["attention_mask"], min_shared=min_shared):
-            return step(model, batch)
-    return run
-
-
-def first_step(fn, model, batch, device, say, name):
-    """The parity step's loss (backward done), or None if it ran out of GPU memory (said, memory freed)."""
-    try:
-        loss = fn(model, batch)
-        loss.backward()
-        return loss
-    except torch.OutOfMemoryError as e:
-        say(f"{name}: out of memory ({str(e).splitlines()[0][:160]})")
-        model.zero_grad(set_to_none=True)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return None
-
-
-def out_of_memory_summary(args, rank, world, dk_loss, plain_loss, device) -> int:
-    """One side ran out of memory: say which, with each rank's peak; the other side's step time if it ran."""
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
-    mine = {"rank": rank, "dualkv_oom": dk_loss is None, "baseline_oom": plain_loss is None, "peak_mib": peak}
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)
-    if rank == 0:
-        line = ", ".join(f"rank {r['rank']}: dualkv {'OOM' if r['dualkv_oom'] else 'ran'}, {args.baseline} "
-                         f"{'OOM' if r['baseline_oom'] else 'ran'} (peak {r['peak_mib'] or 0:.0f} MiB)" for r in everyone)
-        verdict = "OK (baseline out of memory)" if not any(r["dualkv_oom"] for r in everyone) else "DUALKV OUT OF MEMORY"
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "fsdp_grpo_oom.json"), "w") as f:
-                json.dump({"date": datetime.date.today().isoformat(), "torch": torch.__version__, "args": vars(args), "ranks": everyone}, f, indent=2)
-        print(f"{args.mode} x{world}{f' sp {args.sp}' if args.sp > 1 else ''}: {line} - fsdp_grpo: {verdict}", flush=True)
-    return 0 if not any(r["dualkv_oom"] for r in everyone) else 1
-
-
-def local_grads(model):
-    out = {}
-    for name, p in model.named_parameters():
-        g = p.grad
-        if g is not None and hasattr(g, "to_local"):
-            g = g.to_local()  # FSDP2: this rank's shard of the reduced gradient
-        out[name] = None if g is None else g.detach().float()
-    return out
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-class Timer:
-    def __init__(self, device):
-        self.device = device
-
-    def __call__(self, fn, iters):
-        times = []
-        for _ in range(iters):
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times) if times else None
 
 
 def main(argv=None) -> int:
@@ -452,57 +266,6 @@ def run_rank(args, device) -> int:
             flush=True,
         )
     return 0 if ok_parity and all_packed else 1
-
-
-def profile_steps(args, rank, steps) -> None:
-    """3 steps of each variant under torch.profiler; rank 0 writes two tables per variant to ``--out``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    for name, run in steps:
-        with profile(activities=activities) as prof:
-            for _ in range(3):
-                run()
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-        if rank == 0 and args.out:
-            os.makedirs(args.out, exist_ok=True)
-            events = prof.key_averages()
-            with open(os.path.join(args.out, f"profile_{name}.txt"), "w") as f:
-                f.write(f"{name}: 3 steps, by self CPU time\n")
-                f.write(events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
-                if args.device == "cuda":
-                    f.write(f"\n{name}: 3 steps, by device time\n")
-                    f.write(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
-
-
-def markdown(s: dict) -> str:
-    shape = ", ".join(f"{k}={v}" for k, v in s["shape"].items())
-    lines = [
-        f"# fsdp_grpo: {s['mode']}{' (fully_shard per layer)' if s['per_layer'] else ''}{', bf16 MixedPrecisionPolicy' if s['bf16'] else ''}{', activation checkpointing' if s.get('checkpoint') else ''}, {s['world_size']} ranks"
-        + (f", sequence parallel {s['sp']}" if s.get("sp", 1) > 1 else "") + f"; baseline: {s.get('baseline', 'plain')}",
-        "",
-        f"{s['date']}; torch {s['torch']}; device {s['gpu'] or s['device']}; inner compiler {s['inner']}; {shape}.",
-        f"Parity (relative, tolerance {s['tolerance']:.0e}): {'holds' if s['parity'] else 'FAILS'}; packed on every rank: {s['packed_on_every_rank']}.",
-        "",
-        "| rank | rows | groups | tokens before -> after (per rank) | rho | loss rel err | max grad rel err | plain ms | dualkv ms | speedup | plain peak MiB | dualkv peak MiB |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-
-    def f(x, fmt):
-        return "-" if x is None else format(x, fmt)
-
-    for r in s["ranks"]:
-        st, p, d = r["stats"], r["plain"], r["dualkv"]
-        sp = p["ms"] / d["ms"] if p["ms"] and d["ms"] else None
-        lines.append(
-            f"| {r['rank']} | {st['rows']} | {st['groups']} | {st['tokens_before']} -> {st['tokens_after']}"
-            f"{' (' + str(r['local_tokens']) + ')' if r.get('local_tokens') else ''} | {st['rho']:.2f}x | "
-            f"{r['loss_rel_err']:.1e} | {r['grad_max_rel_err']:.1e} | {f(p['ms'], '.2f')} | {f(d['ms'], '.2f')} | {f(sp, '.2f')} | "
-            f"{f(p['peak_mib'], '.0f')} | {f(d['peak_mib'], '.0f')} |"
-        )
-    lines.append("")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

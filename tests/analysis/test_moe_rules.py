@@ -1,12 +1,13 @@
 """MoE routing and expert dispatch (analysis/moe_rules.py): the per-op rows, and the grouped dispatch as a whole.
 
 ``MOE_TABLES`` are rows of test_token_rules' tables (run there with the
-others). The grouped dispatch (sort by expert, gather, histc/cumsum offsets,
-grouped matmuls, inverse permutation) is checked on Dynamo graphs of a small
-function written as Hugging Face's ``grouped_mm_experts_forward``: the
-analysis tags it, the packed graph equals the original at every valid
-position (values and gradients), and each way of reading a step of the
-dispatch other than the one it exists for refuses the graph.
+others), written in the row language of ``rule_rows.py``. The grouped
+dispatch (sort by expert, gather, histc/cumsum offsets, grouped matmuls,
+inverse permutation) is checked on Dynamo graphs of a small function written
+as Hugging Face's ``grouped_mm_experts_forward``: the analysis tags it, the
+packed graph equals the original at every valid position (values and
+gradients), and each way of reading a step of the dispatch other than the
+one it exists for refuses the graph.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dualkv_compile.rewrite.pack_graph import pack_graph
 from dualkv_compile.rewrite.packed_inputs import PackedInputs
 
 from ..helpers import capture, grpo_batch, rel
-from .test_token_rules import B, S, D, NONE, TOKEN, In, X0, X1, X2, apply_rule, fails, fn, meth, out, weighs
+from .rule_rows import B, S, D, NONE, TOKEN, In, X0, X1, X2, apply_rule, fails, fn, meth, out, weighs
 from .test_token_rules import test_rule as check_row  # one row's check (not collected again under this name)
 
 transformers = pytest.importorskip("transformers")

@@ -1,7 +1,7 @@
 """Tests of the prefix forest (DESIGN.md, semantics 10-12): sharing between sequences in any order, nested.
 
 Hand-written expectations (nothing expected is computed with the code under
-test) in the notation of ``test_layout.py``:
+test) in the notation of ``layout_cases.py``:
     sequences  (row, start, end, leaf)
     nodes      (parent, offset, length, packed_start, source, count)
     segments   (seg_start, seg_len, parent, prefix_len, subtree_end)

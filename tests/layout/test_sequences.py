@@ -2,7 +2,7 @@
 
 A sequence is a padded row's valid run, split where the position ids do not
 continue (packed rows: veRL remove-padding, TRL padding-free). Expectations
-are written by hand; the single host transfer is counted in ``test_layout.py``.
+are written by hand; the single host transfer is counted in ``test_layout_syncs.py``.
 """
 
 from __future__ import annotations
