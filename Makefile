@@ -69,7 +69,9 @@ test-latest: $(LATEST_STAMP)
 
 # The suite on another torch release (not run by CI): `make test-torch TORCH=2.11.0` (the oldest the project supports,
 # the GPU machine's). PyPI has only CUDA builds of older releases: several GB, run on the CPU. Everything else comes
-# from constraints.txt but triton, which is the one that torch release asks for.
+# from constraints.txt but triton, which is the one that torch release asks for, and numpy under triton < 3.7 (torch
+# 2.11's 3.6 interprets kernels with int() of a one-element array, which numpy 2.4 refuses: the CPU tests of the
+# Triton kernels, TRITON_INTERPRET=1, need numpy < 2.4 there).
 TORCH ?= 2.11.0
 OTHER := .venv-torch-$(TORCH)
 
@@ -78,6 +80,8 @@ $(OTHER)/.installed: pyproject.toml Makefile $(LOCK)
 	grep -v -E '^(torch|triton)==' $(LOCK) > $(OTHER)/constraints.txt
 	$(OTHER)/bin/python -m pip install -q "torch==$(TORCH)"
 	PIP_CONSTRAINT=$(OTHER)/constraints.txt $(OTHER)/bin/python -m pip install -q "torch==$(TORCH)" -e ".[test,bench]"
+	$(OTHER)/bin/python -c "import triton, sys; sys.exit(tuple(map(int, triton.__version__.split('.')[:2])) >= (3, 7))" \
+		&& $(OTHER)/bin/python -m pip install -q "numpy<2.4" || true
 	touch $(OTHER)/.installed
 
 test-torch: $(OTHER)/.installed
