@@ -6,6 +6,9 @@ One process times, for each (N, P, R) case, forward and forward+backward of:
     sdpa_cudnn_dup   SDPA (cuDNN backend), the duplicated batch, causal
     flex_packed      FlexAttention on the packed stream, compiled, two-region
                      BlockMask built once outside the timed region
+    flex_user        plain FlexAttention as a user writes it: create_block_mask of a
+                     mask_mod over document ids and an ancestor table, defaults,
+                     torch.compile(flex_attention), no kernel options
     split_sdpa       prompt causal SDPA + every response over [prompt K/V, own K/V]
                      with a lower-right causal bias (the PrefixGrouper approach)
     dualkv_flex      shared_prompt_attention(backend="flex") (BlockMask built per call)

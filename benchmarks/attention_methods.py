@@ -4,8 +4,8 @@ Cases: (N, P, R) batches of one prompt, groups of prompts with responses of
 random lengths, and a system prompt over groups (a tree of two levels), with
 their attention pairs before and after packing and their ``Segments``.
 Methods: each ``setup_*`` builds one way of computing the attention of a case
-(duplicated-batch SDPA, split SDPA, flex on the packed stream, the dualkv op
-with a backend) and returns ``(fn, leaves, douts, note)``; ``methods_for``
+(duplicated-batch SDPA, split SDPA, flex on the packed stream with dualkv's block
+mask, plain flex with a user's mask function, the dualkv op with a backend) and returns ``(fn, leaves, douts, note)``; ``methods_for``
 picks those a device runs.
 """
 
@@ -240,6 +240,57 @@ def setup_flex_packed(case: Case, cfg: Cfg):
     return fn, [q, k, v], None, "BlockMask prebuilt (outside timing)"
 
 
+def user_forest_mask_mod(case: Case, device):
+    """The mask a user would write for the case's prefix forest, as FlexAttention's docs teach: a document id
+    per packed token and an ancestor table; a key is visible when it is at or before the query and in the
+    query's segment or one of its ancestors. No dualkv code but ``segments`` (the case's tree)."""
+    seg_len, parent = [], []
+    root = -1
+    if case.system:
+        seg_len, parent, root = [case.system], [-1], 0
+    for P, Rs in case.groups:
+        prompt = len(seg_len)
+        seg_len += [P, *Rs]
+        parent += [root] + [prompt] * len(Rs)
+    n = len(seg_len)
+    doc = torch.repeat_interleave(torch.arange(n), torch.tensor(seg_len)).to(device)
+    ancestor = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        a = parent[i]
+        while a >= 0:
+            ancestor[i, a] = True
+            a = parent[a]
+    ancestor = ancestor.to(device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = doc[q_idx] == doc[kv_idx]
+        return (kv_idx <= q_idx) & (same | ancestor[doc[q_idx], doc[kv_idx]])
+
+    return mask_mod
+
+
+def setup_flex_user(case: Case, cfg: Cfg):
+    """Plain FlexAttention as a user writes it: ``create_block_mask`` of ``user_forest_mask_mod`` with its
+    defaults and ``torch.compile(flex_attention)`` with no kernel options."""
+    import time
+
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = _packed(case, cfg)
+    T = case.num_tokens
+    t0 = time.perf_counter()
+    bm = create_block_mask(user_forest_mask_mod(case, cfg.device), None, None, T, T, device=cfg.device)
+    if cfg.device.type == "cuda":
+        torch.cuda.synchronize()
+    build_ms = (time.perf_counter() - t0) * 1e3
+    compiled = torch.compile(flex_attention)
+
+    def fn():
+        return [compiled(q, k, v, block_mask=bm, scale=cfg.scale, enable_gqa=cfg.hq != cfg.hkv)]
+
+    return fn, [q, k, v], None, f"user mask_mod, create_block_mask defaults ({build_ms:.0f} ms first build, outside timing)"
+
+
 def setup_dualkv(case: Case, cfg: Cfg, backend: str):
     q, k, v = _packed(case, cfg)
     segs = segments(case, cfg.device)
@@ -271,6 +322,7 @@ def methods_for(cfg: Cfg) -> dict[str, Callable]:
         "sdpa_flash_dup": lambda c, g: setup_sdpa_dup(c, g, "flash"),
         "sdpa_cudnn_dup": lambda c, g: setup_sdpa_dup(c, g, "cudnn"),
         "flex_packed": setup_flex_packed,
+        "flex_user": setup_flex_user,
         "split_sdpa": setup_split_sdpa,
         "dualkv_flex": lambda c, g: setup_dualkv(c, g, "flex"),
         "dualkv_flex_op": setup_dualkv_flex_op,

@@ -271,3 +271,22 @@ def test_grad_bf16_check_holds_dualkv_to_the_original_models_bf16_error(tmp_path
     assert run["packed_calls"] > 0 and run["pass"] is True
     assert 0 < run["all_grads_rel"]["plain"] < 0.1  # bf16 differs from float32, and not by everything
     assert run["all_grads_rel"]["dualkv"] <= 1.5 * run["all_grads_rel"]["plain"]
+
+
+@pytest.mark.parametrize("shape", ["uniform", "groups", "tree"])
+def test_flex_user_mask_is_the_forests_dense_mask(shape):
+    """``attention.py``'s plain-Flex column uses a mask function written as a user would (document ids and an
+    ancestor table); over every (query, key) pair it is the forest's dense mask, which the kernels are tested
+    against, for one prompt, several groups, and a system prompt over groups."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    import attention_methods as am
+    from dualkv_compile.layout.segments import dense_mask
+
+    case = {"uniform": am.uniform_case(3, 5, 4), "groups": am.groups_case(num_groups=3, N=2, P=6, lo=1, hi=5),
+            "tree": am.tree_case(system=3, num_groups=2, N=2, P=4, R=3)}[shape]
+    T = case.num_tokens
+    mask = create_mask(am.user_forest_mask_mod(case, "cpu"), None, None, T, T, device="cpu")[0, 0]
+    expected = dense_mask(am.segments(case, "cpu"), T)
+    assert mask.shape == (T, T) and torch.equal(mask, expected)
+    assert 0 < int(mask.sum()) < T * (T + 1) // 2  # a forest, not all-causal, and not empty
