@@ -64,7 +64,7 @@ import dualkv_compile  # noqa: E402
 from dualkv_compile.distributed import check_groups_on_rank  # noqa: E402
 from examples.fsdp_grpo_model import LogProbPolicy, build_model, grpo_loss, in_shared_batch, make_batch, wrap  # noqa: E402
 from examples.fsdp_grpo_report import (  # noqa: E402
-    Timer, first_step, local_grads, markdown, out_of_memory_summary, profile_steps, rel,
+    Timer, first_step, local_grads, markdown, mfu, out_of_memory_summary, profile_steps, rel,
 )
 
 
@@ -102,6 +102,7 @@ def parse(argv=None):
     ap.add_argument("--tol", type=float, default=None, help="relative tolerance (default 1e-4 fp32, 5e-2 bf16)")
     ap.add_argument("--profile", action="store_true", help="after timing, profile 3 steps of each variant (torch.profiler); "
                     "rank 0 writes the tables (by self CPU time and by device time) to --out")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="a GPU's dense bf16 peak, for the MFU (H100/H200 SXM: 989)")
     ap.add_argument("--out", default=None, help="directory for fsdp_grpo.json / .md (rank 0)")
     return ap.parse_args(argv)
 
@@ -153,6 +154,10 @@ def run_rank(args, device) -> int:
         mesh = init_device_mesh(device.type, (dp, args.sp), mesh_dim_names=("dp", "sp"))
         sp_mesh, data_rank = mesh["sp"], mesh.get_local_rank("dp")
     base = build_model(args, device)
+    cfg = base.config
+    model_flops = {"linear_params": sum(m.weight.numel() for m in base.modules() if isinstance(m, torch.nn.Linear)),
+                   "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
+                   "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
     if args.logprobs_in_model:
         base = LogProbPolicy(base)
     plain_model, dk_model = wrap(copy.deepcopy(base), args, device), wrap(base, args, device)
@@ -229,7 +234,8 @@ def run_rank(args, device) -> int:
         # Per rank under --sp: the model graph's packed tokens (the one with attention; a loss graph after a graph break has its own layout).
         "rank": rank, "packed": packed, "local_tokens": max((r.local_tokens or 0 for r in graphs if r.num_attention), default=0) or None, "loss_rel_err": loss_err, "grad_max_rel_err": grad_err, "grad_worst": grad_worst, "missing_grads": missing,
         "nonfinite_grads": nonfinite, "stats": {"rows": stats.num_rows, "groups": stats.num_groups, "tokens_before": stats.tokens_before,
-                  "tokens_after": stats.tokens_after, "rho": stats.rho, "attention_ratio": stats.attention_ratio},
+                  "tokens_after": stats.tokens_after, "rho": stats.rho, "attention_ratio": stats.attention_ratio,
+                  "attention_pairs_before": stats.attention_pairs_before, "attention_pairs_after": stats.attention_pairs_after},
         "split_prompts": [str(s) for s in report.split], **result,
     }
     everyone: list = [None] * world
@@ -245,7 +251,10 @@ def run_rank(args, device) -> int:
             "mode": args.mode, "per_layer": args.per_layer, "bf16": args.bf16, "checkpoint": args.checkpoint, "world_size": world, "sp": args.sp, "baseline": args.baseline, "logprobs_in_model": args.logprobs_in_model, "inner": inner,
             "shape": {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "prompts", "rollouts", "prompt_len", "response_len", "fixed_lengths")},
             "tolerance": tol, "parity": ok_parity, "packed_on_every_rank": all_packed, "mean_speedup": speedup, "ranks": everyone,
+            "model_flops": model_flops,
         }
+        if device.type == "cuda" and args.bf16:
+            summary["mfu"] = mfu(summary, args.peak_tflops)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "fsdp_grpo.json"), "w") as f:

@@ -2,8 +2,8 @@
 
 ``first_step`` runs the parity step (out of memory: said, freed), ``out_of_memory_summary`` reports
 which side ran out, ``local_grads`` and ``rel`` compare the gradients (FSDP2: this rank's shard),
-``Timer`` times steps (CUDA events on GPU), ``profile_steps`` writes torch.profiler tables and
-``markdown`` renders rank 0's ``fsdp_grpo.md`` from the summary.
+``Timer`` times steps (CUDA events on GPU), ``profile_steps`` writes torch.profiler tables, ``mfu`` gives
+each side's model FLOPs utilisation, and ``markdown`` renders rank 0's ``fsdp_grpo.md`` from the summary.
 """
 
 from __future__ import annotations
@@ -109,6 +109,36 @@ def profile_steps(args, rank, steps) -> None:
                     f.write(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
 
 
+def step_flops(linear_params: int, layers: int, heads: int, head_dim: int, tokens: int, pairs: int) -> float:
+    """Model FLOPs of a forward + backward: 6 per linear parameter per token (lm_head included, the embedding
+    lookup not), and 4 x head_dim x heads per causal attention pair per layer, 3.5x for forward + backward.
+    Activation checkpointing's recompute is not counted (model FLOPs, not hardware FLOPs)."""
+    return 6.0 * linear_params * tokens + 14.0 * head_dim * heads * layers * pairs
+
+
+def mfu(summary: dict, peak_tflops: float) -> dict:
+    """Mean over ranks of each side's MFU, on the logical (duplicated batch) and executed (packed) FLOPs.
+
+    Each rank's FLOPs are its batch's divided by the sequence-parallel degree (a group of ``sp`` ranks shares one
+    batch). The remove-padding baseline executes the logical FLOPs; dualkv executes the packed ones."""
+    m, sp = summary["model_flops"], summary.get("sp", 1)
+    out = {"peak_tflops_per_gpu": peak_tflops}
+    rows = [r for r in summary["ranks"] if r["plain"]["ms"] and r["dualkv"]["ms"]]
+    if not rows:
+        return out
+    for key, side, before in (("plain_logical", "plain", True), ("dualkv_logical", "dualkv", True),
+                              ("dualkv_executed", "dualkv", False)):
+        vals = []
+        for r in rows:
+            st = r["stats"]
+            tokens = st["tokens_before"] if before else st["tokens_after"]
+            pairs = st["attention_pairs_before"] if before else st["attention_pairs_after"]
+            flops = step_flops(m["linear_params"], m["layers"], m["heads"], m["head_dim"], tokens, pairs) / sp
+            vals.append(flops / (r[side]["ms"] * 1e-3) / (peak_tflops * 1e12))
+        out[key] = statistics.mean(vals)
+    return out
+
+
 def markdown(s: dict) -> str:
     shape = ", ".join(f"{k}={v}" for k, v in s["shape"].items())
     lines = [
@@ -134,5 +164,10 @@ def markdown(s: dict) -> str:
             f"{r['loss_rel_err']:.1e} | {r['grad_max_rel_err']:.1e} | {f(p['ms'], '.2f')} | {f(d['ms'], '.2f')} | {f(sp, '.2f')} | "
             f"{f(p['peak_mib'], '.0f')} | {f(d['peak_mib'], '.0f')} |"
         )
+    u = s.get("mfu") or {}
+    if "plain_logical" in u:
+        lines += ["", f"MFU (model FLOPs over {u['peak_tflops_per_gpu']:.0f} TFLOP/s a GPU, mean over ranks): baseline "
+                  f"{u['plain_logical']:.1%}; dualkv {u['dualkv_logical']:.1%} on the logical (duplicated) FLOPs, "
+                  f"{u['dualkv_executed']:.1%} on the FLOPs it executes."]
     lines.append("")
     return "\n".join(lines)

@@ -63,3 +63,21 @@ def test_verl_style_batch_remove_padding(form):
     assert calls and int(calls[1]) == int(calls[2]) >= 1, out
     if form == "slice-masked":
         assert "next-token log-probs computed from the lm_head in chunks" in out
+
+
+def test_fsdp_grpo_mfu_counts_each_side_on_its_flops():
+    """The example's MFU: 6 FLOPs per linear parameter per token plus 14 x head_dim x heads per attention pair per
+    layer; the baseline and dualkv on the duplicated batch's (logical) FLOPs, dualkv also on its packed ones; a
+    sequence-parallel group of 2 ranks shares one batch, so each rank is credited half of it."""
+    from examples.fsdp_grpo_report import mfu, step_flops
+
+    assert step_flops(10, 2, 3, 4, tokens=5, pairs=7) == 6 * 10 * 5 + 14 * 4 * 3 * 2 * 7
+    stats = {"tokens_before": 1000, "tokens_after": 250, "attention_pairs_before": 8000, "attention_pairs_after": 1000}
+    rank = {"stats": stats, "plain": {"ms": 4.0}, "dualkv": {"ms": 1.0}}
+    summary = {"model_flops": {"linear_params": 100, "layers": 2, "heads": 2, "head_dim": 8}, "sp": 2, "ranks": [rank, rank]}
+    logical = (6 * 100 * 1000 + 14 * 8 * 2 * 2 * 8000) / 2
+    executed = (6 * 100 * 250 + 14 * 8 * 2 * 2 * 1000) / 2
+    got = mfu(summary, peak_tflops=1e-9)  # 1,000 FLOP/s a GPU
+    assert got["plain_logical"] == pytest.approx(logical / 4e-3 / 1e3)
+    assert got["dualkv_logical"] == pytest.approx(logical / 1e-3 / 1e3)
+    assert got["dualkv_executed"] == pytest.approx(executed / 1e-3 / 1e3)
