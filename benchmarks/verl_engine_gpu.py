@@ -75,7 +75,8 @@ def parse(argv=None):
     ap.add_argument("--plain-fused", action="store_true",
                     help="the plain side with veRL's use_fused_kernels (chunked log-probs and entropy, no [T, V] logits)")
     ap.add_argument("--iters", type=int, default=3, help="timed steps after the first")
-    ap.add_argument("--profile", action="store_true", help="profile the last step: the top ops, printed and saved")
+    ap.add_argument("--profile", action="store_true", help="profile one more step after the timed ones: the top ops, "
+                    "printed and saved (its time is not in the step times)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run (gloo, veRL's CPU stub)")
     return ap.parse_args(argv)
 
@@ -118,8 +119,8 @@ def run_side(args) -> None:
     data = ves.verl_batch(*batch(args, "cuda" if cuda else "cpu"), micro_batch_size=args.micro_batch or args.rollouts, fused=fused)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times, first = [], None
-    for i in range(1 + args.iters):
-        profiling = args.profile and i == args.iters
+    for i in range(1 + args.iters + (1 if args.profile else 0)):
+        profiling = args.profile and i == 1 + args.iters
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if cuda else [])) if profiling else contextlib.nullcontext()
         sync()
@@ -127,14 +128,16 @@ def run_side(args) -> None:
         with prof:
             out = engine.forward_backward_batch(data, loss_function=ves.loss_function, forward_only=False)
             sync()
-        times.append(time.perf_counter() - t)
-        if profiling:
+        elapsed = time.perf_counter() - t
+        if profiling:  # a profiled step is slower: printed, not in the step times
             table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25)
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, f"profile_{args.side}.txt"), "w") as f:
                 f.write(table)
             print(table, flush=True)
-        print(f"verl_engine_gpu: {args.side} step {i + 1}: {times[-1]:.3f} s", flush=True)
+        else:
+            times.append(elapsed)
+        print(f"verl_engine_gpu: {args.side} step {i + 1}: {elapsed:.3f} s{' (profiled)' if profiling else ''}", flush=True)
         if i == 0:
             first = {
                 "loss": float(out["metrics"]["loss"][0]) if isinstance(out.get("metrics", {}).get("loss"), list) else out.get("metrics"),
