@@ -8,6 +8,7 @@ under plain ``make test`` veRL is not installed and this module is skipped. Each
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -70,7 +71,8 @@ def test_engine_step_in_bfloat16_fuses_under_autocast(tmp_path):
 def test_gpu_benchmark_runs_both_sides_with_the_ray_stub(tmp_path):
     """``benchmarks/verl_engine_gpu.py``'s CPU smoke form, with ray replaced by its named stub (as on the GPU
     machine, where ray cannot be carried): both sides run veRL's engine with gradient checkpointing, the plain one
-    on the ``torch_varlen`` attention, dualkv's packed with its log-probs and entropy fused; the comparison runs."""
+    on the ``torch_varlen`` attention (and profiled: that step is left out of its times), dualkv's packed with its
+    log-probs and entropy fused; the comparison runs."""
     root = os.path.dirname(EXAMPLES)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "benchmarks", "verl_gpu_stubs"), root]),
                OMP_NUM_THREADS="1")
@@ -78,10 +80,17 @@ def test_gpu_benchmark_runs_both_sides_with_the_ray_stub(tmp_path):
              "--kv-heads", "2", "--head-dim", "16", "--vocab", "300", "--groups", "2", "--rollouts", "2",
              "--prompt-len", "12", "--response-len", "4", "--iters", "1", "--out", str(tmp_path)]
     script = os.path.join(root, "benchmarks", "verl_engine_gpu.py")
-    for side, port in (("plain", "29615"), ("dualkv", "29616")):
-        proc = subprocess.run([sys.executable, script, "--side", side, *shape], env=dict(env, MASTER_PORT=port),
+    printed = {}
+    for side, port, extra in (("plain", "29615", ["--profile"]), ("dualkv", "29616", [])):
+        proc = subprocess.run([sys.executable, script, "--side", side, *shape, *extra], env=dict(env, MASTER_PORT=port),
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
+        printed[side] = proc.stdout
+    # --profile adds a step whose time is printed, not averaged: the step times are the 1 + --iters unprofiled ones
+    profiled = re.findall(r"plain step \d+: ([0-9.]+) s \(profiled\)", printed["plain"])
+    step_s = torch.load(tmp_path / "plain.pt", weights_only=False)["step_s"]
+    assert len(profiled) == 1 and len(step_s) == 2 and float(profiled[0]) not in [round(t, 3) for t in step_s]
+    assert (tmp_path / "profile_plain.txt").exists()
     proc = subprocess.run([sys.executable, script, "--compare", str(tmp_path), "--report", str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "speedup" in proc.stdout, proc.stderr[-4000:]
