@@ -103,9 +103,9 @@ def tree_case(system=4096, num_groups=4, N=8, P=2048, R=1024) -> Case:
     return Case(f"tree_sys{system}_{num_groups}x(P{P}_N{N}_R{R})", [(P, [R] * N) for _ in range(num_groups)], system)
 
 
-def segments(case: Case, device) -> Segments:
-    # The system prompt (if any) a root, each group's prompt its child (or a root), the responses
-    # the prompt's children: pre-order.
+def forest(case: Case) -> tuple[list[int], list[int]]:
+    """The case's segment lengths and parents, in pre-order: the system prompt (if any) a root, each group's
+    prompt its child (or a root), the responses the prompt's children."""
     lens, parents = [], []
     root = -1
     if case.system:
@@ -118,7 +118,11 @@ def segments(case: Case, device) -> Segments:
         parents.append(root)
         lens.extend(Rs)
         parents.extend([prompt] * len(Rs))
-    return tree_segments(lens, parents, device)
+    return lens, parents
+
+
+def segments(case: Case, device) -> Segments:
+    return tree_segments(*forest(case), device)
 
 
 # --------------------------------------------------------------------------- methods
@@ -243,15 +247,8 @@ def setup_flex_packed(case: Case, cfg: Cfg):
 def user_forest_mask_mod(case: Case, device):
     """The mask a user would write for the case's prefix forest, as FlexAttention's docs teach: a document id
     per packed token and an ancestor table; a key is visible when it is at or before the query and in the
-    query's segment or one of its ancestors. No dualkv code but ``segments`` (the case's tree)."""
-    seg_len, parent = [], []
-    root = -1
-    if case.system:
-        seg_len, parent, root = [case.system], [-1], 0
-    for P, Rs in case.groups:
-        prompt = len(seg_len)
-        seg_len += [P, *Rs]
-        parent += [root] + [prompt] * len(Rs)
+    query's segment or one of its ancestors. No dualkv code: only the case's tree (``forest``)."""
+    seg_len, parent = forest(case)
     n = len(seg_len)
     doc = torch.repeat_interleave(torch.arange(n), torch.tensor(seg_len)).to(device)
     ancestor = torch.zeros(n, n, dtype=torch.bool)
