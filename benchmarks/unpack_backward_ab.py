@@ -26,14 +26,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 import model_cpu as mc  # noqa: E402
 from dualkv_compile.layout import packed_ops  # noqa: E402
-
-
-def plain_gather_valid(x, index, keep, dim=0):
-    """The form before the change (kept on CUDA)."""
-    y = x.index_select(dim, index)
-    shape = [1] * y.dim()
-    shape[dim] = -1
-    return torch.where(keep.view(shape), y, y.new_zeros(()))
+from dualkv_compile.layout.pack import gather_valid_indexed  # noqa: E402  (the form before the change, kept on CUDA)
 
 
 def main():
@@ -50,7 +43,7 @@ def main():
     w = torch.randn(cfg.vocab_size, generator=torch.Generator().manual_seed(1))
 
     current = ["gather"]
-    forms = {"plain": plain_gather_valid, "gather": packed_ops.gather_valid}
+    forms = {"plain": gather_valid_indexed, "gather": packed_ops.gather_valid}
     packed_ops.gather_valid = lambda *a, **k: forms.get(current[0], forms["gather"])(*a, **k)
     models = {"plain": model, "gather": copy.deepcopy(model), "inductor": copy.deepcopy(model)}
     fns = {n: torch.compile(models[n], backend="dualkv") for n in ("plain", "gather")}

@@ -20,7 +20,7 @@ import torch
 
 from .shared_prompt import SharedPromptLayout
 
-__all__ = ["pack", "unpack", "gather_valid"]
+__all__ = ["pack", "unpack", "gather_valid", "gather_valid_indexed"]
 
 
 def pack(x: torch.Tensor, layout: SharedPromptLayout) -> torch.Tensor:
@@ -52,6 +52,12 @@ def gather_valid(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, dim: 
     """
     if x.device.type == "cpu":
         return _gather_valid_cpu(x, index, keep, dim)
+    return gather_valid_indexed(x, index, keep, dim)
+
+
+def gather_valid_indexed(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``gather_valid``'s CUDA form, on any device: ``index_select``, then zeros at padding. Its backward is
+    ``index_select``'s, an ``index_add`` in the value's dtype."""
     y = x.index_select(dim, index)
     shape = [1] * y.dim()
     shape[dim] = -1
