@@ -62,6 +62,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import dualkv_compile  # noqa: E402
 from dualkv_compile.distributed import check_groups_on_rank  # noqa: E402
+from benchmarks.model_gpu import flops as step_flops  # noqa: E402  (the GPU benchmarks' FLOP model)
 from examples.fsdp_grpo_model import LogProbPolicy, build_model, grpo_loss, in_shared_batch, make_batch, wrap  # noqa: E402
 from examples.fsdp_grpo_report import (  # noqa: E402
     Timer, first_step, local_grads, markdown, mfu, out_of_memory_summary, profile_steps, rel,
@@ -154,10 +155,7 @@ def run_rank(args, device) -> int:
         mesh = init_device_mesh(device.type, (dp, args.sp), mesh_dim_names=("dp", "sp"))
         sp_mesh, data_rank = mesh["sp"], mesh.get_local_rank("dp")
     base = build_model(args, device)
-    cfg = base.config
-    model_flops = {"linear_params": sum(m.weight.numel() for m in base.modules() if isinstance(m, torch.nn.Linear)),
-                   "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
-                   "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
+    model_cfg = base.config.to_dict()
     if args.logprobs_in_model:
         base = LogProbPolicy(base)
     plain_model, dk_model = wrap(copy.deepcopy(base), args, device), wrap(base, args, device)
@@ -236,6 +234,7 @@ def run_rank(args, device) -> int:
         "nonfinite_grads": nonfinite, "stats": {"rows": stats.num_rows, "groups": stats.num_groups, "tokens_before": stats.tokens_before,
                   "tokens_after": stats.tokens_after, "rho": stats.rho, "attention_ratio": stats.attention_ratio,
                   "attention_pairs_before": stats.attention_pairs_before, "attention_pairs_after": stats.attention_pairs_after},
+        "flops": dict(zip(("logical", "executed"), step_flops(model_cfg, stats, vocab=args.vocab))),
         "split_prompts": [str(s) for s in report.split], **result,
     }
     everyone: list = [None] * world
@@ -251,7 +250,6 @@ def run_rank(args, device) -> int:
             "mode": args.mode, "per_layer": args.per_layer, "bf16": args.bf16, "checkpoint": args.checkpoint, "world_size": world, "sp": args.sp, "baseline": args.baseline, "logprobs_in_model": args.logprobs_in_model, "inner": inner,
             "shape": {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "prompts", "rollouts", "prompt_len", "response_len", "fixed_lengths")},
             "tolerance": tol, "parity": ok_parity, "packed_on_every_rank": all_packed, "mean_speedup": speedup, "ranks": everyone,
-            "model_flops": model_flops,
         }
         if device.type == "cuda" and args.bf16:
             summary["mfu"] = mfu(summary, args.peak_tflops)

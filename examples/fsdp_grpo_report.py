@@ -109,33 +109,21 @@ def profile_steps(args, rank, steps) -> None:
                     f.write(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
 
 
-def step_flops(linear_params: int, layers: int, heads: int, head_dim: int, tokens: int, pairs: int) -> float:
-    """Model FLOPs of a forward + backward: 6 per linear parameter per token (lm_head included, the embedding
-    lookup not), and 4 x head_dim x heads per causal attention pair per layer, 3.5x for forward + backward.
-    Activation checkpointing's recompute is not counted (model FLOPs, not hardware FLOPs)."""
-    return 6.0 * linear_params * tokens + 14.0 * head_dim * heads * layers * pairs
-
-
 def mfu(summary: dict, peak_tflops: float) -> dict:
     """Mean over ranks of each side's MFU, on the logical (duplicated batch) and executed (packed) FLOPs.
 
-    Each rank's FLOPs are its batch's divided by the sequence-parallel degree (a group of ``sp`` ranks shares one
-    batch). The remove-padding baseline executes the logical FLOPs; dualkv executes the packed ones."""
-    m, sp = summary["model_flops"], summary.get("sp", 1)
+    Each rank carries ``flops``: its batch's model FLOPs before and after packing (``benchmarks.model_gpu.flops``:
+    6 per linear parameter per token, 14 x head_dim x heads per attention pair per layer; checkpointing's recompute
+    not counted). A group of ``sp`` ranks shares one batch, so each rank is credited 1/sp of it. The remove-padding
+    baseline executes the logical FLOPs; dualkv executes the packed ones."""
+    sp = summary.get("sp", 1)
     out = {"peak_tflops_per_gpu": peak_tflops}
     rows = [r for r in summary["ranks"] if r["plain"]["ms"] and r["dualkv"]["ms"]]
     if not rows:
         return out
-    for key, side, before in (("plain_logical", "plain", True), ("dualkv_logical", "dualkv", True),
-                              ("dualkv_executed", "dualkv", False)):
-        vals = []
-        for r in rows:
-            st = r["stats"]
-            tokens = st["tokens_before"] if before else st["tokens_after"]
-            pairs = st["attention_pairs_before"] if before else st["attention_pairs_after"]
-            flops = step_flops(m["linear_params"], m["layers"], m["heads"], m["head_dim"], tokens, pairs) / sp
-            vals.append(flops / (r[side]["ms"] * 1e-3) / (peak_tflops * 1e12))
-        out[key] = statistics.mean(vals)
+    for key, side, flops in (("plain_logical", "plain", "logical"), ("dualkv_logical", "dualkv", "logical"),
+                             ("dualkv_executed", "dualkv", "executed")):
+        out[key] = statistics.mean(r["flops"][flops] / sp / (r[side]["ms"] * 1e-3) / (peak_tflops * 1e12) for r in rows)
     return out
 
 

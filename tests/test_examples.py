@@ -66,18 +66,24 @@ def test_verl_style_batch_remove_padding(form):
 
 
 def test_fsdp_grpo_mfu_counts_each_side_on_its_flops():
-    """The example's MFU: 6 FLOPs per linear parameter per token plus 14 x head_dim x heads per attention pair per
-    layer; the baseline and dualkv on the duplicated batch's (logical) FLOPs, dualkv also on its packed ones; a
-    sequence-parallel group of 2 ranks shares one batch, so each rank is credited half of it."""
-    from examples.fsdp_grpo_report import mfu, step_flops
+    """The example's MFU, on the GPU benchmarks' FLOP model (6 FLOPs per linear parameter per token plus 14 x
+    head_dim x heads per attention pair per layer): the baseline and dualkv on the duplicated batch's (logical)
+    FLOPs, dualkv also on its packed ones; a sequence-parallel group of 2 ranks shares one batch, so each rank is
+    credited half of it."""
+    from types import SimpleNamespace
 
-    assert step_flops(10, 2, 3, 4, tokens=5, pairs=7) == 6 * 10 * 5 + 14 * 4 * 3 * 2 * 7
+    from benchmarks.model_gpu import flops
+    from examples.fsdp_grpo_report import mfu
+
+    cfg = {"hidden_size": 4, "num_hidden_layers": 2, "head_dim": 8, "num_attention_heads": 2, "num_key_value_heads": 1,
+           "intermediate_size": 6}
+    per_token = 2 * (4 * 2 * 8 + 2 * 4 * 1 * 8 + 2 * 8 * 4 + 3 * 4 * 6) + 4 * 10  # q, k and v, o, MLP; lm_head
     stats = {"tokens_before": 1000, "tokens_after": 250, "attention_pairs_before": 8000, "attention_pairs_after": 1000}
-    rank = {"stats": stats, "plain": {"ms": 4.0}, "dualkv": {"ms": 1.0}}
-    summary = {"model_flops": {"linear_params": 100, "layers": 2, "heads": 2, "head_dim": 8}, "sp": 2, "ranks": [rank, rank]}
-    logical = (6 * 100 * 1000 + 14 * 8 * 2 * 2 * 8000) / 2
-    executed = (6 * 100 * 250 + 14 * 8 * 2 * 2 * 1000) / 2
-    got = mfu(summary, peak_tflops=1e-9)  # 1,000 FLOP/s a GPU
-    assert got["plain_logical"] == pytest.approx(logical / 4e-3 / 1e3)
-    assert got["dualkv_logical"] == pytest.approx(logical / 1e-3 / 1e3)
-    assert got["dualkv_executed"] == pytest.approx(executed / 1e-3 / 1e3)
+    logical = 6 * per_token * 1000 + 14 * 8 * 2 * 2 * 8000
+    executed = 6 * per_token * 250 + 14 * 8 * 2 * 2 * 1000
+    assert flops(cfg, SimpleNamespace(**stats), vocab=10) == pytest.approx((logical, executed))
+    rank = {"stats": stats, "flops": {"logical": logical, "executed": executed}, "plain": {"ms": 4.0}, "dualkv": {"ms": 1.0}}
+    got = mfu({"sp": 2, "ranks": [rank, rank]}, peak_tflops=1e-9)  # 1,000 FLOP/s a GPU
+    assert got["plain_logical"] == pytest.approx(logical / 2 / 4e-3 / 1e3)
+    assert got["dualkv_logical"] == pytest.approx(logical / 2 / 1e-3 / 1e3)
+    assert got["dualkv_executed"] == pytest.approx(executed / 2 / 1e-3 / 1e3)
