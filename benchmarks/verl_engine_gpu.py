@@ -114,12 +114,13 @@ def run_side(args) -> None:
                   num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                   head_dim=args.head_dim, max_position_embeddings=max(4096, args.prompt_len + args.response_len + 8))
     fused = args.plain_fused and not dualkv
+    micro_batch = args.micro_batch or args.rollouts
     engine = ves.build_engine(config, dualkv=dualkv, attn="sdpa" if dualkv else args.plain_attn, bf16=True,
                               checkpoint=True, inner="inductor" if cuda else "aot_eager", fused=fused)
-    data = ves.verl_batch(*batch(args, "cuda" if cuda else "cpu"), micro_batch_size=args.micro_batch or args.rollouts, fused=fused)
+    data = ves.verl_batch(*batch(args, "cuda" if cuda else "cpu"), micro_batch_size=micro_batch, fused=fused)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times, first = [], None
-    for i in range(1 + args.iters + (1 if args.profile else 0)):
+    for i in range(1 + args.iters + int(args.profile)):
         profiling = args.profile and i == 1 + args.iters
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if cuda else [])) if profiling else contextlib.nullcontext()
@@ -147,7 +148,7 @@ def run_side(args) -> None:
             }
         engine.module.zero_grad(set_to_none=True)
     attn = "sdpa (dualkv kernel)" if dualkv else args.plain_attn + (" + veRL use_fused_kernels" if fused else "")
-    result = {"side": args.side, "attn": attn, "micro_batch": args.micro_batch or args.rollouts, "step_s": times,
+    result = {"side": args.side, "attn": attn, "micro_batch": micro_batch, "step_s": times,
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, **first}
     if dualkv:
         import dualkv_compile
@@ -158,6 +159,10 @@ def run_side(args) -> None:
     torch.distributed.destroy_process_group()
 
 
+# What the summary keeps of each side's saved result.
+SIDE_KEYS = ("attn", "micro_batch", "step_s", "peak_gib", "loss")
+
+
 def compare_pair(a: dict, b: dict) -> tuple[dict, str]:
     """One plain side ``a`` against dualkv ``b``: the summary entries and a line of text."""
     grad_rel = {n: ((b["grads"][n].float() - g.float()).norm() / g.float().norm().clamp_min(1e-30)).item()
@@ -165,7 +170,7 @@ def compare_pair(a: dict, b: dict) -> tuple[dict, str]:
     worst = max(grad_rel, key=grad_rel.get)
     lp = (b["log_probs"] - a["log_probs"]).abs().max().item() if a["log_probs"] is not None and b["log_probs"] is not None else None
     pm, dm = statistics.mean(a["step_s"][1:] or a["step_s"]), statistics.mean(b["step_s"][1:] or b["step_s"])
-    entry = {"plain": {k: a.get(k) for k in ("attn", "micro_batch", "step_s", "peak_gib", "loss")},
+    entry = {"plain": {k: a.get(k) for k in SIDE_KEYS},
              "speedup": pm / dm, "log_prob_max_abs_diff": lp, "grad_max_rel": grad_rel[worst], "grad_worst": worst}
     text = (f"plain ({a['attn']}) {pm * 1e3:.1f} ms, dualkv {dm * 1e3:.1f} ms, speedup {pm / dm:.2f}x; "
             f"first step {a['step_s'][0]:.1f} s / {b['step_s'][0]:.1f} s; peak {a['peak_gib']} / {b['peak_gib']} GiB; "
@@ -179,7 +184,7 @@ def compare(args) -> int:
 
     summary = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "transformers": transformers.__version__,
                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-               "dualkv": {k: b.get(k) for k in ("attn", "micro_batch", "step_s", "peak_gib", "loss")},
+               "dualkv": {k: b.get(k) for k in SIDE_KEYS},
                "against": {}, "dualkv_reports": b.get("reports")}
     lines = []
     for side in ("plain", "plain_fused"):

@@ -59,9 +59,8 @@ def loss_function(model_output, data, dp_group=None):
     """A GRPO-style token-mean loss with an entropy bonus, on veRL's nested log-probs and entropy.
 
     Normalised by the batch's token count (``batch_num_tokens``, which veRL's ``forward_backward_batch`` sets before
-    it splits the batch), as veRL's own token-mean losses are, so the gradient does not depend on how the batch is
+    it splits the batch), as veRL's own token-mean losses read it, so the gradient does not depend on how the batch is
     split into micro-batches (a micro-batch's own count would weight each micro-batch equally)."""
-    from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
     logp = no_padding_2_padding(model_output["log_probs"], data)  # [B, R] at the response tokens
@@ -69,8 +68,7 @@ def loss_function(model_output, data, dp_group=None):
     mask = data["response_mask"].float()
     adv = data["advantages"][:, None]
     per_token = -torch.exp(logp - logp.detach()) * adv - 0.01 * entropy
-    tokens = tu.get_non_tensor_data(data=data, key="batch_num_tokens", default=None)
-    loss = (per_token * mask).sum() / (mask.sum() if tokens is None else tokens)
+    loss = (per_token * mask).sum() / data["batch_num_tokens"]
     return loss, {"loss": loss.detach().item()}
 
 
