@@ -18,6 +18,8 @@
 #   SET small_shared  the small shape per layer and on the root (dualkv wrapped in shared_batch, the default)
 #   SET q17_fp32   gradient parity at the Qwen3-1.7B depth in float32 (28 layers, 1 GPU, 1 x 8 rollouts of 2K + 512,
 #                  tolerance 1e-4): whether the bf16 runs' 5e-2 gradient differences are rounding
+#   SET q17_1gpu, q17_per_layer  one half each of qwen3_1p7b (torchrun --standalone: several sets can run at once on
+#                  disjoint CUDA_VISIBLE_DEVICES)
 # Logs and each run's fsdp_grpo.md/json (and profile tables) go under OUTDIR; each log's last lines are printed.
 set -u
 OUT=${1:-fsdp_sp_runs}
@@ -32,7 +34,7 @@ REAL="--device cuda --mode fsdp --bf16 --layers 4 --hidden 2048 --heads 16 --kv-
 run() {
   name=$1; gpus=$2; shift 2
   echo "=== $name ($gpus GPU): $*" | tee "$OUT/$name.log"
-  PYTHONUNBUFFERED=1 timeout ${LIMIT:-170} torchrun --nproc-per-node "$gpus" examples/fsdp_grpo.py "$@" --out "$OUT/$name" >>"$OUT/$name.log" 2>&1
+  PYTHONUNBUFFERED=1 timeout ${LIMIT:-170} torchrun --standalone --nproc-per-node "$gpus" examples/fsdp_grpo.py "$@" --out "$OUT/$name" >>"$OUT/$name.log" 2>&1
   echo "exit $?" >>"$OUT/$name.log"
   grep -E "fsdp_grpo:|Error|error:" "$OUT/$name.log" | grep -v Warning | tail -3
 }
@@ -54,6 +56,10 @@ case "$SET" in
   qwen3_1p7b)
     LIMIT=280 run q17_1gpu 1 $Q17
     LIMIT=280 run q17_per_layer 2 $Q17 ;;
+  q17_1gpu)  # one half of qwen3_1p7b, to run beside other work on a larger machine (CUDA_VISIBLE_DEVICES)
+    LIMIT=${LIMIT:-280} run q17_1gpu 1 $Q17 ;;
+  q17_per_layer)
+    LIMIT=${LIMIT:-280} run q17_per_layer 2 $Q17 ;;
   sp4)
     LIMIT=560 run w8b_sp4 4 $W8B --sp 4 ;;
   headline)
