@@ -14,7 +14,8 @@
 #   SET headline   the DualKV paper's headline shape on 4 GPUs: Qwen3-8B (36 layers, hidden 4096, MLP 12288, 32 / 8 heads,
 #                  vocab 151936), one prompt x N = 32 rollouts, 8K context (a 4K prompt and 4K responses, fixed lengths),
 #                  FSDP2 per layer, activation checkpointing, log-probs in the model, --sp 4, against Ulysses on the
-#                  duplicated remove-padding batch at sp 4; fsdp_grpo.md gives the MFU both ways (logical, executed)
+#                  duplicated remove-padding batch at sp 4; fsdp_grpo.md gives the MFU both ways (logical, executed);
+#                  LAYERS=N runs N of the 36 layers (all 36 ran out of memory on both sides on 4 x H100, 2026-11-27)
 #   SET small_shared  the small shape per layer and on the root (dualkv wrapped in shared_batch, the default)
 #   SET q17_fp32   gradient parity at the Qwen3-1.7B depth in float32 (28 layers, 1 GPU, 1 x 8 rollouts of 2K + 512,
 #                  tolerance 1e-4): whether the bf16 runs' 5e-2 gradient differences are rounding
@@ -29,7 +30,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this che
 SMALL="--device cuda --mode fsdp --bf16 --layers 4 --hidden 1024 --heads 16 --kv-heads 8 --vocab 32000 --prompts 2 --rollouts 8 --prompt-len 1024 --response-len 256 --iters 5"
 Q17="--device cuda --mode fsdp --bf16 --per-layer --checkpoint --logprobs-in-model --baseline ulysses --layers 28 --hidden 2048 --intermediate 6144 --heads 16 --kv-heads 8 --vocab 151936 --prompts 2 --rollouts 8 --prompt-len 4096 --response-len 1024 --iters 3"
 W8B="--device cuda --mode fsdp --bf16 --baseline ulysses --fixed-lengths --checkpoint --logprobs-in-model --layers 4 --hidden 4096 --intermediate 12288 --heads 32 --kv-heads 8 --vocab 151936 --prompts 1 --rollouts 8 --prompt-len 65536 --response-len 2048 --iters 2"
-HEADLINE="--device cuda --mode fsdp --bf16 --per-layer --checkpoint --logprobs-in-model --baseline ulysses --fixed-lengths --layers 36 --hidden 4096 --intermediate 12288 --heads 32 --kv-heads 8 --vocab 151936 --prompts 1 --rollouts 32 --prompt-len 4096 --response-len 4096 --iters 2"
+HEADLINE="--device cuda --mode fsdp --bf16 --per-layer --checkpoint --logprobs-in-model --baseline ulysses --fixed-lengths --layers ${LAYERS:-36} --hidden 4096 --intermediate 12288 --heads 32 --kv-heads 8 --vocab 151936 --prompts 1 --rollouts 32 --prompt-len 4096 --response-len 4096 --iters 2"
 REAL="--device cuda --mode fsdp --bf16 --layers 4 --hidden 2048 --heads 16 --kv-heads 8 --vocab 32000 --prompts 2 --rollouts 8 --prompt-len 4096 --response-len 1024 --iters 3"
 run() {
   name=$1; gpus=$2; shift 2
@@ -63,7 +64,7 @@ case "$SET" in
   sp4)
     LIMIT=560 run w8b_sp4 4 $W8B --sp 4 ;;
   headline)
-    LIMIT=570 run headline_sp4 4 $HEADLINE --sp 4 ;;
+    LIMIT=${LIMIT:-570} run headline_sp4_${LAYERS:-36}l 4 $HEADLINE --sp 4 ;;
   q17_fp32)
     LIMIT=280 run q17_fp32 1 --device cuda --mode fsdp --per-layer --checkpoint --logprobs-in-model --baseline ulysses \
       --layers 28 --hidden 2048 --intermediate 6144 --heads 16 --kv-heads 8 --vocab 151936 --prompts 1 --rollouts 8 \

@@ -169,3 +169,20 @@ def test_float32_sum_of_many_copies_is_rounded_once(threads):
         assert (running.double() - truth).abs().max() > 1000 * (grad[0].double() - truth).abs().max().clamp_min(1e-12)
     finally:
         torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("dtype, wide", [(torch.float32, torch.float64), (torch.bfloat16, torch.float32)])
+def test_indexed_form_sums_many_copies_in_a_wider_dtype(dtype, wide):
+    """``gather_valid_indexed`` (the CUDA form, run here on the CPU): a row read by 4,096 positions gets the sum of
+    their gradients in the wider dtype rounded once, as the CPU form does. Before the fix its ``index_add`` summed in
+    the value's dtype: in float32 the result drifted (45x plain's error on an H100, issue 35, defect 5). The bf16
+    case held before too on the CPU, whose eager ``index_add`` accumulates bf16 in float32; CUDA's atomics do not."""
+    from dualkv_compile.layout.pack import gather_valid_indexed
+
+    x = torch.zeros(2, 8, dtype=dtype, requires_grad=True)
+    index, keep = torch.zeros(4096, dtype=torch.long), torch.ones(4096, dtype=torch.bool)
+    g = (torch.full((4096, 8), 0.1) + torch.linspace(0, 1e-3, 8)).to(dtype)
+    (grad,) = torch.autograd.grad(gather_valid_indexed(x, index, keep), x, g)
+    assert grad.dtype == dtype
+    assert torch.equal(grad[0], g.to(torch.float64).sum(0).to(wide).to(dtype))
+    assert torch.equal(grad[1], torch.zeros(8, dtype=dtype))
