@@ -230,6 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-reps", type=int, default=3)
     ap.add_argument("--max-reps", type=int, default=30)
     ap.add_argument("--skip-mask", action="store_true", help="skip the block-mask measurements")
+    ap.add_argument("--head-dim", type=int, default=128, help="CUDA: D (Qwen3's 128; Llama-3.2-1B's 64)")
+    ap.add_argument("--heads", default="32,8", help="CUDA: Hq,Hkv")
     ap.add_argument("--plot-only", type=Path, default=None, help="redraw the PNG and Markdown from a results JSON")
     args = ap.parse_args(argv)
 
@@ -248,7 +250,8 @@ def main(argv=None) -> int:
         shapes = args.shapes or CPU_SHAPES + ["groups", "tree"]
         args.budget_ms, args.max_reps, args.skip_mask = min(args.budget_ms, 50.0), min(args.max_reps, 5), True
     else:
-        cfg = Cfg(32, 8, 128, torch.bfloat16, device)
+        hq, hkv = (int(h) for h in args.heads.split(","))
+        cfg = Cfg(hq, hkv, args.head_dim, torch.bfloat16, device)
         shapes = args.shapes or (QUICK_SHAPES + ["groups", "tree"] if args.quick else FULL_SHAPES[:4] + ["groups", "tree"] + FULL_SHAPES[4:])
         if args.quick:
             args.budget_ms, args.max_reps = min(args.budget_ms, 50.0), min(args.max_reps, 5)
@@ -278,7 +281,8 @@ def main(argv=None) -> int:
     )
     log(f"{meta['device']} torch {meta['torch']} triton {meta['triton']}; methods {list(methods)}; skipped {skipped}")
     results = dict(meta=meta, cases=[c.summary() for c in cases], rows=[], skipped=skipped)
-    stem = args.stem or ("attention_" + ("cpu" if device.type == "cpu" else _slug(meta["device"])) + ("_quick" if args.quick else ""))
+    stem = args.stem or ("attention_" + ("cpu" if device.type == "cpu" else _slug(meta["device"])) + ("_quick" if args.quick else "")
+                         + (f"_d{cfg.d}" if device.type == "cuda" and cfg.d != 128 else ""))
 
     torch.manual_seed(0)
     if device.type == "cuda" and not args.skip_mask:
