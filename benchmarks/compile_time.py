@@ -94,6 +94,7 @@ def main(argv=None) -> int:
             for state in ("cold", "warm"):
                 print(f"compile_time: {side}, {state} cache ...", file=sys.stderr, flush=True)
                 rows[(side, state)] = run(args, side, cache)
+                print(f"compile_time: {side}, {state}: {json.dumps(rows[(side, state)])}", file=sys.stderr, flush=True)
     lines = ["| side | cold: first step s | warm: first step s | next step s |", "|---|---:|---:|---:|"]
     for side in ("plain", "dualkv"):
         cold, warm = rows[(side, "cold")], rows[(side, "warm")]
