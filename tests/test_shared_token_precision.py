@@ -51,4 +51,8 @@ def test_shared_token_gradient_is_as_precise_as_the_uncompiled_models(rows, devi
     err_plain = (plain[prompt].double() - truth[prompt]).norm() / truth[prompt].norm()
     err_dualkv = (dualkv[prompt].double() - truth[prompt]).norm() / truth[prompt].norm()
     assert err_plain > 0  # float32 is not float64: the comparison measures something
-    assert err_dualkv <= 1.05 * err_plain, (err_dualkv.item(), err_plain.item())
+    # CPU: both sides sum in a fixed order, and dualkv's error was 1.0x plain's after the fix (21x before). CUDA:
+    # both sides add with atomics in no fixed order; on an H100 after the fix it was 1.36-1.46x plain's (about
+    # 4e-7, rounding), before it 45x and 65x (benchmarks/results/shared_token_precision_h100_2026-11-27.md).
+    bound = 1.05 if device == "cpu" else 2.0
+    assert err_dualkv <= bound * err_plain, (err_dualkv.item(), err_plain.item())
