@@ -77,6 +77,14 @@ def run(args, side: str, cache: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", side, "--model", args.model, "--shape", args.shape,
            "--device", args.device] + (["--layers", str(args.layers)] if args.layers else [])
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+    sys.path.insert(0, os.path.dirname(HERE))
+    from dualkv_compile.runtime.nested_compile import _COALESCE_ANALYSIS_BREAKS_DYNAMIC
+
+    if _COALESCE_ANALYSIS_BREAKS_DYNAMIC:
+        # torch < 2.12: Inductor's coalescing analysis fails on some dynamic-shape graphs (pytorch/pytorch#181563;
+        # a first GPU run of this benchmark on torch 2.11 died in it). dualkv's inner compile turns it off for its
+        # dynamic graphs; plain Inductor gets the same setting, so both sides compile alike.
+        env["TORCHINDUCTOR_COALESCE_TILING_ANALYSIS"] = "0"
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"compile_time: the {side} process failed:\n{proc.stderr[-4000:]}")

@@ -24,7 +24,8 @@ from ..analysis.attention_match import item_of_placeholder
 from .autocast_regions import autocast_regions_as_with_blocks
 
 __all__ = [
-    "LazyCompile", "has_unbacked_sizes", "inner_compile", "is_dynamic", "mode_patches", "nested_compile", "reads_lifted_scalars",
+    "LazyCompile", "dynamic_shape_patches", "has_unbacked_sizes", "inner_compile", "is_dynamic", "mode_patches", "nested_compile",
+    "reads_lifted_scalars",
 ]
 
 _nested_ids = itertools.count()
@@ -34,7 +35,7 @@ def inner_compile(gm: fx.GraphModule, example_inputs, cfg: DualKVConfig, mode: O
     if cfg.inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        config_patches = mode_patches(mode)
+        config_patches = dict(mode_patches(mode), **dynamic_shape_patches(example_inputs))
         return compile_fx(gm, example_inputs, config_patches=config_patches)
     if cfg.inner == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
@@ -172,6 +173,28 @@ def nested_compile(gm: fx.GraphModule, cfg: DualKVConfig, mode: Optional[str], d
             return compiled(*args)
 
     return run
+
+
+# Before torch 2.12, Inductor's coalescing analysis of Triton tilings compared symbolic sizes by their structure
+# and could fail an assertion on equal sizes written two ways ("get_pw_red_splits", pytorch/pytorch#181563, fixed
+# in #181793): a dynamic-shape GRPO step on torch 2.11 raised InductorError on an H100 (2026-11-27). The analysis
+# does not apply to dynamic shapes anyway (its own config comment says so), so it is turned off for them there.
+_COALESCE_ANALYSIS_BREAKS_DYNAMIC = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
+
+
+def has_symbolic_sizes(example_inputs) -> bool:
+    """True if an example input is a SymInt or a tensor with a symbolic size."""
+    return any(
+        isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape))
+        for x in example_inputs
+    )
+
+
+def dynamic_shape_patches(example_inputs) -> dict:
+    """Inductor config patches for a graph compiled with symbolic sizes (see ``_COALESCE_ANALYSIS_BREAKS_DYNAMIC``)."""
+    if _COALESCE_ANALYSIS_BREAKS_DYNAMIC and has_symbolic_sizes(example_inputs):
+        return {"triton.coalesce_tiling_analysis": False}
+    return {}
 
 
 def mode_patches(mode: Optional[str]) -> dict:

@@ -64,3 +64,33 @@ def test_a_fallback_never_compiled_keeps_no_input_alive():
     # Called later, it compiles for the inputs of that call.
     w2, x2 = torch.randn(4, 4), torch.randn(2, 4)
     assert torch.equal(fallbacks[0](x2, w2)[0], torch.relu(x2 @ w2))
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_inductor_coalescing_analysis_is_off_for_symbolic_sizes_where_it_breaks(monkeypatch, dynamic):
+    """On torch < 2.12 Inductor's coalescing analysis fails an assertion on some dynamic-shape graphs (an H100,
+    torch 2.11, 2026-11-27): the inner compile turns it off for graphs with symbolic sizes there, and only there."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    from dualkv_compile.runtime import nested_compile as nc
+
+    seen = []
+    real = compile_fx_module.compile_fx
+
+    def spy(gm, example_inputs, config_patches=None, **kw):
+        seen.append(dict(config_patches or {}))
+        return real(gm, example_inputs, config_patches=config_patches, **kw)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    monkeypatch.setattr(nc, "_COALESCE_ANALYSIS_BREAKS_DYNAMIC", True)  # as on torch 2.11, on any torch here
+    gm = torch.fx.symbolic_trace(lambda x: (x * 2).sum(-1))
+    x = torch.randn(3, 5)
+    torch._dynamo.reset()
+    if dynamic:
+        run = nc.nested_compile(gm, DualKVConfig(inner="inductor"), None, dynamic=True)
+    else:
+        run = nc.LazyCompile(gm, [x], DualKVConfig(inner="inductor"), None)
+    torch.testing.assert_close(run(x), (x * 2).sum(-1))
+    assert seen, "Inductor was not called"
+    # seen[0] is our call; compile_fx calls itself again inside the patch, with none.
+    assert seen[0].get("triton.coalesce_tiling_analysis") is (False if dynamic else None), seen
