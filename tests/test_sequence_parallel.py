@@ -234,6 +234,34 @@ def _check_fsdp_per_layer(mesh, sp):
     assert len(checks) < calls, (len(checks), calls)  # carried layouts reuse the check
 
 
+def _check_checkpointed_layers_save_their_chunk(mesh, sp):
+    """Activation checkpointing under sequence parallelism: a layer's forward saves this rank's chunk for its
+    backward, not the q/k/v and output exchanged over the group. Before the fix Dynamo's re-trace of the packed
+    graph dropped the checkpoint tags of the Ulysses steps (a Python function it inlined), so every layer saved
+    the whole stream's q, k, v and attention output for this rank's heads (``[1, H / sp, sp * Tl, D]``)."""
+    import dualkv_compile
+
+    model = tiny_model("qwen3", layers=2)
+    ref = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids, mask, total = forest_batch(seed=70)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    adv = torch.randn(ids.shape[0], generator=torch.Generator().manual_seed(71))
+    stream = sp * -(-total // sp)  # the padded packed stream
+    saved = []
+    fn = dualkv_compile.policy_loss(grpo_loss, sequence_parallel=mesh["sp"], inner="aot_eager")
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(tuple(t.shape)), t)[1], lambda t: t):
+        loss = fn(model, ids, mask, pos, adv)
+    loss.backward()
+    assert dualkv_compile.reports()[-1].packed_calls >= 1
+    whole = [s for s in saved if len(s) == 4 and s[2] == stream]
+    assert not whole, whole
+    assert (1, stream // sp, 32) in saved  # each layer's input: this rank's chunk of the hidden states
+    want = grpo_loss(ref, ids, mask, pos, adv)
+    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item()), (loss.item(), want.item())
+
+
 def _sp_rank(rank, world, sp):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -249,6 +277,8 @@ def _sp_rank(rank, world, sp):
         _check_remove_padding_row(mesh, sp)
         torch._dynamo.reset()
         _check_fsdp_per_layer(mesh, sp)
+        torch._dynamo.reset()
+        _check_checkpointed_layers_save_their_chunk(mesh, sp)
         torch._dynamo.reset()
         _ulysses_rank(rank, world)
         _three_heads_rank(rank, world)

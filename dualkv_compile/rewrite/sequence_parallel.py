@@ -18,7 +18,8 @@ How
     ``col_index`` is given as this rank's chunk), and ``T`` (the size of ``pack_index``) becomes the
     chunk's length ``Tl``, so reshapes follow. What reads other tokens is rewritten:
 
-    - attention -> ``ops.ulysses_attention`` (heads exchanged for tokens, the kernel over the whole forest);
+    - attention -> the steps of ``ops.ulysses_attention`` (heads exchanged for tokens, the kernel over the whole
+      forest), one node each, in the attention's checkpoint region (recomputed in the backward, not saved);
     - a read of each token's predecessor (``previous_tokens``, ``gather_previous``, the fused
       ``linear_log_prob``'s hidden rows) reads the gathered stream (``sp_all_gather``, backward "sum"),
       indexed by this rank's chunk of ``prev_index``;
@@ -49,7 +50,7 @@ from ..normalize.inline_checkpoint import RECOMPUTE_META
 from ..ops import linear_log_prob as _linear_log_prob  # noqa: F401  (registers torch.ops.dualkv.linear_log_prob*)
 from ..ops import sp_collectives as _collectives  # noqa: F401  (registers torch.ops.dualkv.sp_*)
 from ..ops.sp_collectives import SPGroup
-from ..ops.ulysses_attention import check_heads, ulysses_attention
+from ..ops.ulysses_attention import check_heads, ulysses_steps
 from .sp_meta import HEADS_META, TOKEN_SUM_META
 
 __all__ = ["shard_packed_graph", "local_token_weights"]
@@ -112,6 +113,7 @@ class _Sharder:
         self.gm, self.sp, self.g = gm, sp, gm.graph
         self.kind: dict[fx.Node, str] = {}
         self.n_local: Optional[fx.Node] = None
+        self.dropped: list[fx.Node] = []  # replaced nodes, erased after the walk (the walk reads a list of the nodes)
 
     def emit(self, where: fx.Node, target, args, name: str) -> fx.Node:
         """A call inserted before ``where``, in ``where``'s checkpoint region if it has one."""
@@ -119,6 +121,20 @@ class _Sharder:
             new = self.g.call_function(target, args, name=name)
         new.meta.update(_recompute_tags(where))
         return new
+
+    def ulysses(self, n: fx.Node, num_kv_heads: int) -> None:
+        """``n`` (``attention_fwd``) -> the Ulysses steps (``ops.ulysses_attention.ulysses_steps``), each a node
+        emitted before ``n`` with ``n``'s checkpoint tags; ``n`` and its ``getitem``s are dropped at the end."""
+        users = list(n.users)
+        if any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
+            raise Refusal(f"sequence_parallel: {n.name}'s log-sum-exp is read; it is not split over the group")
+        q, k, v, *rest = n.args
+        emit = lambda f, *a: self.emit(n, f, a, f"{n.name}_ulysses")  # noqa: E731  (FX makes the names unique)
+        out = ulysses_steps(emit, q, k, v, num_kv_heads, tuple(rest), self.sp.world, self.sp.group_name)
+        for u in users:
+            u.replace_all_uses_with(out)
+        self.dropped += [*users, n]
+        self.kind[out] = _S
 
     def gathered(self, n: fx.Node, i: int, dim: int, backward: str) -> None:
         x = n.args[i]
@@ -131,6 +147,8 @@ class _Sharder:
     def run(self) -> fx.GraphModule:
         sp = self.sp
         for n in list(self.g.nodes):
+            if n in self.dropped:
+                continue
             if n.op == "placeholder":
                 self.kind[n] = _S if n.name in SHARDED_INPUTS else _P if _is_parameter(n) else _C
                 continue
@@ -148,9 +166,7 @@ class _Sharder:
                 why = check_heads(*heads, sp.world) if heads else "the attention's head counts are unknown"
                 if why is not None:
                     raise Refusal(f"sequence_parallel: {n.name}: {why}")
-                n.target = ulysses_attention
-                n.args = (*n.args, sp.world, sp.group_name)
-                self.kind[n] = _S
+                self.ulysses(n, heads[1])
                 continue
             if n.op == "call_function" and n.target is torch.ops.dualkv.linear_log_prob_entropy.default:
                 # Its entropy covers every row of the (gathered) hidden states, not this rank's tokens; the backend
@@ -187,6 +203,8 @@ class _Sharder:
                 x = n.args[0]
                 if self.kind.get(x) != _P and _requires_grad(x):
                     raise Refusal(f"sequence_parallel: {n.name} reads a per-column value with a gradient ({x.name})")
+        for n in self.dropped:  # getitems first, then the attention they read
+            self.g.erase_node(n)
         self.g.eliminate_dead_code()  # the replaced size of pack_index
         self.g.lint()
         self.gm.recompile()

@@ -17,7 +17,7 @@ from dualkv_compile.analysis.token_axes import analyze_token_axes
 from dualkv_compile.analysis.token_inputs import find_token_inputs
 from dualkv_compile.layout import tree_segments
 from dualkv_compile.ops.sp_collectives import SPGroup
-from dualkv_compile.ops.ulysses_attention import check_heads, kv_repeat, ulysses_attention
+from dualkv_compile.ops.ulysses_attention import check_heads, kv_repeat
 from dualkv_compile.rewrite.pack_graph import pack_graph
 from dualkv_compile.rewrite.packed_inputs import PackedInputs
 from dualkv_compile.layout.packed_ops import token_weights
@@ -62,9 +62,13 @@ def forward(self, l_input_ids_ : torch.Tensor, embed.weight : torch.nn.parameter
     q_packed = permute_packed[0]
     k_packed = permute_packed[1]
     v_packed = permute_packed[2]
-    attention_fwd_default = dualkv_compile_ops_ulysses_attention_ulysses_attention(q_packed, k_packed, v_packed, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, 0.35355339059327373, 0.0, 'reference', 2, 'sp')
-    a_packed = attention_fwd_default[0]
-    transpose_packed = a_packed.transpose(1, 2)
+    attention_fwd_default_ulysses = torch.ops.dualkv.sp_all_to_all.default(q_packed, 1, 2, 2, 'sp')
+    attention_fwd_default_ulysses_1 = torch.ops.dualkv.sp_all_to_all.default(k_packed, 1, 2, 2, 'sp')
+    attention_fwd_default_ulysses_2 = torch.ops.dualkv.sp_all_to_all.default(v_packed, 1, 2, 2, 'sp')
+    attention_fwd_default_ulysses_3 = torch.ops.dualkv.attention_fwd.default(attention_fwd_default_ulysses, attention_fwd_default_ulysses_1, attention_fwd_default_ulysses_2, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, 0.35355339059327373, 0.0, 'reference')
+    attention_fwd_default_ulysses_4 = attention_fwd_default_ulysses_3[0]
+    attention_fwd_default_ulysses_5 = torch.ops.dualkv.sp_all_to_all.default(attention_fwd_default_ulysses_4, 2, 1, 2, 'sp')
+    transpose_packed = attention_fwd_default_ulysses_5.transpose(1, 2)
     reshape_packed = transpose_packed.reshape(1, local_tokens, -1)
     linear_1_packed = torch._C._nn.linear(reshape_packed, out.weight, None)
     h_1_packed = h_packed + linear_1_packed
@@ -81,8 +85,13 @@ def test_loss_graph_structure():
     batch = make_batch(GROUPS)
     packed, _ = packed_loss_graph(grpo_token_mean, model, batch)
     sharded = shard_packed_graph(packed, SP)
-    assert not [n for n in sharded.graph.nodes if n.target is torch.ops.dualkv.attention_fwd.default]
-    assert len(_calls(sharded, ulysses_attention)) == 2  # one per layer
+    # Each layer's attention: q, k, v exchanged, the kernel over the whole forest, the output exchanged back.
+    assert len(_calls(sharded, torch.ops.dualkv.attention_fwd.default)) == 2
+    assert len(_calls(sharded, torch.ops.dualkv.sp_all_to_all.default)) == 8
+    for att in _calls(sharded, torch.ops.dualkv.attention_fwd.default):
+        assert all(a.target is torch.ops.dualkv.sp_all_to_all.default for a in att.args[:3])
+        (out,) = att.users
+        assert [u.target for u in out.users] == [torch.ops.dualkv.sp_all_to_all.default]
     gathers = _calls(sharded, torch.ops.dualkv.sp_all_gather.default)
     modes = sorted(n.args[5] for n in gathers)
     assert modes == ["slice", "sum"], modes  # the lm_head's hidden rows; the token log-probs' unpack
@@ -92,7 +101,7 @@ def test_loss_graph_structure():
     chunks = [n for n in sharded.graph.nodes if n.name.endswith("_chunk")]
     assert chunks and all(n.target == "narrow" for n in chunks)
     # The original graph is untouched.
-    assert _calls(packed, torch.ops.dualkv.attention_fwd.default) and not _calls(packed, ulysses_attention)
+    assert _calls(packed, torch.ops.dualkv.attention_fwd.default) and not _calls(packed, torch.ops.dualkv.sp_all_to_all.default)
 
 
 def test_heads_the_degree_does_not_divide_are_refused():
