@@ -197,9 +197,10 @@ def build_model(args, ap):
     given = {key: getattr(args, flag) for flag, key in flags.items() if getattr(args, flag) is not None}
     for flag, key in MOE_FLAGS.items():
         if not moe and key in given:
-            ap.error(f"--{flag.replace('_', '-')}: only for an MoE shape (tiny-moe, qwen3-30b-a3b), got --shape {args.shape}")
+            ap.error(f"--{flag.replace('_', '-')}: only for an MoE shape (tiny-moe, qwen3-30b-a3b), got "
+                     + (f"--shape {args.shape}" if args.shape else "the dense tiny model (no --shape)"))
     for flag in (*flags, "layers", "vocab"):
-        if (getattr(args, flag) or 1) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')}: must be a positive integer, got {getattr(args, flag)}")
     cfg = {k: v for k, v in {**preset, **given}.items() if k not in ("vocab_size", "num_hidden_layers")}
     layers = args.layers or default_layers
@@ -257,7 +258,8 @@ def main(argv=None) -> int:
 
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     torch.manual_seed(0)
-    model, cfg, layers, vocab, moe, label = build_model(args, ap)
+    with torch.device(args.device):  # initialised where it runs: the 30B-A3B shape's 3.1e9 parameters in seconds
+        model, cfg, layers, vocab, moe, label = build_model(args, ap)
     model = model.to(device=args.device, dtype=dtype).train()
     batch = make_batch(args.groups, args.rollouts, args.prompt_len, args.response_len, args.ragged, vocab, args.device)
     valid = int(batch["attention_mask"].sum())
