@@ -261,6 +261,8 @@ def main(argv=None) -> int:
     with torch.device(args.device):  # initialised where it runs: the 30B-A3B shape's 3.1e9 parameters in seconds
         model, cfg, layers, vocab, moe, label = build_model(args, ap)
     model = model.to(device=args.device, dtype=dtype).train()
+    if args.device == "cuda":  # the float32 weights' blocks are not the sides' to reuse
+        torch.cuda.empty_cache()
     batch = make_batch(args.groups, args.rollouts, args.prompt_len, args.response_len, args.ragged, vocab, args.device)
     valid = int(batch["attention_mask"].sum())
     meta = dict(
