@@ -47,6 +47,16 @@ MODELS = {
 }
 
 
+def moe_config(name: str, layers: int, **overrides):
+    """The ``Qwen3MoeConfig`` of ``MODELS[name]`` with ``layers`` layers, every layer sparse, top-k weights normalised
+    (as Qwen3-30B-A3B), SDPA, no cache; ``overrides`` replace any field (``peers.py`` builds its MoE rows from it)."""
+    from transformers import Qwen3MoeConfig
+
+    fields = dict(MODELS[name], num_hidden_layers=layers, max_position_embeddings=32768, use_cache=False,
+                  attn_implementation="sdpa", router_aux_loss_coef=0.001, decoder_sparse_step=1, norm_topk_prob=True)
+    return Qwen3MoeConfig(**{**fields, **overrides})
+
+
 def _forward(model, batch):
     return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], output_router_logits=True)
 
@@ -111,13 +121,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")))
     args = ap.parse_args(argv)
 
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
     cfg = MODELS[args.model]
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    config = Qwen3MoeConfig(num_hidden_layers=args.layers, max_position_embeddings=32768, use_cache=False,
-                            attn_implementation="sdpa", router_aux_loss_coef=0.001, decoder_sparse_step=1,
-                            norm_topk_prob=True, **cfg)
+    config = moe_config(args.model, args.layers)
     torch.manual_seed(0)
     model32 = Qwen3MoeForCausalLM(config).to(args.device).train()
     model = copy.deepcopy(model32).to(dtype)

@@ -257,6 +257,51 @@ def test_peers_smoke_on_cpu(tmp_path):
             assert r["status"].startswith("cannot run: ") and len(r["status"]) > len("cannot run: ") + 5, r
     assert rows["trl_prefix_tree_standin"]["status"] == "ok" and rows["trl_prefix_tree_standin"]["packed"] is True
     assert "| dualkv | ok | True |" in (tmp_path / "peers.md").read_text()
+    # Against the strongest baseline: plain_varlen runs the valid tokens only, the padded plain more.
+    assert rows["plain_varlen"]["ideal"] == 1.0 and rows["plain"]["ideal"] < 1.0 < rows["dualkv"]["ideal"]
+
+
+def test_peers_tiny_moe_is_exact_and_its_flop_columns_match_a_hand_count(tmp_path):
+    """``peers.py --shape tiny-moe`` (model_moe.py's tiny MoE, 2 layers) on 2 prompts of 16 tokens x 3 responses of 6:
+    every side that ran is exact against plain (float32, 1e-5), and the FLOP columns equal a count by hand."""
+    cmd = [sys.executable, "benchmarks/peers.py", "--device", "cpu", "--shape", "tiny-moe", "--groups", "2", "--rollouts",
+           "3", "--prompt-len", "16", "--response-len", "6", "--iters", "1", "--threads", "1", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(tmp_path / "peers.json") as f:
+        run = json.load(f)
+    rows = {r["side"]: r for r in run["rows"]}
+    assert run["meta"]["moe"] and run["meta"]["reference"] == "plain"
+    for name in ("plain", "plain_varlen", "dualkv", "prefix_grouper", "trl_prefix_tree_standin"):
+        assert rows[name]["status"] == "ok", rows[name]
+    for name, r in rows.items():
+        if r["status"] == "ok" and name != "plain":
+            assert r["grad_rel"] < 1e-5 and r["loss_rel"] < 1e-5, r
+    assert rows["dualkv"]["packed"] is True
+
+    # By hand. Per token and layer: q, k, v, o projections 64*4*16 + 2*64*2*16 + 4*16*64 = 12288; top-2 of 8 experts,
+    # 3 matrices of 64 x 32 each, 12288, and the router 64*8 = 512; 2 layers, plus lm_head 64*512 = 32768.
+    per_token = 2 * (12288 + 12288 + 512) + 32768
+    assert per_token == 82944
+    flops = lambda tokens, pairs: 6 * per_token * tokens + 3.5 * 4 * pairs * 16 * 4 * 2  # noqa: E731 (fwd+bwd)
+    # 6 sequences of 22 tokens: 132 tokens, 6 * 22*23/2 = 1518 pairs, padded (plain) or not (plain_varlen).
+    # Shared once (dualkv, PrefixGrouper): 2*16 + 6*6 = 68 tokens; pairs 2 * 16*17/2 + 6 * (17 + ... + 22) = 272 + 702.
+    # TRL's trie forks one token early (a node is keyed on its next token): 2*15 + 6*7 = 72 tokens, each attending its
+    # depth + 1 keys: 2 * 15*16/2 + 6 * (16 + ... + 22) = 240 + 798.
+    expected = {"plain": (132, 1518), "plain_varlen": (132, 1518), "dualkv": (68, 974), "prefix_grouper": (68, 974),
+                "trl_prefix_tree_standin": (72, 1038)}
+    assert flops(132, 1518) == 68411904 and flops(68, 974) == 35586560 and flops(72, 1038) == 37691904
+    for name, (tokens, pairs) in expected.items():
+        r = rows[name]
+        assert (r["tokens"], r["pairs"]) == (tokens, pairs), r
+        assert r["flops"] == flops(tokens, pairs), r
+        assert abs(r["ideal"] - 68411904 / flops(tokens, pairs)) < 1e-12, r
+        assert abs(r["speedup"] - rows["plain_varlen"]["ms"] / r["ms"]) < 1e-9, r
+        assert abs(r["of_ideal"] - r["speedup"] / r["ideal"]) < 1e-9, r
+    assert abs(rows["dualkv"]["ideal"] - 1.9224) < 1e-4 and abs(rows["trl_prefix_tree_standin"]["ideal"] - 1.8150) < 1e-4
+    md = (tmp_path / "peers.md").read_text()
+    assert "strongest baseline: `plain_varlen`" in md and "| vs base | ideal | of ideal |" in md
+    assert f"| dualkv | ok | True | 68 | 0.03559 | {rows['dualkv']['ms']:.1f} | {rows['dualkv']['speedup']:.2f}x | 1.92x |" in md
 
 
 def test_grad_bf16_check_holds_dualkv_to_the_original_models_bf16_error(tmp_path):
