@@ -20,7 +20,7 @@ import torch
 
 from .shared_prompt import SharedPromptLayout
 
-__all__ = ["pack", "unpack", "gather_valid", "gather_valid_indexed"]
+__all__ = ["pack", "unpack", "gather_valid", "gather_valid_indexed", "gather_rows", "gather_rows_bwd", "SUM_CHUNK_BYTES"]
 
 
 # The dtype a gather's backward sums in, for each dtype it is given (both forms of ``gather_valid``).
