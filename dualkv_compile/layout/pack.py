@@ -11,7 +11,11 @@ it, padding positions contributing nothing. On CPU the sum runs in increasing
 position order, deterministically, on every thread count, in a wider dtype than
 the value's (float64 for float32, float32 for bf16 and fp16), rounded once at
 the end; on CUDA it is ``index_select``'s backward, atomic adds in no fixed
-order, in the same wider dtype, rounded once at the end.
+order, in the same wider dtype, rounded once at the end. The CPU form is a
+pair of ``torch.library`` ops, ``dualkv::gather_rows`` and its backward
+``dualkv::gather_rows_bwd`` (fake implementations: they trace with symbolic
+sizes and stay opaque to AOTAutograd and Inductor), which widen one column
+chunk of the gradient at a time rather than a copy of all of it.
 """
 
 from __future__ import annotations
