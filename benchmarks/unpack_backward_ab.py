@@ -11,8 +11,8 @@ Forms (``--forms``, any of them, in the order given; Inductor on the duplicated 
 The model, batch and step of ``model_cpu.py --ragged`` (loss outside: the ``[B, S, V]`` logits unpacked).
 The rewritten graph calls ``packed_ops.unpack_tokens``, which looks ``gather_valid`` up at trace time; the
 packed graph is traced at some call after the first, so the form is picked by which model is being stepped.
-Prints each form's median step, Inductor's on the duplicated batch, the paired ratio, and the self times of
-the backward's gather ops from one profiled step.
+Prints each form's median step, Inductor's on the duplicated batch, the paired ratios (each form / the last),
+and the self and total times of the compiled graphs and the gather / scatter ops from one profiled step.
 """
 
 from __future__ import annotations
@@ -97,9 +97,10 @@ def main():
         models[n].zero_grad(set_to_none=True)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             mc.step(fns[n], models[n], ids, mask, w)
-        ops = {e.key[:40]: round(e.self_cpu_time_total / 1e3, 1) for e in prof.key_averages()
+        ops = {e.key[:40]: (round(e.self_cpu_time_total / 1e3, 1), round(e.cpu_time_total / 1e3, 1))
+               for e in prof.key_averages()
                if any(k in e.key for k in ("CompiledFxGraph", "scatter", "index_put", "gather_rows"))}
-        print(f"{n}, one profiled step, self ms: {ops}")
+        print(f"{n}, one profiled step, (self ms, total ms): {ops}")
 
 
 if __name__ == "__main__":
