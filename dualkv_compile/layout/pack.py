@@ -11,7 +11,11 @@ it, padding positions contributing nothing. On CPU the sum runs in increasing
 position order, deterministically, on every thread count, in a wider dtype than
 the value's (float64 for float32, float32 for bf16 and fp16), rounded once at
 the end; on CUDA it is ``index_select``'s backward, atomic adds in no fixed
-order, in the same wider dtype, rounded once at the end.
+order, in the same wider dtype, rounded once at the end. The CPU form is a
+pair of ``torch.library`` ops, ``dualkv::gather_rows`` and its backward
+``dualkv::gather_rows_bwd`` (fake implementations: they trace with symbolic
+sizes and stay opaque to AOTAutograd and Inductor), which widen one column
+chunk of the gradient at a time rather than a copy of all of it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 
 from .shared_prompt import SharedPromptLayout
 
-__all__ = ["pack", "unpack", "gather_valid", "gather_valid_indexed"]
+__all__ = ["pack", "unpack", "gather_valid", "gather_valid_indexed", "gather_rows", "gather_rows_bwd", "SUM_CHUNK_BYTES"]
 
 
 # The dtype a gather's backward sums in, for each dtype it is given (both forms of ``gather_valid``).
@@ -75,35 +79,91 @@ def gather_valid_indexed(x: torch.Tensor, index: torch.Tensor, keep: torch.Tenso
     return torch.where(keep.view(shape), y, y.new_zeros(())).to(x.dtype)
 
 
+# Bytes of one column chunk of the backward's wide copy of the gradient (``N`` rows x some columns); a chunk has
+# at least 16 columns, the fewest ATen's sorted ``scatter_add`` kernel takes (it sorts the index once per chunk).
+# Read at each call (a test may set it small to run several chunks and a ragged last one).
+SUM_CHUNK_BYTES = 4 << 20
 
 
 def _gather_valid_cpu(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
-    """``gather_valid`` as a ``gather`` with a row index expanded over the flattened trailing axes.
+    """``gather_valid`` on CPU: ``dualkv::gather_rows`` on ``x`` with ``dim`` moved first and the trailing axes
+    flattened; padding positions read an extra zero row after the last (so the forward needs no mask, and
+    their gradients land in that row, which the backward drops).
 
-    Why: ``index_select``'s backward is an ``index_add``, which Inductor on
-    CPU at two or more threads compiles to a parallel loop of atomic adds:
-    slower than one thread (a shared token's row is hit by every sequence of
-    its group) and in no fixed order. ``gather``'s backward is ``scatter_add``,
-    which Inductor at two or more threads hands to ATen (its
-    ``cpp.fallback_scatter_reduce_sum``), whose kernel for an index expanded
-    from one axis sorts the index stably and sums each row's positions in
-    order, rows in parallel; eager takes the same kernel, and Inductor at one
-    thread writes a serial loop over the positions in order.
-
-    Padding positions read an extra zero row after the last: the forward needs
-    no mask, and their gradients go to that row, which the ``cat``'s backward
-    drops, so no masked copy of the ``[N, ...]`` gradient is made.
+    Why an opaque op pair: the backward must sum each row's gradients in position order in the wider dtype
+    of ``_WIDER`` and round once (a float32 running sum of a prompt read by 2,048 rows is 20x the uncompiled
+    model's error, issue 35 defect 5), deterministically on every thread count. ``index_select``'s backward
+    (``index_add``) is, under Inductor at two or more threads, a parallel loop of atomic adds in no fixed
+    order. The previous form (``gather`` of a float64 copy, whose ``scatter_add`` backward Inductor hands to
+    ATen) had that order but cast the whole ``[N, ...]`` gradient to float64 first (and made a float64
+    ``[N, ...]`` gather in the forward): 41 ms of a 349 ms step at 2 threads (issue 35, defect 6). Here the
+    forward gathers in the value's dtype, and the backward, ``dualkv::gather_rows_bwd``, widens one column
+    chunk of the gradient at a time (``SUM_CHUNK_BYTES``) and ``scatter_add_``s it into a wide
+    ``[T + 1, chunk]`` buffer. ATen's kernel for an index expanded from one axis sorts the index stably and
+    sums each row's positions in order, rows in parallel; for a chunk narrower than it takes (or a
+    non-float dtype) the generic kernel loops over the positions in order for each column. Either way each
+    row's gradient is the in-order sum in the wider dtype, rounded once at the cast back: bit for bit the
+    same as before, on one thread or many, eager or compiled (both ops have fake implementations, so they
+    trace with symbolic sizes and stay opaque to AOTAutograd and Inductor).
     """
     y = x.movedim(dim, 0)
     rows, rest = y.shape[0], y.shape[1:]
     flat = y.flatten(1) if y.dim() > 1 else y.unsqueeze(1)  # flatten, not reshape(rows, -1): rows may be 0
-    if flat.dtype in _WIDER:
-        # A scatter_add in the value's dtype rounds after every add of a row's up to B gradients, in order:
-        # for a prompt read by 2,048 rows that is 20x the uncompiled model's float32 error, whose sums run
-        # per row inside blocked matrix products (issue 35, defect 5). In the wider dtype the sum is rounded
-        # once, at the cast back; the forward's values are unchanged (both casts are exact).
-        flat = flat.to(_WIDER[flat.dtype])
-    flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
-    idx = index.masked_fill(~keep, rows)
-    out = flat.gather(0, idx.unsqueeze(1).expand(idx.shape[0], flat.shape[1])).to(x.dtype)
-    return out.reshape(idx.shape[0], *rest).movedim(0, dim)
+    out = gather_rows(flat, index.masked_fill(~keep, rows))
+    return out.reshape(index.shape[0], *rest).movedim(0, dim)
+
+
+@torch.library.custom_op("dualkv::gather_rows", mutates_args=())
+def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``[T, F]``, ``[N]`` with values in ``[0, T]`` -> ``[N, F]``: row ``idx[n]`` of ``x``, zeros where it is ``T``."""
+    return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, idx)
+
+
+@gather_rows.register_fake
+def _(x, idx):
+    return x.new_empty(idx.shape[0], x.shape[1])
+
+
+@torch.library.custom_op("dualkv::gather_rows_bwd", mutates_args=())
+def gather_rows_bwd(grad: torch.Tensor, idx: torch.Tensor, rows: int) -> torch.Tensor:
+    """``gather_rows``' backward: ``[N, F]`` -> ``[rows, F]``, row ``t`` the sum over the positions ``n`` with
+    ``idx[n] == t``, in increasing ``n``, in the wider dtype of ``_WIDER``, rounded once; ``idx == rows`` dropped."""
+    n, f = grad.shape
+    wide = _WIDER.get(grad.dtype, grad.dtype)
+    out = grad.new_empty(rows, f)
+    step = max(16, SUM_CHUNK_BYTES // max(1, n * wide.itemsize))
+    for c in range(0, f, step):
+        w = min(step, f - c)
+        acc = torch.zeros(rows + 1, w, dtype=wide)  # contiguous, as ATen's sorted kernel requires
+        acc.scatter_add_(0, idx.unsqueeze(1).expand(n, w), grad[:, c : c + w].to(wide).contiguous())
+        out[:, c : c + w] = acc[:rows]
+    return out
+
+
+@gather_rows_bwd.register_fake
+def _(grad, idx, rows):
+    return grad.new_empty(rows, grad.shape[1])
+
+
+def _gather_rows_setup(ctx, inputs, output):
+    x, idx = inputs
+    ctx.save_for_backward(idx)
+    ctx.rows = x.shape[0]
+
+
+def _gather_rows_backward(ctx, grad):
+    (idx,) = ctx.saved_tensors
+    return gather_rows_bwd(grad, idx, ctx.rows), None
+
+
+def _gather_rows_bwd_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+
+
+def _gather_rows_bwd_backward(ctx, grad):  # a double backward: the sum's derivative is the gather again
+    (idx,) = ctx.saved_tensors
+    return gather_rows(grad, idx), None, None
+
+
+gather_rows.register_autograd(_gather_rows_backward, setup_context=_gather_rows_setup)
+gather_rows_bwd.register_autograd(_gather_rows_bwd_backward, setup_context=_gather_rows_bwd_setup)

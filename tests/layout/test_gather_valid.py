@@ -186,3 +186,96 @@ def test_indexed_form_sums_many_copies_in_a_wider_dtype(dtype, wide):
     assert grad.dtype == dtype
     assert torch.equal(grad[0], g.to(torch.float64).sum(0).to(wide).to(dtype))
     assert torch.equal(grad[1], torch.zeros(8, dtype=dtype))
+
+
+# The CPU form's ops, dualkv::gather_rows and dualkv::gather_rows_bwd (issue 35, defect 6): the backward widens one
+# column chunk of the gradient at a time. SUM_CHUNK_BYTES = 1 makes every chunk the 16-column minimum, so 40 columns
+# run as 16 + 16 + a ragged 8 (ATen's sorted kernel for the first two, its generic in-order loop for the last).
+
+import importlib  # noqa: E402
+
+from dualkv_compile.layout.pack import gather_rows, gather_rows_bwd  # noqa: E402
+
+pack_module = importlib.import_module("dualkv_compile.layout.pack")
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 16 * 9 * 8, 1 << 30])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_backward_chunks_sum_like_one_chunk(monkeypatch, chunk_bytes, dtype):
+    """Any chunking gives the ordered sum of the wider dtype, bit for bit; rows read up to 40 times."""
+    monkeypatch.setattr(pack_module, "SUM_CHUNK_BYTES", chunk_bytes)
+    gen = torch.Generator().manual_seed(3)
+    x, index, keep = case(gen, 9, 40, 6, (5, 8), 1, dtype)  # 40 trailing columns after the movedim
+    out = gather_valid(x, index, keep, 1)
+    torch.testing.assert_close(out, reference(x, index, keep, 1), rtol=0, atol=0)
+    g = torch.randn(out.shape, generator=gen).to(dtype)
+    (grad,) = torch.autograd.grad(out, x, g)
+    torch.testing.assert_close(grad, ordered_grad(x.shape, 1, index, keep, g), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("threads,dtype", [(2, torch.float32), (1, torch.float32), (2, torch.bfloat16)])
+def test_ops_compiled_dynamic(monkeypatch, backend, threads, dtype):
+    """Under torch.compile(dynamic=True) both ops stay opaque and trace once for every size: values exact, gradients
+    the eager ordered sum bit for bit, with several column chunks and a ragged last one."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    monkeypatch.setattr(pack_module, "SUM_CHUNK_BYTES", 1)
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend(backend)
+        gen = torch.Generator().manual_seed(4)
+        fn = torch.compile(lambda x, i, k: gather_valid(x.movedim(0, 1), i, k, dim=1) * 2, backend=counter, dynamic=True)
+        for rows, pad in ((9, 3), (12, 5), (7, 2)):
+            x, index, keep = case(gen, rows, 6, pad, (40,), 0, dtype)
+            xc = x.detach().clone().requires_grad_()
+            out = fn(xc.unflatten(1, (5, 8)), index, keep)
+            ref = reference(x.unflatten(1, (5, 8)).movedim(0, 1), index, keep, dim=1) * 2
+            torch.testing.assert_close(out, ref, rtol=0, atol=0)
+            g = torch.randn(out.shape, generator=gen).to(dtype)
+            out.backward(g)
+            expected = ordered_grad((5, rows, 8), 1, index, keep, g * 2).movedim(1, 0).flatten(1)
+            torch.testing.assert_close(xc.grad, expected, rtol=0, atol=0)
+        assert counter.frame_count == 1  # symbolic sizes: no recompile
+        targets = {str(node.target) for gm in counter.graphs for node in gm.graph.nodes}
+        assert "dualkv.gather_rows.default" in targets, targets
+        assert not any("gather" in t or "scatter" in t for t in targets - {"dualkv.gather_rows.default"}), targets
+    finally:
+        torch.set_num_threads(n)
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("rows,positions,pad", [(0, 4, 4), (0, 0, 0), (5, 0, 0), (3, 6, 6)])
+def test_ops_compiled_empty(backend, rows, positions, pad):
+    """T = 0 (every position padding, or none), N = 0 (nothing read), or only padding: zeros out, zeros back."""
+    torch._dynamo.reset()
+    try:
+        x = torch.randn(rows, 20, requires_grad=True)
+        index = torch.randint(0, max(rows, 1), (positions,))
+        keep = torch.zeros(positions, dtype=torch.bool)
+        keep[: positions - pad] = True
+        fn = torch.compile(lambda x, i, k: gather_valid(x, i, k), backend=backend, dynamic=True)
+        out = fn(x, index, keep)
+        torch.testing.assert_close(out, reference(x, index, keep) if rows else torch.zeros(positions, 20), rtol=0, atol=0)
+        g = torch.randn(out.shape)
+        (grad,) = torch.autograd.grad(out, x, g)
+        torch.testing.assert_close(grad, ordered_grad(x.shape, 0, index, keep, g), rtol=0, atol=0)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_opcheck_and_double_backward(monkeypatch):
+    """torch.library.opcheck (schema, fake implementations, autograd registration, AOT with dynamic shapes) on both
+    ops, and the double backward (the backward's own derivative is the gather) against gradgradcheck."""
+    monkeypatch.setattr(pack_module, "SUM_CHUNK_BYTES", 1)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 40, generator=gen, dtype=torch.float64, requires_grad=True)
+    idx = torch.tensor([0, 6, 3, 0, 5, 6, 0, 2])
+    torch.library.opcheck(gather_rows, (x, idx))
+    g = torch.randn(8, 40, generator=gen, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(gather_rows_bwd, (g, idx, 6))
+    torch.library.opcheck(gather_rows_bwd, (g[:0], idx[:0], 0))
+    assert torch.autograd.gradgradcheck(lambda x: gather_rows(x, idx), (x,))
