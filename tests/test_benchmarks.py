@@ -231,17 +231,22 @@ def test_model_remove_padding_compares_with_the_strongest_baseline_on_cpu(tmp_pa
     assert "Speedup against the strongest baseline" in (tmp_path / "model_remove_padding.md").read_text()
 
 
-def test_peers_smoke_on_cpu(tmp_path):
-    """``peers.py`` on a tiny model and a ragged batch: dualkv packs and is exact against the plain model (float32);
-    every other side either ran, with a step time, and matches the plain model too, or says why it cannot run
-    (flash-pref and TRL's FlashAttention-3 kernel do not run here: see the script's docstring)."""
-    cmd = [sys.executable, "benchmarks/peers.py", "--device", "cpu", "--groups", "2", "--rollouts", "3",
-           "--prompt-len", "16", "--response-len", "6", "--ragged", "--iters", "1", "--threads", "1", "--out", str(tmp_path)]
+def _run_peers(tmp_path, *flags):
+    """``peers.py`` on CPU, 2 prompts of 16 tokens x 3 responses of 6, one timed step: (its JSON, rows by side)."""
+    cmd = [sys.executable, "benchmarks/peers.py", "--device", "cpu", "--groups", "2", "--rollouts", "3", "--prompt-len",
+           "16", "--response-len", "6", "--iters", "1", "--threads", "1", "--out", str(tmp_path), *flags]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     with open(tmp_path / "peers.json") as f:
         run = json.load(f)
-    rows = {r["side"]: r for r in run["rows"]}
+    return run, {r["side"]: r for r in run["rows"]}
+
+
+def test_peers_smoke_on_cpu(tmp_path):
+    """``peers.py`` on a tiny model and a ragged batch: dualkv packs and is exact against the plain model (float32);
+    every other side either ran, with a step time, and matches the plain model too, or says why it cannot run
+    (flash-pref and TRL's FlashAttention-3 kernel do not run here: see the script's docstring)."""
+    _, rows = _run_peers(tmp_path, "--ragged")
     assert {"plain", "plain_varlen", "dualkv", "prefix_grouper", "trl_prefix_tree", "trl_prefix_tree_standin",
             "flash_pref"} == set(rows)
     dualkv = rows["dualkv"]
@@ -264,13 +269,7 @@ def test_peers_smoke_on_cpu(tmp_path):
 def test_peers_tiny_moe_is_exact_and_its_flop_columns_match_a_hand_count(tmp_path):
     """``peers.py --shape tiny-moe`` (model_moe.py's tiny MoE, 2 layers) on 2 prompts of 16 tokens x 3 responses of 6:
     every side that ran is exact against plain (float32, 1e-5), and the FLOP columns equal a count by hand."""
-    cmd = [sys.executable, "benchmarks/peers.py", "--device", "cpu", "--shape", "tiny-moe", "--groups", "2", "--rollouts",
-           "3", "--prompt-len", "16", "--response-len", "6", "--iters", "1", "--threads", "1", "--out", str(tmp_path)]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    with open(tmp_path / "peers.json") as f:
-        run = json.load(f)
-    rows = {r["side"]: r for r in run["rows"]}
+    run, rows = _run_peers(tmp_path, "--shape", "tiny-moe")
     assert run["meta"]["moe"] and run["meta"]["reference"] == "plain"
     for name in ("plain", "plain_varlen", "dualkv", "prefix_grouper", "trl_prefix_tree_standin"):
         assert rows[name]["status"] == "ok", rows[name]
