@@ -70,7 +70,12 @@ def child(args) -> dict:
         times.append(time.perf_counter() - t)
         model.zero_grad(set_to_none=True)
     packed = any(r.packed_calls for r in dualkv_compile.reports()) if args.one == "dualkv" else None
-    return {"first_s": times[0], "second_s": times[1], "packed": packed}
+    # Whether a warm start found its graphs: Inductor's FX graph cache and AOTAutograd's cache, hits and misses.
+    c = torch._dynamo.utils.counters
+    caches = {k: int(c[group][k]) for group, keys in (("inductor", ("fxgraph_cache_hit", "fxgraph_cache_miss")),
+                                                       ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss")))
+              for k in keys}
+    return {"first_s": times[0], "second_s": times[1], "packed": packed, **caches}
 
 
 def run(args, side: str, cache: str) -> dict:
@@ -103,10 +108,13 @@ def main(argv=None) -> int:
                 print(f"compile_time: {side}, {state} cache ...", file=sys.stderr, flush=True)
                 rows[(side, state)] = run(args, side, cache)
                 print(f"compile_time: {side}, {state}: {json.dumps(rows[(side, state)])}", file=sys.stderr, flush=True)
-    lines = ["| side | cold: first step s | warm: first step s | next step s |", "|---|---:|---:|---:|"]
+    lines = ["| side | cold: first step s | warm: first step s | next step s | warm: FX graph cache hit / miss | "
+             "warm: AOTAutograd cache hit / miss |", "|---|---:|---:|---:|---:|---:|"]
     for side in ("plain", "dualkv"):
         cold, warm = rows[(side, "cold")], rows[(side, "warm")]
-        lines.append(f"| {side} | {cold['first_s']:.2f} | {warm['first_s']:.2f} | {cold['second_s']:.3f} |")
+        lines.append(f"| {side} | {cold['first_s']:.2f} | {warm['first_s']:.2f} | {cold['second_s']:.3f} | "
+                     f"{warm.get('fxgraph_cache_hit', '-')} / {warm.get('fxgraph_cache_miss', '-')} | "
+                     f"{warm.get('autograd_cache_hit', '-')} / {warm.get('autograd_cache_miss', '-')} |")
     ratio = rows[("dualkv", "cold")]["first_s"] / rows[("plain", "cold")]["first_s"]
     warm_ratio = rows[("dualkv", "warm")]["first_s"] / rows[("plain", "warm")]["first_s"]
     lines.append(f"\ndualkv's first step / plain Inductor's: cold {ratio:.2f}x, warm {warm_ratio:.2f}x; dualkv packed: "
