@@ -334,3 +334,15 @@ def test_flex_user_mask_is_the_forests_dense_mask(shape):
     expected = dense_mask(am.segments(case, "cpu"), T)
     assert mask.shape == (T, T) and torch.equal(mask, expected)
     assert 0 < int(mask.sum()) < T * (T + 1) // 2  # a forest, not all-causal, and not empty
+
+
+def test_compile_time_names_a_bad_model_and_takes_llama_1b():
+    """``compile_time.py --model``: a Qwen3 preset of model_gpu.py or llama-1b; anything else is refused at the
+    command line, naming the argument and what it takes (not a KeyError in a child process)."""
+    res = subprocess.run([sys.executable, "benchmarks/compile_time.py", "--model", "llama-8b"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "--model: expected llama-1b or one of 0.6b, 1.7b, 8b, tiny" in res.stderr, res.stderr
+    import compile_time  # benchmarks/ is on sys.path (above)
+
+    assert compile_time.parse(["--model", "llama-1b"]).model == "llama-1b"
+    assert compile_time.LLAMA_1B["head_dim"] == 64 and compile_time.LLAMA_1B["num_hidden_layers"] == 16
