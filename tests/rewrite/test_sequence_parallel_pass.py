@@ -175,3 +175,23 @@ def test_local_token_weights_are_chunks_of_the_whole_streams():
     chunks = torch.cat([local_token_weights(n, layout.unpack_index, layout.valid, ids, 0, False, world, r) for r in range(world)])
     assert torch.equal(chunks[:T], whole)
     assert not chunks[T:].any()  # padding tokens count for nothing
+
+
+def test_kv_heads_are_repeated_before_the_exchange_in_the_checkpoint_region():
+    """2 key/value heads over 4 ranks: each is repeated twice (``kv_repeat``) before the all-to-all, as the eager
+    ``ulysses_attention`` does; every node emitted for an attention carries that attention's checkpoint tags, so
+    activation checkpointing recomputes the exchange instead of saving it."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    model = hf_model("qwen3", "sdpa")
+    packed, _ = packed_loss_graph(grpo_token_mean, model, make_batch(GROUPS))
+    atts = _calls(packed, torch.ops.dualkv.attention_fwd.default)
+    for i, att in enumerate(atts):  # as inline_checkpoint tags a region's nodes
+        att.meta.update(recompute=CheckpointPolicy.PREFER_RECOMPUTE, ac_graph_id=i + 1)
+    sharded = shard_packed_graph(packed, SPGroup(4, 0, "sp"))
+    repeats = _calls(sharded, torch.repeat_interleave)
+    assert len(repeats) == 4 and all(n.args[1:] == (2, 1) for n in repeats)  # k and v of 2 layers, twice each, on heads
+    emitted = [n for n in sharded.graph.nodes if n.name.startswith("attention_fwd")]
+    assert len(emitted) == 2 * 8  # per layer: 2 repeats, 3 exchanges, the kernel, its output, the exchange back
+    assert sorted({n.meta.get("ac_graph_id") for n in emitted}) == [1, 2]
+    assert all(n.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE for n in emitted)
