@@ -167,7 +167,13 @@ def side_plain_varlen(model, batch, args):
 
     fn = torch.compile(loss, dynamic=False) if args.compile else loss
     return Side(fn, "torch_varlen", int(keep.sum()), sum(causal_pairs(int(n)) for n in lens), False,
-                "remove padding, torch varlen attention, chunked log-probs" + (", Inductor" if args.compile else ""))
+                f"remove padding, varlen attention ({_varlen_kernel_name()}), chunked log-probs"
+                + (", Inductor" if args.compile else ""))
+
+
+def _varlen_kernel_name() -> str:
+    """Which kernel the varlen baseline runs on CUDA (``DUALKV_VARLEN_KERNEL``), as the report names it."""
+    return "FlashAttention-4" if varlen_attention.KERNEL == "fa4" else "torch varlen_attn"
 
 
 def side_dualkv(model, batch, args):

@@ -6,7 +6,8 @@
 What veRL and TRL run when FlashAttention is installed (``flash_attention_2``): the rows' valid tokens as
 sequences of one varlen call, each causal within itself, no ``[T, T]`` mask, nothing computed at padding. No
 FlashAttention-2 wheel exists for the GPU machine, so this calls ``torch.nn.attention.varlen.varlen_attn`` (CUDA
-only) instead; on a CPU it loops over the sequences with causal SDPA (the same math, for tests).
+only) instead, or FlashAttention-4 with ``DUALKV_VARLEN_KERNEL=fa4``; on a CPU it loops over the sequences with
+causal SDPA (the same math, for tests).
 
 Sequences come from, in this order: FlashAttention's ``cu_seq_lens_q`` and ``max_length_q`` keyword arguments
 for one row (passed through the model's call, as veRL passes them; no host sync), one row (``B == 1``) whose
@@ -19,11 +20,19 @@ or the 2-D mask), so no ``[B, 1, S, S]`` mask is built.
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Optional
 
 import torch
 
 NAME = "torch_varlen"
+# The CUDA kernel: "torch" (``varlen_attn``) or "fa4" (FlashAttention-4's ``flash_attn.cute.flash_attn_varlen_func``,
+# installed from carried wheels: ``benchmarks/fa4_wheels.sh``), chosen by the environment so that every benchmark
+# using this baseline can run either without a flag of its own. The CPU loop ignores it.
+KERNELS = ("torch", "fa4")
+KERNEL = os.environ.get("DUALKV_VARLEN_KERNEL", "torch")
+if KERNEL not in KERNELS:
+    raise ValueError(f"DUALKV_VARLEN_KERNEL: expected one of {', '.join(KERNELS)}, got {KERNEL!r}")
 
 
 def _sequences(query: torch.Tensor, attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
@@ -66,6 +75,8 @@ except ImportError:
 def _varlen_cuda(q, k, v, cu, longest, scale, cu_k=None, longest_k=None):
     """Tokens-first ``[T, H, D]`` sequences, causal. ``cu_k``/``longest_k``: the keys' bounds where a sequence has more
     keys than queries (its queries are its last keys: FlashAttention's window (-1, 0) aligns at the bottom right)."""
+    if KERNEL == "fa4":
+        return _varlen_fa4(q, k, v, cu, longest, scale, cu_k, longest_k)
     if varlen_attn is None:
         raise RuntimeError(f"torch_varlen: torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn")
     extra = dict(_CAUSAL)
@@ -77,6 +88,19 @@ def _varlen_cuda(q, k, v, cu, longest, scale, cu_k=None, longest_k=None):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return varlen_attn(q, k, v, cu, cu if cu_k is None else cu_k, longest, longest if longest_k is None else longest_k,
                        scale=scale, **extra)
+
+
+def _varlen_fa4(q, k, v, cu, longest, scale, cu_k=None, longest_k=None):
+    """``_varlen_cuda`` through FlashAttention-4 (GQA native; causal aligned at the bottom right, as FlashAttention's)."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError as e:
+        raise RuntimeError(f"DUALKV_VARLEN_KERNEL=fa4 but flash_attn.cute does not import ({e}); "
+                           "install the wheels of benchmarks/fa4_wheels.sh") from e
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu if cu_k is None else cu_k,
+                                 max_seqlen_q=longest, max_seqlen_k=longest if longest_k is None else longest_k,
+                                 softmax_scale=scale, causal=True)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _varlen_loop(q, k, v, cu, scale):

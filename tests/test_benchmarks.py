@@ -346,3 +346,16 @@ def test_compile_time_names_a_bad_model_and_takes_llama_1b():
 
     assert compile_time.parse(["--model", "llama-1b"]).model == "llama-1b"
     assert compile_time.LLAMA_1B["head_dim"] == 64 and compile_time.LLAMA_1B["num_hidden_layers"] == 16
+
+
+def test_varlen_kernel_choice_is_checked():
+    """``DUALKV_VARLEN_KERNEL`` picks the baseline's CUDA kernel; a value it does not know stops the import, naming
+    the variable and the choices."""
+    code = "import sys; sys.path.insert(0, 'benchmarks'); import varlen_attention"
+    env = dict(os.environ, DUALKV_VARLEN_KERNEL="fa2")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "DUALKV_VARLEN_KERNEL: expected one of torch, fa4, got 'fa2'" in res.stderr, res.stderr
+    env["DUALKV_VARLEN_KERNEL"] = "fa4"
+    res = subprocess.run([sys.executable, "-c", code + "; print(varlen_attention.KERNEL)"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "fa4", res.stderr
