@@ -44,12 +44,15 @@ def inner_compile(gm: fx.GraphModule, example_inputs, cfg: DualKVConfig, mode: O
     return gm.forward
 
 
+def _symbolic(value) -> bool:
+    """True for a SymInt or a tensor with a symbolic size."""
+    return isinstance(value, torch.SymInt) or (
+        isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in value.shape)
+    )
+
+
 def is_dynamic(gm: fx.GraphModule) -> bool:
-    for n in gm.graph.find_nodes(op="placeholder"):
-        ev = n.meta.get("example_value")
-        if isinstance(ev, torch.SymInt) or (isinstance(ev, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in ev.shape)):
-            return True
-    return False
+    return any(_symbolic(n.meta.get("example_value")) for n in gm.graph.find_nodes(op="placeholder"))
 
 
 def has_unbacked_sizes(gm: fx.GraphModule) -> bool:
@@ -179,20 +182,12 @@ def nested_compile(gm: fx.GraphModule, cfg: DualKVConfig, mode: Optional[str], d
 # and could fail an assertion on equal sizes written two ways ("get_pw_red_splits", pytorch/pytorch#181563, fixed
 # in #181793): a dynamic-shape GRPO step on torch 2.11 raised InductorError on an H100 (2026-11-27). The analysis
 # does not apply to dynamic shapes anyway (its own config comment says so), so it is turned off for them there.
-_COALESCE_ANALYSIS_BREAKS_DYNAMIC = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
-
-
-def has_symbolic_sizes(example_inputs) -> bool:
-    """True if an example input is a SymInt or a tensor with a symbolic size."""
-    return any(
-        isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape))
-        for x in example_inputs
-    )
+_COALESCE_ANALYSIS_BREAKS_DYNAMIC = torch.__version__ < "2.12"  # a TorchVersion: compared as a version, local part aside
 
 
 def dynamic_shape_patches(example_inputs) -> dict:
     """Inductor config patches for a graph compiled with symbolic sizes (see ``_COALESCE_ANALYSIS_BREAKS_DYNAMIC``)."""
-    if _COALESCE_ANALYSIS_BREAKS_DYNAMIC and has_symbolic_sizes(example_inputs):
+    if _COALESCE_ANALYSIS_BREAKS_DYNAMIC and any(_symbolic(x) for x in example_inputs):
         return {"triton.coalesce_tiling_analysis": False}
     return {}
 
