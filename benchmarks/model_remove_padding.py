@@ -35,9 +35,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dualkv_compile  # noqa: E402
 from model_gpu import MODELS, TINY_VOCAB, VOCAB, flops, log, time_step  # noqa: E402
-import varlen_attention  # noqa: E402,F401  (registers torch_varlen)
+import varlen_attention  # noqa: E402  (registers torch_varlen)
 
-STRONGEST = "remove padding, torch varlen flash attention, chunked log-probs (Inductor)"
+STRONGEST = f"remove padding, {varlen_attention.kernel_name()}, chunked log-probs (Inductor)"
 
 
 def next_token_logp(logits, input_ids):

@@ -167,13 +167,8 @@ def side_plain_varlen(model, batch, args):
 
     fn = torch.compile(loss, dynamic=False) if args.compile else loss
     return Side(fn, "torch_varlen", int(keep.sum()), sum(causal_pairs(int(n)) for n in lens), False,
-                f"remove padding, varlen attention ({_varlen_kernel_name()}), chunked log-probs"
+                f"remove padding, {varlen_attention.kernel_name()}, chunked log-probs"
                 + (", Inductor" if args.compile else ""))
-
-
-def _varlen_kernel_name() -> str:
-    """Which kernel the varlen baseline runs on CUDA (``DUALKV_VARLEN_KERNEL``), as the report names it."""
-    return "FlashAttention-4" if varlen_attention.KERNEL == "fa4" else "torch varlen_attn"
 
 
 def side_dualkv(model, batch, args):
@@ -219,7 +214,7 @@ def side_prefix_grouper(model, batch, args):
     loss.dist = "prefix-grouper"
     return Side(loss, "prefix_grouper_attention", int(ids.numel()), pairs, True,
                 f"register_attention, inner attention {inner}" + (
-                    f" ({'torch varlen flash attention' if args.standin == 'varlen' else 'SDPA'})"
+                    f" ({varlen_attention.kernel_name() if args.standin == 'varlen' else 'SDPA'})"
                     if inner == "flash_style" else ""))
 
 
@@ -250,7 +245,7 @@ def side_trl(model, batch, args, stand_in):
         return masked_mean_loss(logp, p["advantages"], torch.ones_like(logp))
 
     note = "TreeRow packing (in TRL's collator: not timed), tree_attention" + (
-        f" with {'torch varlen flash attention' if args.standin == 'varlen' else 'SDPA'} standing in for its FlashAttention-3"
+        f" with {varlen_attention.kernel_name() if args.standin == 'varlen' else 'SDPA'} standing in for its FlashAttention-3"
         " kernel" if stand_in else " (kernels-community/flash-attn3)")
     # Each token of the trie attends to its root path, its depth + 1 keys (the position ids are the depths).
     return Side(loss, packing.TREE_ATTENTION, int(p["input_ids"].numel()), int((p["position_ids"] + 1).sum()), True, note)

@@ -35,6 +35,11 @@ if KERNEL not in KERNELS:
     raise ValueError(f"DUALKV_VARLEN_KERNEL: expected one of {', '.join(KERNELS)}, got {KERNEL!r}")
 
 
+def kernel_name() -> str:
+    """The CUDA kernel this module runs (``DUALKV_VARLEN_KERNEL``), as the benchmarks' reports name it."""
+    return "FlashAttention-4" if KERNEL == "fa4" else "torch varlen flash attention"
+
+
 def _sequences(query: torch.Tensor, attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
                cu_seqlens: Optional[torch.Tensor] = None, longest: Optional[int] = None):
     """``(token index [T] or None for every token, cu_seqlens [n + 1] int32, longest)``: the valid tokens of
