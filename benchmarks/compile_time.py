@@ -56,9 +56,7 @@ def child(args) -> dict:
     sys.path.insert(0, os.path.dirname(HERE))
     import dualkv_compile
     from model_gpu import MODELS, TINY_VOCAB, VOCAB, grpo_loss, make_batch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     llama = args.model == "llama-1b"
     cfg = dict(LLAMA_1B if llama else MODELS[args.model])
