@@ -35,7 +35,7 @@ REAL="--device cuda --mode fsdp --bf16 --layers 4 --hidden 2048 --heads 16 --kv-
 run() {
   name=$1; gpus=$2; shift 2
   echo "=== $name ($gpus GPU): $*" | tee "$OUT/$name.log"
-  PYTHONUNBUFFERED=1 timeout ${LIMIT:-170} torchrun --standalone --nproc-per-node "$gpus" examples/fsdp_grpo.py "$@" --out "$OUT/$name" >>"$OUT/$name.log" 2>&1
+  PYTHONUNBUFFERED=1 timeout -k 15 ${LIMIT:-170} torchrun --standalone --nproc-per-node "$gpus" examples/fsdp_grpo.py "$@" --out "$OUT/$name" >>"$OUT/$name.log" 2>&1
   echo "exit $?" >>"$OUT/$name.log"
   grep -E "fsdp_grpo:|Error|error:" "$OUT/$name.log" | grep -v Warning | tail -3
 }
@@ -62,7 +62,7 @@ case "$SET" in
   q17_per_layer)
     LIMIT=${LIMIT:-280} run q17_per_layer 2 $Q17 ;;
   sp4)
-    LIMIT=560 run w8b_sp4 4 $W8B --sp 4 ;;
+    LIMIT=${LIMIT:-560} run w8b_sp4 4 $W8B --sp 4 ;;
   headline)
     LIMIT=${LIMIT:-570} run headline_sp4_${LAYERS:-36}l 4 $HEADLINE --sp 4 ;;
   q17_fp32)
