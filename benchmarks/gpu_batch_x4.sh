@@ -4,6 +4,11 @@
 #     GPU 0     fsdp_sp_gpu.sh q17_1gpu, then q17_fp32 (issue 37 (a) at the final code; float32 gradient parity)
 #     GPU 1,2   fsdp_sp_gpu.sh q17_per_layer, then grad_bf16_check.py (cuda) and tests/test_shared_token_precision.py
 #     GPU 3     trl_grpo_gpu.py (issue 34 (a)), TRL and datasets from carried wheels
+#   BATCH profile, side by side (what 2026-11-27's second session left for the GPU):
+#     GPU 0     peers.py --profile on the 30B-A3B MoE row (0.86 of the FLOP ideal) and the dense 8B row (0.93):
+#               dualkv and plain_varlen under torch.profiler (kernels by kind, launches, host ops)
+#     GPU 1, 2  compile_time.py, Llama-1B and Qwen3-1.7B shapes, cold and warm (each alone on its GPU)
+#     GPU 3     the shared-token precision test (4,096 rows) and its breakdown per attention backend
 #   BATCH sp, one after the other on all 4 GPUs: fsdp_sp_gpu.sh sp4 (issue 37 (b), the 64K prompt at sp 4), then
 #     fsdp_sp_gpu.sh headline (issue 36, all 36 layers) with what is left of TOTAL_S (default 580 s)
 # Each run compares its sides inside one process, so neighbours on other GPUs load both sides alike; the host's
@@ -26,12 +31,23 @@ case "$BATCH" in
       CUDA_VISIBLE_DEVICES=3 PYTHONPATH=/tmp/site:$PWD timeout 540 python3 benchmarks/trl_grpo_gpu.py --out "$OUT/trl" ) > "$OUT/gpu3.txt" 2>&1 &
     wait
     tail -5 "$OUT/gpu0.txt" "$OUT/gpu12.txt" "$OUT/gpu3.txt" ;;
+  profile)
+    mkdir -p "$OUT/prof30b" "$OUT/prof8b" "$OUT/ct_llama" "$OUT/ct_q17"
+    PEERS="--device cuda --groups 2 --rollouts 8 --prompt-len 1024 --response-len 512 --ragged --compile --iters 5 --sides plain_varlen,dualkv --profile plain_varlen,dualkv"
+    ( CUDA_VISIBLE_DEVICES=0 timeout 280 python3 benchmarks/peers.py --shape qwen3-30b-a3b --layers 4 $PEERS --out "$OUT/prof30b"
+      CUDA_VISIBLE_DEVICES=0 timeout 250 python3 benchmarks/peers.py --shape qwen3-8b --layers 4 $PEERS --out "$OUT/prof8b" ) > "$OUT/gpu0.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout 560 python3 benchmarks/compile_time.py --model llama-1b --out "$OUT/ct_llama" > "$OUT/gpu1.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=2 timeout 560 python3 benchmarks/compile_time.py --model 1.7b --out "$OUT/ct_q17" > "$OUT/gpu2.txt" 2>&1 &
+    ( CUDA_VISIBLE_DEVICES=3 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_shared_token_precision.py
+      CUDA_VISIBLE_DEVICES=3 timeout 300 python3 benchmarks/shared_token_precision.py --rows 4096 --backends auto,triton,reference ) > "$OUT/gpu3.txt" 2>&1 &
+    wait
+    tail -8 "$OUT/gpu0.txt" "$OUT/gpu1.txt" "$OUT/gpu2.txt" "$OUT/gpu3.txt" ;;
   sp)
     LIMIT=${SP4_S:-240} bash benchmarks/fsdp_sp_gpu.sh "$OUT" sp4
     left=$(( ${TOTAL_S:-580} - ($(date +%s) - start) ))
     echo "== sp4 done after $(($(date +%s) - start)) s; headline gets ${left} s"
     LIMIT=$left bash benchmarks/fsdp_sp_gpu.sh "$OUT" headline ;;
-  *) echo "gpu_batch_x4.sh: unknown BATCH '$BATCH' (q17 or sp)" >&2; exit 2 ;;
+  *) echo "gpu_batch_x4.sh: unknown BATCH '$BATCH' (q17, profile or sp)" >&2; exit 2 ;;
 esac
 echo "== batch $BATCH done after $(($(date +%s) - start)) s"
 tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"

@@ -129,6 +129,11 @@ def run_side(name, model, batch, args, ref, flops_of):
         row.update(packed=packed, **(dict(loss=checked[0]) if ref is None else checked))
         ms, peak, _ = time_step(side.loss, model, batch, args.iters, args.device)
         row.update(status="ok", ms=ms, peak_gb=peak if args.device == "cuda" else None)
+        if name in args.profile:  # where the step's time goes, after the timed steps (the profiler slows it)
+            from step_profile import profile_step
+
+            with open(os.path.join(args.out, f"profile_{name}.md"), "w") as f:
+                f.write(profile_step(side.loss, model, batch, args.device, title=f"{name} ({side.note})"))
         return row, checked if ref is None else None
     except Exception as e:  # noqa: BLE001  (a peer that fails is a row, not a crash)
         where = traceback.extract_tb(e.__traceback__)[-1]
@@ -241,8 +246,11 @@ def main(argv=None) -> int:
     ap.add_argument("--inner", default=None, help="dualkv's inner compiler (default inductor on cuda, aot_eager on cpu)")
     ap.add_argument("--sides", default=",".join(s for s in SIDES if s not in ("plain", "plain_compiled")),
                     help="the sides beside plain (which always runs first: the reference)")
+    ap.add_argument("--profile", default="", help="comma-separated sides to profile after their timing (torch.profiler: "
+                    "device kernels by kind, launches, host ops; profile_<side>.md in --out)")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results", "peers")))
     args = ap.parse_args(argv)
+    args.profile = [s for s in args.profile.split(",") if s]
     for flag in ("groups", "rollouts", "prompt_len", "response_len", "iters"):
         if getattr(args, flag) < (2 if flag == "response_len" else 1):
             ap.error(f"--{flag.replace('_', '-')}: must be at least {2 if flag == 'response_len' else 1}, got {getattr(args, flag)}")
@@ -253,6 +261,8 @@ def main(argv=None) -> int:
     sides = [s for s in args.sides.split(",") if s and s != "plain"]
     if args.compile and "plain_compiled" not in sides:
         sides.insert(0, "plain_compiled")
+    if set(args.profile) - set(SIDES):
+        ap.error(f"--profile: unknown sides {sorted(set(args.profile) - set(SIDES))}; known: {list(SIDES)}")
     if set(sides) - set(SIDES):
         ap.error(f"--sides: unknown sides {sorted(set(sides) - set(SIDES))}; known: {list(SIDES)}")
 

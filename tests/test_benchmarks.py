@@ -231,6 +231,18 @@ def test_model_remove_padding_compares_with_the_strongest_baseline_on_cpu(tmp_pa
     assert "Speedup against the strongest baseline" in (tmp_path / "model_remove_padding.md").read_text()
 
 
+def test_step_profile_sorts_kernels_into_kinds_by_name():
+    from step_profile import kind_of
+
+    assert kind_of("ncclDevKernel_AllToAll_RING_LL") == "communication"
+    assert kind_of("_attn_fwd_gluon_kernel") == "attention"
+    assert kind_of("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT") == "matrix products"
+    assert kind_of("sm90_xmma_gemm_bf16bf16_bf16f32") == "matrix products"
+    assert kind_of("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "Inductor / Triton fused"
+    assert kind_of("void at::native::vectorized_elementwise_kernel<4, FillFunctor>") == "copies and fills"
+    assert kind_of("some_unknown_kernel") == "other"
+
+
 def _run_peers(tmp_path, *flags):
     """``peers.py`` on CPU, 2 prompts of 16 tokens x 3 responses of 6, one timed step: (its JSON, rows by side)."""
     cmd = [sys.executable, "benchmarks/peers.py", "--device", "cpu", "--groups", "2", "--rollouts", "3", "--prompt-len",
@@ -246,7 +258,10 @@ def test_peers_smoke_on_cpu(tmp_path):
     """``peers.py`` on a tiny model and a ragged batch: dualkv packs and is exact against the plain model (float32);
     every other side either ran, with a step time, and matches the plain model too, or says why it cannot run
     (flash-pref and TRL's FlashAttention-3 kernel do not run here: see the script's docstring)."""
-    _, rows = _run_peers(tmp_path, "--ragged")
+    _, rows = _run_peers(tmp_path, "--ragged", "--profile", "dualkv")
+    profile = (tmp_path / "profile_dualkv.md").read_text()  # --profile: the side's step under torch.profiler
+    assert "### Profile: dualkv" in profile and "dualkv::attention" in profile, profile[:2000]
+    assert not (tmp_path / "profile_plain_varlen.md").exists()
     assert {"plain", "plain_varlen", "dualkv", "prefix_grouper", "trl_prefix_tree", "trl_prefix_tree_standin",
             "flash_pref"} == set(rows)
     dualkv = rows["dualkv"]
