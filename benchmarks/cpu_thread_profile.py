@@ -1,8 +1,8 @@
 """Per-op self CPU time of one side's step at a given thread count, and a 1-vs-2-thread table (issue 35, defect 6).
 
-    .venv/bin/python benchmarks/step_profile.py --side dualkv --threads 1 --steps 5 --json /tmp/d1.json
-    .venv/bin/python benchmarks/step_profile.py --side dualkv --threads 2 --steps 5 --json /tmp/d2.json
-    .venv/bin/python benchmarks/step_profile.py --compare /tmp/d1.json /tmp/d2.json [--top 15]
+    .venv/bin/python benchmarks/cpu_thread_profile.py --side dualkv --threads 1 --steps 5 --json /tmp/d1.json
+    .venv/bin/python benchmarks/cpu_thread_profile.py --side dualkv --threads 2 --steps 5 --json /tmp/d2.json
+    .venv/bin/python benchmarks/cpu_thread_profile.py --compare /tmp/d1.json /tmp/d2.json [--top 15]
 
 The model, batch and step of ``model_cpu.py --ragged`` (loss outside, ``[B, S, V]`` logits unpacked; ``--loss
 given``: the model alone, its backward from that loss's gradient, precomputed);
@@ -145,7 +145,7 @@ def main() -> None:
     if args.compare:
         print(compare(*args.compare, args.top))
     else:
-        args.json = args.json or f"/tmp/step_profile_{args.side}_t{args.threads}.json"
+        args.json = args.json or f"/tmp/cpu_thread_profile_{args.side}_t{args.threads}.json"
         t0 = time.perf_counter()
         run(args)
         print(f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
