@@ -374,3 +374,25 @@ def test_varlen_kernel_choice_is_checked():
     res = subprocess.run([sys.executable, "-c", code + "; print(varlen_attention.KERNEL)"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "fa4", res.stderr
+
+
+def test_cpu_thread_profile_compare_ranks_ops_by_self_time_at_more_threads(tmp_path):
+    """cpu_thread_profile --compare: rows by self time at the second file's thread count, each with its speedup and
+    its excess over perfect scaling; the ops left out are summed into one row."""
+    import cpu_thread_profile
+
+    def run(path, threads, ops, wall):
+        with open(path, "w") as f:
+            json.dump({"side": "dualkv", "threads": threads, "steps": 1, "wall_ms": wall,
+                       "self_total_ms": sum(o[0] for o in ops.values()), "ops": ops}, f)
+        return str(path)
+
+    one = run(tmp_path / "t1.json", 1, {"aten::mm": [200.0, 200.0, 87], "aten::_index_put_impl_": [8.0, 8.0, 1],
+                                         "aten::add_": [2.0, 2.0, 10]}, [210.0])
+    two = run(tmp_path / "t2.json", 2, {"aten::mm": [100.0, 100.0, 87], "aten::_index_put_impl_": [48.0, 48.0, 1],
+                                         "aten::add_": [1.5, 1.5, 10]}, [150.0])
+    lines = cpu_thread_profile.compare(one, two, top=2).splitlines()
+    assert "1.40x" in lines[0]  # 210 / 150
+    assert lines[4] == "| `aten::mm` | 87 | 200.0 | 100.0 | 2.00x | 66.9% | +0.0 |"
+    assert lines[5] == "| `aten::_index_put_impl_` | 1 | 8.0 | 48.0 | 0.17x | 32.1% | +44.0 |"
+    assert lines[6] == "| all other ops |  | 2.0 | 1.5 | 1.33x | 1.0% | +0.5 |"
