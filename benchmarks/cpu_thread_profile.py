@@ -56,10 +56,8 @@ def run(args) -> None:
     ic.cpp.enable_kernel_profile = True
     torch.set_num_threads(args.threads)
     model, cfg = mc.build_model()
-    N, P, R = 8, 512, 64
-    lens = [R // 2 + (i * (R - R // 2)) // (N - 1) for i in range(N)]
-    ids, mask = mc.group_batch(P, lens, cfg.vocab_size)
-    w = torch.randn(cfg.vocab_size, generator=torch.Generator().manual_seed(1))
+    ids, mask = mc.group_batch(512, mc.response_lengths(8, 64, ragged=True), cfg.vocab_size)  # model_cpu.py --ragged
+    w = mc.loss_projection(cfg.vocab_size)
     fn = torch.compile(model, backend="dualkv") if args.side == "dualkv" else torch.compile(model)
     step = mc.step
     if args.loss == "given":  # the model alone: backward from the gradient the outside loss hands it, precomputed

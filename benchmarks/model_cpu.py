@@ -64,6 +64,16 @@ def build_model(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=76
     return transformers.Qwen3ForCausalLM(cfg).train(), cfg
 
 
+def response_lengths(N, R, ragged):
+    """``--ragged``: N lengths spread evenly over [R // 2, R]; else N x R."""
+    return [R // 2 + (i * (R - R // 2)) // max(N - 1, 1) for i in range(N)] if ragged else [R] * N
+
+
+def loss_projection(vocab):
+    """The outside loss's fixed projection of the logits (``--loss outside``)."""
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(1))
+
+
 def group_batch(P, resp_lens, vocab, seed=0):
     """One group: rows [prompt | response_i | right pad]; returns input_ids, attention_mask."""
     g = torch.Generator().manual_seed(seed)
@@ -225,15 +235,11 @@ def main():
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
 
     model, cfg = build_model()
-    if args.ragged:
-        lens = [args.R // 2 + (i * (args.R - args.R // 2)) // max(args.N - 1, 1) for i in range(args.N)]
-    else:
-        lens = [args.R] * args.N
-    ids, mask = group_batch(args.P, lens, cfg.vocab_size)
+    ids, mask = group_batch(args.P, response_lengths(args.N, args.R, args.ragged), cfg.vocab_size)
     layout = dualkv_compile.detect(ids, mask)
     st = layout.stats()
     progress(f"batch {list(ids.shape)}: {st}")
-    w = torch.randn(cfg.vocab_size, generator=torch.Generator().manual_seed(1))  # --loss outside: the projection
+    w = loss_projection(cfg.vocab_size)
 
     models = {"dualkv": model, "inductor": copy.deepcopy(model), "eager": copy.deepcopy(model)}
     if args.loss == "outside":

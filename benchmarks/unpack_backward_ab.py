@@ -61,10 +61,8 @@ def main():
     torch.set_num_threads(args.threads)
 
     model, cfg = mc.build_model()
-    N, P, R = 8, 512, 64
-    lens = [R // 2 + (i * (R - R // 2)) // (N - 1) for i in range(N)]
-    ids, mask = mc.group_batch(P, lens, cfg.vocab_size)
-    w = torch.randn(cfg.vocab_size, generator=torch.Generator().manual_seed(1))
+    ids, mask = mc.group_batch(512, mc.response_lengths(8, 64, ragged=True), cfg.vocab_size)  # model_cpu.py --ragged
+    w = mc.loss_projection(cfg.vocab_size)
 
     current = ["after"]
     forms = {"plain": gather_valid_indexed, "before": gather_valid_before, "after": packed_ops.gather_valid}
