@@ -8,7 +8,8 @@
 #     GPU 0     peers.py --profile on the 30B-A3B MoE row (0.86 of the FLOP ideal) and the dense 8B row (0.93):
 #               dualkv and plain_varlen under torch.profiler (kernels by kind, launches, host ops)
 #     GPU 1, 2  compile_time.py, Llama-1B and Qwen3-1.7B shapes, cold and warm (each alone on its GPU)
-#     GPU 3     the shared-token precision test (4,096 rows) and its breakdown per attention backend
+#     GPU 3     the shared-token precision test (4,096 rows) and its breakdown per attention backend; the MoE row
+#               at 4 and 16 rollouts (with 8 on GPU 0: whether dualkv's fixed part of the step is plain_varlen's)
 #   BATCH sp, one after the other on all 4 GPUs: fsdp_sp_gpu.sh sp4 (issue 37 (b), the 64K prompt at sp 4), then
 #     fsdp_sp_gpu.sh headline (issue 36, all 36 layers) with what is left of TOTAL_S (default 580 s)
 # Each run compares its sides inside one process, so neighbours on other GPUs load both sides alike; the host's
@@ -32,14 +33,18 @@ case "$BATCH" in
     wait
     tail -5 "$OUT/gpu0.txt" "$OUT/gpu12.txt" "$OUT/gpu3.txt" ;;
   profile)
-    mkdir -p "$OUT/prof30b" "$OUT/prof8b" "$OUT/ct_llama" "$OUT/ct_q17"
+    mkdir -p "$OUT/prof30b" "$OUT/prof8b" "$OUT/ct_llama" "$OUT/ct_q17" "$OUT/moe_rollouts_4" "$OUT/moe_rollouts_16"
     PEERS="--device cuda --groups 2 --rollouts 8 --prompt-len 1024 --response-len 512 --ragged --compile --iters 5 --sides plain_varlen,dualkv --profile plain_varlen,dualkv"
     ( CUDA_VISIBLE_DEVICES=0 timeout 280 python3 benchmarks/peers.py --shape qwen3-30b-a3b --layers 4 $PEERS --out "$OUT/prof30b"
       CUDA_VISIBLE_DEVICES=0 timeout 250 python3 benchmarks/peers.py --shape qwen3-8b --layers 4 $PEERS --out "$OUT/prof8b" ) > "$OUT/gpu0.txt" 2>&1 &
     CUDA_VISIBLE_DEVICES=1 timeout 560 python3 benchmarks/compile_time.py --model llama-1b --out "$OUT/ct_llama" > "$OUT/gpu1.txt" 2>&1 &
     CUDA_VISIBLE_DEVICES=2 timeout 560 python3 benchmarks/compile_time.py --model 1.7b --out "$OUT/ct_q17" > "$OUT/gpu2.txt" 2>&1 &
     ( CUDA_VISIBLE_DEVICES=3 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_shared_token_precision.py
-      CUDA_VISIBLE_DEVICES=3 timeout 300 python3 benchmarks/shared_token_precision.py --rows 4096 --backends auto,triton,reference ) > "$OUT/gpu3.txt" 2>&1 &
+      CUDA_VISIBLE_DEVICES=3 timeout 150 python3 benchmarks/shared_token_precision.py --rows 4096 --backends auto,triton,reference
+      for n in 4 16; do  # the MoE row at other group sizes: each side's time against its FLOPs, fixed part per side
+        CUDA_VISIBLE_DEVICES=3 timeout 120 python3 benchmarks/peers.py --shape qwen3-30b-a3b --layers 4 ${PEERS/--rollouts 8/--rollouts $n} \
+          --profile "" --out "$OUT/moe_rollouts_$n"
+      done ) > "$OUT/gpu3.txt" 2>&1 &
     wait
     tail -8 "$OUT/gpu0.txt" "$OUT/gpu1.txt" "$OUT/gpu2.txt" "$OUT/gpu3.txt" ;;
   sp)
