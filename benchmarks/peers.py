@@ -132,8 +132,12 @@ def run_side(name, model, batch, args, ref, flops_of):
         if name in args.profile:  # where the step's time goes, after the timed steps (the profiler slows it)
             from step_profile import profile_step
 
+            try:  # a profiler that fails costs the profile, not the row measured above
+                text = profile_step(side.loss, model, batch, args.device, title=f"{name} ({side.note})")
+            except Exception as e:  # noqa: BLE001
+                text = f"### Profile: {name}\n\nthe profiler failed: {type(e).__name__}: {e}\n"
             with open(os.path.join(args.out, f"profile_{name}.md"), "w") as f:
-                f.write(profile_step(side.loss, model, batch, args.device, title=f"{name} ({side.note})"))
+                f.write(text)
         return row, checked if ref is None else None
     except Exception as e:  # noqa: BLE001  (a peer that fails is a row, not a crash)
         where = traceback.extract_tb(e.__traceback__)[-1]
