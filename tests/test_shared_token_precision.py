@@ -52,9 +52,9 @@ def test_shared_token_gradient_is_as_precise_as_the_uncompiled_models(rows, devi
     err_dualkv = (dualkv[prompt].double() - truth[prompt]).norm() / truth[prompt].norm()
     assert err_plain > 0  # float32 is not float64: the comparison measures something
     # CPU: both sides sum in a fixed order; dualkv's error is 0.3-1.0x plain's after the fix (21x before). CUDA: the
-    # fix took 45x and 65x down to 1.36x (2,048 rows, H100) and 2.02x (4,096 rows, H200): the GPU kernels still add a
-    # shared key's gradient over its descendants' query blocks one after another in float32, where plain's error stays
-    # flat (benchmarks/results/shared_token_precision_h100_2026-11-27.md). The issue's 1.05x is not met on CUDA yet;
-    # this bound catches the unpack gather's defect coming back, not the kernels' remaining order.
-    bound = 1.05 if device == "cpu" else 3.0
+    # fix took 45x and 65x down to 1.36x (2,048 rows, H100), but 4,096 rows measured 2.02x on an H200 and FAIL this
+    # bound: the GPU kernels still add a shared key's gradient over its descendants' query blocks one after another
+    # in float32, where plain's error stays flat (benchmarks/results/shared_token_precision_h100_2026-11-27.md).
+    # Issue 35 (defect 5) stays open for it; the issue's 1.05x holds on the CPU only.
+    bound = 1.05 if device == "cpu" else 2.0
     assert err_dualkv <= bound * err_plain, (err_dualkv.item(), err_plain.item())
