@@ -55,18 +55,18 @@ def profile_step(fn, model, batch, device: str, steps: int = 3, title: str = "st
     lines = [f"### Profile: {title}", "", f"- wall time per step under the profiler: {wall_ms:.1f} ms ({steps} steps)"]
     if cuda:
         kernels = _device_events(prof)
-        busy = {}
+        by_name = {}  # kernel name -> (launches, ms) per step
         for e in kernels:
-            busy[kind_of(e.name)] = busy.get(kind_of(e.name), 0.0) + e.time_range.elapsed_us() / 1e3 / steps
+            n, ms = by_name.get(e.name, (0, 0.0))
+            by_name[e.name] = (n + 1, ms + e.time_range.elapsed_us() / 1e3 / steps)
+        busy = {}  # kind -> ms per step, each distinct name classified once
+        for name, (_, ms) in by_name.items():
+            busy[kind_of(name)] = busy.get(kind_of(name), 0.0) + ms
         total = sum(busy.values())
         lines += [f"- device busy per step (sum of kernel durations): {total:.1f} ms, {total / wall_ms:.0%} of the wall "
                   f"time; kernel launches per step: {len(kernels) / steps:.0f}", "",
                   "| kernel kind | ms per step | share of busy |", "|---|---:|---:|"]
         lines += [f"| {k} | {v:.2f} | {v / total:.0%} |" for k, v in sorted(busy.items(), key=lambda kv: -kv[1])]
-        by_name = {}
-        for e in kernels:
-            n, ms = by_name.get(e.name, (0, 0.0))
-            by_name[e.name] = (n + 1, ms + e.time_range.elapsed_us() / 1e3 / steps)
         lines += ["", "| top kernels | launches per step | ms per step | kind |", "|---|---:|---:|---|"]
         for name, (n, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
             lines.append(f"| `{name[:90]}` | {n / steps:.0f} | {ms:.2f} | {kind_of(name)} |")
