@@ -138,6 +138,11 @@ def run_side(name, model, batch, args, ref, flops_of):
                 text = f"### Profile: {name}\n\nthe profiler failed: {type(e).__name__}: {e}\n"
             with open(os.path.join(args.out, f"profile_{name}.md"), "w") as f:
                 f.write(text)
+        if name in args.syncs:  # which calls make the host wait for the device, by site (CUDA's sync debug mode)
+            from step_profile import sync_sites
+
+            with open(os.path.join(args.out, f"syncs_{name}.md"), "w") as f:
+                f.write(sync_sites(side.loss, model, batch, title=f"{name} ({side.note})", steps=2))
         return row, checked if ref is None else None
     except Exception as e:  # noqa: BLE001  (a peer that fails is a row, not a crash)
         where = traceback.extract_tb(e.__traceback__)[-1]
@@ -252,9 +257,12 @@ def main(argv=None) -> int:
                     help="the sides beside plain (which always runs first: the reference)")
     ap.add_argument("--profile", default="", help="comma-separated sides to profile after their timing (torch.profiler: "
                     "device kernels by kind, launches, host ops; profile_<side>.md in --out)")
+    ap.add_argument("--syncs", default="", help="comma-separated sides whose host-device syncs to count by call site "
+                    "after their timing (torch.cuda.set_sync_debug_mode; syncs_<side>.md in --out; CUDA only)")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results", "peers")))
     args = ap.parse_args(argv)
     args.profile = [s for s in args.profile.split(",") if s]
+    args.syncs = [s for s in args.syncs.split(",") if s]
     for flag in ("groups", "rollouts", "prompt_len", "response_len", "iters"):
         if getattr(args, flag) < (2 if flag == "response_len" else 1):
             ap.error(f"--{flag.replace('_', '-')}: must be at least {2 if flag == 'response_len' else 1}, got {getattr(args, flag)}")
@@ -267,6 +275,8 @@ def main(argv=None) -> int:
         sides.insert(0, "plain_compiled")
     if set(args.profile) - set(SIDES):
         ap.error(f"--profile: unknown sides {sorted(set(args.profile) - set(SIDES))}; known: {list(SIDES)}")
+    if set(args.syncs) - set(SIDES):
+        ap.error(f"--syncs: unknown sides {sorted(set(args.syncs) - set(SIDES))}; known: {list(SIDES)}")
     if set(sides) - set(SIDES):
         ap.error(f"--sides: unknown sides {sorted(set(sides) - set(SIDES))}; known: {list(SIDES)}")
 

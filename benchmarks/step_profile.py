@@ -11,8 +11,11 @@ device kernels: only the host ops' table.
 
 from __future__ import annotations
 
+import os
 import re
 import time
+import traceback
+import warnings
 
 import torch
 
@@ -73,3 +76,83 @@ def profile_step(fn, model, batch, device: str, steps: int = 3, title: str = "st
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
     lines += ["", "Host ops by self CPU time (all steps):", "", "```", table, "```", ""]
     return "\n".join(lines)
+
+
+SYNC_WARNING = "synchronizing CUDA operation"  # the text of torch.cuda.set_sync_debug_mode("warn")'s warning
+
+
+def _short(path: str) -> str:
+    """A frame's file as a reader finds it: from the package or the repository folder on, not the machine's prefix."""
+    for root in ("site-packages/", "dualkv_compile/", "benchmarks/", "tests/"):
+        at = path.rfind(root)
+        if at >= 0:
+            return path[at + (len("site-packages/") if root == "site-packages/" else 0):]
+    return os.path.basename(path)
+
+
+def _site(frames) -> str:
+    """Where a sync comes from: the innermost frame of dualkv_compile (if any) and the innermost frame overall."""
+    inner = frames[-1]
+    ours = next((f for f in reversed(frames) if "dualkv_compile/" in f.filename), None)
+    text = f"`{_short(inner.filename)}:{inner.lineno}` {inner.name}"
+    if ours is not None and ours is not inner:
+        text = f"`{_short(ours.filename)}:{ours.lineno}` {ours.name} -> " + text
+    return text
+
+
+class SyncSites:
+    """Counts host-device synchronisations by call site while active (``torch.cuda.set_sync_debug_mode("warn")``).
+
+    Each synchronising CUDA call (a device-to-host copy, ``.item()``, ``nonzero``, a copy from pageable memory)
+    raises a warning in the calling Python thread; the warnings filter shows every one, and the stack at that point
+    names the site. Warnings of other kinds pass through untouched. On a machine without CUDA nothing syncs and
+    the counts stay empty.
+    """
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+
+    def __enter__(self):
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if SYNC_WARNING not in str(message):
+                return shown(message, category, filename, lineno, file, line)
+            frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith(("warnings.py", __file__))]
+            site = _site(frames or traceback.extract_stack())
+            self.counts[site] = self.counts.get(site, 0) + 1
+
+        warnings.showwarning = show
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode(0)
+        self._catch.__exit__(*exc)
+        return False
+
+    def markdown(self, title: str, steps: int = 1) -> str:
+        total = sum(self.counts.values())
+        lines = [f"### Host syncs: {title}", "", f"- synchronising CUDA calls per step: {total / steps:.0f}", "",
+                 "| per step | site (dualkv_compile's innermost frame -> the innermost frame) |", "|---:|---|"]
+        lines += [f"| {n / steps:g} | {site} |" for site, n in sorted(self.counts.items(), key=lambda kv: -kv[1])]
+        return "\n".join(lines) + "\n"
+
+
+def sync_sites(fn, model, batch, title: str = "step", steps: int = 1) -> str:
+    """Markdown: the host-device syncs of ``steps`` calls of ``fn(model, batch).backward()`` by call site (warmed up
+    by the caller, so compilation's own syncs are not counted)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    with SyncSites() as sites:
+        for _ in range(steps):
+            fn(model, batch).backward()
+            model.zero_grad(set_to_none=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return sites.markdown(title, steps)

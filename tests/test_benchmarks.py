@@ -243,6 +243,30 @@ def test_step_profile_sorts_kernels_into_kinds_by_name():
     assert kind_of("some_unknown_kernel") == "other"
 
 
+def test_sync_sites_counts_sync_warnings_by_site_and_passes_others_through():
+    """SyncSites groups torch's sync-debug warnings by the calling site (the innermost frame), counts each, and lets
+    every other warning reach the usual filters."""
+    import warnings
+
+    from step_profile import SYNC_WARNING, SyncSites
+
+    def reads_a_device_value():
+        warnings.warn(f"called a {SYNC_WARNING}", UserWarning)
+
+    with warnings.catch_warnings(record=True) as others:
+        warnings.simplefilter("always")
+        with SyncSites() as sites:
+            for _ in range(3):
+                reads_a_device_value()
+            warnings.warn("something else", UserWarning)
+    assert list(sites.counts.values()) == [3], sites.counts
+    (site,) = sites.counts
+    assert "reads_a_device_value" in site and "test_benchmarks.py" in site, site
+    assert [str(w.message) for w in others] == ["something else"]
+    text = sites.markdown("side", steps=3)
+    assert "synchronising CUDA calls per step: 1" in text and "| 1 | " in text, text
+
+
 def _run_peers(tmp_path, *flags):
     """``peers.py`` on CPU, 2 prompts of 16 tokens x 3 responses of 6, one timed step: (its JSON, rows by side)."""
     cmd = [sys.executable, "benchmarks/peers.py", "--device", "cpu", "--groups", "2", "--rollouts", "3", "--prompt-len",
