@@ -40,7 +40,8 @@ case "$BATCH" in
     CUDA_VISIBLE_DEVICES=1 timeout 560 python3 benchmarks/compile_time.py --model llama-1b --out "$OUT/ct_llama" > "$OUT/gpu1.txt" 2>&1 &
     CUDA_VISIBLE_DEVICES=2 timeout 560 python3 benchmarks/compile_time.py --model 1.7b --out "$OUT/ct_q17" > "$OUT/gpu2.txt" 2>&1 &
     ( CUDA_VISIBLE_DEVICES=3 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_shared_token_precision.py
-      CUDA_VISIBLE_DEVICES=3 timeout 150 python3 benchmarks/shared_token_precision.py --rows 4096 --backends auto,triton,reference
+      CUDA_VISIBLE_DEVICES=3 timeout 150 python3 benchmarks/shared_token_precision.py --rows 4096 --head-dim 32 --backends auto,triton,reference
+      CUDA_VISIBLE_DEVICES=3 timeout 150 python3 benchmarks/shared_token_precision.py --rows 4096 --head-dim 8 --backends auto,reference
       for n in 4 16; do  # the MoE row at other group sizes: each side's time against its FLOPs, fixed part per side
         CUDA_VISIBLE_DEVICES=3 timeout 120 python3 benchmarks/peers.py --shape qwen3-30b-a3b --layers 4 ${PEERS/--rollouts 8/--rollouts $n} \
           --profile "" --out "$OUT/moe_rollouts_$n"

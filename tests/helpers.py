@@ -82,7 +82,7 @@ def check_model(model, batches, inner="aot_eager", forward=None, tol=1e-5):
         model.zero_grad(set_to_none=True)
         ref_model.zero_grad(set_to_none=True)
 
-def hf_model(family, impl, layers=2):
+def hf_model(family, impl, layers=2, head_dim=8):
     cfgs = {
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -91,7 +91,7 @@ def hf_model(family, impl, layers=2):
     Config, Model = cfgs[family]
     cfg = Config(
         vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, use_cache=False,
+        num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=128, use_cache=False,
     )
     cfg._attn_implementation = impl
     torch.manual_seed(0)

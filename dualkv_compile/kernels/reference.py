@@ -12,6 +12,8 @@ Tensor convention (the same as ``F.scaled_dot_product_attention`` with batch 1):
 Returns the output ``[1, Hq, T, Dv]`` in q's dtype and the log-sum-exp
 ``[1, Hq, T]`` in float32 (float64 for float64 inputs), natural log, scaled
 (and capped) scores. Memory is O(Hq * T^2): use it for tests and small CPU models.
+In the backward, dK and dV (sums over every query that reads a key: N rows' worth for a prompt
+shared by N) are summed in float64 by blocks of queries, so their float32 error does not grow with N.
 
 Logit softcap (Gemma 2's ``attn_logit_softcapping``): with ``softcap`` c > 0 the
 score ``s = scale * q.k`` becomes ``c * tanh(s / c)`` before the mask and the
@@ -81,7 +83,7 @@ def backward_with_mask(dout, q, k, v, mask: torch.Tensor, scale: Optional[float]
     With P the softmax of the (capped) scores, O = P V and Delta = rowsum(dO * O):
     dV = P^T dO, dS = P * (dO V^T - Delta), times ``1 - tanh^2(s / c)`` under a softcap c,
     dQ = scale * dS K, dK = scale * dS^T Q; for GQA, dK and dV are summed over the query
-    heads that share a KV head.
+    heads that share a KV head. The sums over queries of dK and dV are float64 (``_sum_over_queries``).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -97,13 +99,31 @@ def backward_with_mask(dout, q, k, v, mask: torch.Tensor, scale: Optional[float]
     if tanh is not None:
         ds = ds * (1 - tanh * tanh)
     dq = scale * (ds @ kf)
-    dk = scale * (ds.transpose(-1, -2) @ qf)
-    dv = p.transpose(-1, -2) @ do
+    dk = scale * _sum_over_queries(ds, qf)
+    dv = _sum_over_queries(p, do)
 
     def per_kv_head(t):
         return t.unflatten(1, (k.shape[1], groups)).sum(2)
 
     return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
+
+
+# Query rows per block of the float64 key-gradient sums: a [.., T, 256] float64 copy at a time, never a [T, T] one.
+_QUERY_BLOCK = 256
+
+
+def _sum_over_queries(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a^T b`` summed over the query axis (a ``[.., Tq, Tk]``, b ``[.., Tq, D]``) in float64, returned in a's dtype.
+
+    A key's dK and dV sum one term per query that reads it: for a prompt shared by N rows, N times its
+    readers. One float32 matmul over all of them carried an error that grew with N (issue 35, defect 5);
+    in float64 the sum is exact to float32's precision whatever N, and the blocks keep the float64 copies small.
+    """
+    out = torch.zeros((*a.shape[:-2], a.shape[-1], b.shape[-1]), dtype=torch.float64, device=a.device)
+    for start in range(0, a.shape[-2], _QUERY_BLOCK):
+        rows = slice(start, start + _QUERY_BLOCK)
+        out += a[..., rows, :].transpose(-1, -2).double() @ b[..., rows, :].double()
+    return out.to(a.dtype)
 
 
 def _scores(q, k, scale: float, softcap: float):

@@ -329,3 +329,18 @@ def test_low_precision_dtypes_use_fp32_softmax(dtype):
     assert q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
     b_q, b_k, b_v = reference_backward(torch.ones_like(out), q.detach(), k.detach(), v.detach(), None, None, segs)
     assert b_q.dtype == b_k.dtype == b_v.dtype == dtype
+
+
+def test_shared_key_gradient_keeps_float32_precision_over_thousands_of_readers():
+    # Issue 35, defect 5: a 2-token prompt read by 4,096 two-token responses. Each prompt key's dK and dV sum
+    # 8,194 per-query terms; in float32 they must still come out within a few units in the last place of float64
+    # truth (the same float32 inputs, computed in float64), whatever the number of readers. One float32 matmul
+    # over all queries (the reference before the fix) was off by 19 (dK) and 25 (dV) units of 2^-24 here; 2 and 1.5 after.
+    segs, T = make_segments([(2, [2] * 4096)])
+    q, k, v, dout = (t.float() for t in _qkv(T, 1, 1, 8, seed=3) + _qkv(T, 1, 1, 8, seed=4)[:1])
+    _, dk, dv = reference_backward(dout, q, k, v, None, None, segs)
+    _, dk64, dv64 = reference_backward(dout.double(), q.double(), k.double(), v.double(), None, None, segs)
+    bound = 8 * 2.0**-24  # eight units of float32's relative rounding
+    for name, got, truth in (("dk", dk, dk64), ("dv", dv, dv64)):
+        err = (got[0, :, :2].double() - truth[0, :, :2]).norm() / truth[0, :, :2].norm()
+        assert err <= bound, (name, err.item(), bound)

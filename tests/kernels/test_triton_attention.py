@@ -226,6 +226,15 @@ def test_readers_span_several_levels():
         check_against_reference(segs, T, 2, 1, 64, torch.float32, config if DEVICE == "cpu" else None, seed=9)
 
 
+def test_readers_longer_than_one_chunk():
+    # float32 dK/dV sum a key tile's readers 16 query blocks at a time, then add those partial sums
+    # (tiles.key_sum_chunk): the prompt's tiles here have 22 full reader blocks of 16 after the diagonal
+    # (a full chunk, a partial one) and a ragged tail; the 300-token response's first tiles have 18 of their own.
+    segs, T = make_segments([(20, [300, 9, 40])], DEVICE)
+    for config in (INTERP, MIXED, TMA):
+        check_against_reference(segs, T, 2, 1, 32, torch.float32, config if DEVICE == "cpu" else None, seed=21)
+
+
 def test_tma_paths_are_taken():
     T = make_segments([(40, [20, 33]), (9, [17])])[1]
     q, k, v, do = qkv(T, 4, 2, 64, torch.float32, seed=8)

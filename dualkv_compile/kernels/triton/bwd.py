@@ -22,7 +22,10 @@ dQ = scale * dS K,  dK = scale * dS^T Q.  Three kernels:
     and over the ``heads_per_kv`` query heads sharing the kv head. dK and dV
     accumulate in float32 registers and are written once, so the sum over the
     N responses (and the GQA heads) never goes through atomics and its order
-    is fixed: deterministic by construction. With ``HEAD_SPLIT > 1`` the
+    is fixed: deterministic by construction. For float32 inputs the long run
+    is summed 16 query blocks at a time, each partial sum then added to the
+    tile's total (``tiles.key_sum_chunk``): a shared prompt's dK/dV error
+    then does not grow with its N readers (bf16/fp16: one running sum). With ``HEAD_SPLIT > 1`` the
     query heads of a kv head are spread over that many programs, which then
     add their partial sums into float32 buffers with atomics (more
     parallelism, not bitwise reproducible). With ``ATOMIC_DQ`` the same
@@ -63,7 +66,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import acc_dtype, load_pair, load_tile, softcap_tanh
+from .tiles import acc_dtype, key_sum_chunk, load_pair, load_tile, softcap_tanh
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -155,16 +158,30 @@ def _dkdv_rows(
     dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, row_start, row_end, offs_n, col_ok, offs_d, d_ok,
     stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, TMA: tl.constexpr, STATS_TMA: tl.constexpr, SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr, TMA: tl.constexpr, STATS_TMA: tl.constexpr, SOFTCAP: tl.constexpr, CHUNK: tl.constexpr,
 ):
     # Query rows [row_start, row_end) that see every column of the tile: full
     # blocks, then the ragged tail with row masks on the loads only.
     full_end = row_start + ((row_end - row_start) // BLOCK_M) * BLOCK_M
-    for start_m in range(row_start, full_end, BLOCK_M):
-        dk, dv = _dkdv_q_block(
-            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
-            stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
-            BLOCK_M, False, False, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP)
+    if CHUNK == 0:
+        for start_m in range(row_start, full_end, BLOCK_M):
+            dk, dv = _dkdv_q_block(
+                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
+                stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
+                BLOCK_M, False, False, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP)
+    else:
+        # Two-level sum (float32 inputs, tiles.key_sum_chunk): CHUNK blocks at a time into a zeroed partial
+        # sum, each partial then added to the total, so the error grows like CHUNK + blocks / CHUNK, not blocks.
+        for chunk_m in range(row_start, full_end, CHUNK * BLOCK_M):
+            part_k = tl.zeros(dk.shape, dk.dtype)
+            part_v = tl.zeros(dv.shape, dv.dtype)
+            for start_m in range(chunk_m, tl.minimum(chunk_m + CHUNK * BLOCK_M, full_end), BLOCK_M):
+                part_k, part_v = _dkdv_q_block(
+                    part_k, part_v, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, start_m, row_end, offs_n, col_ok,
+                    offs_d, d_ok, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale,
+                    sm_scale, BLOCK_M, False, False, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP)
+            dk += part_k
+            dv += part_v
     if full_end < row_end:
         dk, dv = _dkdv_q_block(
             dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, full_end, row_end, offs_n, col_ok, offs_d, d_ok,
@@ -243,7 +260,7 @@ def bwd_dkdv_kernel(
         dk, dv = _dkdv_rows(
             dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, after_diag, subtree_end, offs_n, col_ok, offs_d, d_ok,
             stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
-            BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP)
+            BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP, key_sum_chunk(Q.dtype.element_ty))
 
     dk = dk * sm_scale
     dk_ptrs = DK + kv_head.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :] * stride_dkd

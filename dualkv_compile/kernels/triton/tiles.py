@@ -6,6 +6,8 @@ dQ kernels, q and dO in the dK/dV kernel), through tensor descriptors for
 full blocks when the launcher built them, else through ``load_tile``.
 ``acc_dtype`` (a compile-time function) is the kernels' accumulator dtype:
 float32, float64 for float64 inputs (which only the CPU interpreter gets).
+``key_sum_chunk`` (a compile-time function) is how many query blocks the dK/dV
+kernel sums apart before adding them to a key tile's total (0: one running sum).
 ``softcap_tanh`` is the tanh of a logit softcap (``SOFTCAP * tanh(s / SOFTCAP)``)
 from ``exp2`` (and, for float32 inputs, a short odd polynomial near 0):
 libdevice's tanh has no interpreter implementation, and ``tanh.approx``
@@ -38,6 +40,18 @@ LOG2E = tl.constexpr(1.4426950408889634)
 def acc_dtype(dtype):
     """The accumulators' dtype for inputs of ``dtype``: float64 for float64, else float32 (bf16, fp16, fp32)."""
     return tl.float64 if dtype == tl.float64 else tl.float32
+
+
+@triton.constexpr_function
+def key_sum_chunk(dtype):
+    """Query blocks per partial sum of a key tile's dK/dV (bwd.py): 16 for float32 inputs, 0 (one running sum) else.
+
+    The dK/dV kernel sums a key tile's gradient over every query block that reads it: for a prompt shared by
+    N rows, N rows' worth. One float32 running sum's error grows like that count; summing each run of 16 blocks
+    apart and then adding the runs makes it grow like 16 + count / 16 (issue 35, defect 5). bf16/fp16 inputs
+    keep one running sum: their rounding of dK/dV dwarfs the difference, and the kernel stays as it was.
+    """
+    return 16 if dtype == tl.float32 else 0
 
 
 @triton.jit
