@@ -10,6 +10,9 @@
 #     GPU 1, 2  compile_time.py, Llama-1B and Qwen3-1.7B shapes, cold and warm (each alone on its GPU)
 #     GPU 3     the shared-token precision test (4,096 rows) and its breakdown per attention backend; the MoE row
 #               at 4 and 16 rollouts (with 8 on GPU 0: whether dualkv's fixed part of the step is plain_varlen's)
+#   BATCH compile, side by side: compile_time.py, one side per GPU (Llama-1B dualkv; Qwen3-1.7B plain; Qwen3-1.7B
+#     dualkv), cold then warm, each within CT_S (default 500 s); GPU 3 the shared-token precision test and its
+#     breakdown per backend at head dim 32 (the Triton kernels) and 8 (the reference backend)
 #   BATCH sp, one after the other on all 4 GPUs: fsdp_sp_gpu.sh sp4 (issue 37 (b), the 64K prompt at sp 4), then
 #     fsdp_sp_gpu.sh headline (issue 36, all 36 layers) with what is left of TOTAL_S (default 580 s)
 # Each run compares its sides inside one process, so neighbours on other GPUs load both sides alike; the host's
@@ -47,13 +50,25 @@ case "$BATCH" in
           --profile "" --out "$OUT/moe_rollouts_$n"
       done ) > "$OUT/gpu3.txt" 2>&1 &
     wait
-    tail -8 "$OUT/gpu0.txt" "$OUT/gpu1.txt" "$OUT/gpu2.txt" "$OUT/gpu3.txt" ;;
+    tail -n 8 "$OUT/gpu0.txt" "$OUT/gpu1.txt" "$OUT/gpu2.txt" "$OUT/gpu3.txt" ;;
+  compile)
+    mkdir -p "$OUT/ct_llama_dualkv" "$OUT/ct_q17_plain" "$OUT/ct_q17_dualkv" "$OUT/prec"
+    L=${CT_S:-500}
+    CUDA_VISIBLE_DEVICES=0 timeout $L python3 benchmarks/compile_time.py --model llama-1b --sides dualkv --out "$OUT/ct_llama_dualkv" > "$OUT/gpu0.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout $L python3 benchmarks/compile_time.py --model 1.7b --sides plain --out "$OUT/ct_q17_plain" > "$OUT/gpu1.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=2 timeout $L python3 benchmarks/compile_time.py --model 1.7b --sides dualkv --out "$OUT/ct_q17_dualkv" > "$OUT/gpu2.txt" 2>&1 &
+    ( CUDA_VISIBLE_DEVICES=3 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_shared_token_precision.py
+      CUDA_VISIBLE_DEVICES=3 timeout 120 python3 benchmarks/shared_token_precision.py --rows 4096 --head-dim 32 --backends auto,triton,reference
+      CUDA_VISIBLE_DEVICES=3 timeout 100 python3 benchmarks/shared_token_precision.py --rows 4096 --head-dim 8 --backends auto,reference
+    ) > "$OUT/gpu3.txt" 2>&1 &
+    wait
+    tail -n 8 "$OUT/gpu0.txt" "$OUT/gpu1.txt" "$OUT/gpu2.txt" "$OUT/gpu3.txt" ;;
   sp)
     LIMIT=${SP4_S:-240} bash benchmarks/fsdp_sp_gpu.sh "$OUT" sp4
     left=$(( ${TOTAL_S:-580} - ($(date +%s) - start) ))
     echo "== sp4 done after $(($(date +%s) - start)) s; headline gets ${left} s"
     LIMIT=$left bash benchmarks/fsdp_sp_gpu.sh "$OUT" headline ;;
-  *) echo "gpu_batch_x4.sh: unknown BATCH '$BATCH' (q17, profile or sp)" >&2; exit 2 ;;
+  *) echo "gpu_batch_x4.sh: unknown BATCH '$BATCH' (q17, profile, compile or sp)" >&2; exit 2 ;;
 esac
 echo "== batch $BATCH done after $(($(date +%s) - start)) s"
 tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
