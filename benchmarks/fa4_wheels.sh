@@ -5,7 +5,8 @@
 #
 #   here:   bash benchmarks/fa4_wheels.sh fetch       # -> .whl-fa4/a (the small wheels + half 1), .whl-fa4/b (half 2)
 #   call 1: carry [".whl-fa4/a"], command: bash benchmarks/fa4_wheels.sh stage
-#   call 2: carry [".whl-fa4/b"], command: bash benchmarks/fa4_wheels.sh install && export PYTHONPATH=/tmp/site:$PWD
+#   call 2: carry [".whl-fa4/b"], command: bash benchmarks/fa4_wheels.sh install &&
+#           export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 #           (within 30 s of call 1; then the same call can run what needs FA4; `probe` checks that it runs on sm_90)
 set -eu
 V=4.0.0b36 CUTLASS=4.8.1
@@ -32,7 +33,9 @@ case "${1:?fetch, stage, install or probe}" in
   install)
     cat /tmp/fa4/cu13.part00 .whl-fa4/b/cu13.part01 > "/tmp/fa4/$(cat /tmp/fa4/cu13.name)"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/fa4/*.whl
-    echo "flash-attn-4 $V installed under /tmp/site" ;;
+    # nvidia-cutlass-dsl puts its `cutlass` package on sys.path through a .pth file, which a --target folder on
+    # PYTHONPATH never runs (a GPU run of the probe failed on "No module named 'cutlass'"): name the folder itself.
+    echo "flash-attn-4 $V installed under /tmp/site; use PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages" ;;
   probe)  # a varlen forward and backward on this GPU, against SDPA per sequence
     python3 - <<'PY'
 import torch
