@@ -31,6 +31,11 @@ compile count of the flex path across layouts are measured first.
     python benchmarks/attention.py --device cpu --quick   # reference path on tiny shapes
     python benchmarks/attention.py --shapes 16,4096,1024 --shapes groups
     python benchmarks/attention.py --shapes tree   # system 4K shared by 4 groups of a 2K prompt and 8 responses of 1K
+    python benchmarks/attention.py --head-dim 64 --gluon-configs "fwd: block_n=64, stages=3; dq: stages=3"
+
+``--gluon-configs`` replaces, in this process, the launch configs of the named Gluon kernels (``fwd``, ``dq``,
+``dkdv``; fields as ``benchmarks/gluon_tune.py`` reads them) at ``--head-dim``; the report's meta records the
+configs the Gluon kernels ran with (on CUDA always).
 """
 
 from __future__ import annotations
@@ -233,6 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128, help="CUDA: D (Qwen3's 128; Llama-3.2-1B's 64)")
     ap.add_argument("--heads", default="32,8", help="CUDA: Hq,Hkv")
     ap.add_argument("--plot-only", type=Path, default=None, help="redraw the PNG and Markdown from a results JSON")
+    ap.add_argument("--gluon-configs", default=None,
+                    help="'kernel: field=value, ...; ...' (kernels fwd, dq, dkdv): the Gluon launch configs at --head-dim")
     args = ap.parse_args(argv)
 
     if args.plot_only:
@@ -245,6 +252,14 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but CUDA is not available")
+    gluon_configs = None
+    if args.gluon_configs is not None or device.type == "cuda":
+        from gluon_tune import use_kernel_configs
+
+        try:
+            gluon_configs = use_kernel_configs(args.gluon_configs, args.head_dim)
+        except ValueError as e:
+            ap.error(str(e))
     if device.type == "cpu":
         cfg = Cfg(4, 2, 16, torch.float32, device)
         shapes = args.shapes or CPU_SHAPES + ["groups", "tree"]
@@ -279,6 +294,8 @@ def main(argv=None) -> int:
         hq=cfg.hq, hkv=cfg.hkv, d=cfg.d, dtype=str(cfg.dtype).replace("torch.", ""),
         cuda_timing=device.type == "cuda", quick=args.quick, budget_ms=args.budget_ms, min_reps=args.min_reps, max_reps=args.max_reps,
     )
+    if gluon_configs:
+        meta["gluon_configs"] = gluon_configs
     log(f"{meta['device']} torch {meta['torch']} triton {meta['triton']}; methods {list(methods)}; skipped {skipped}")
     results = dict(meta=meta, cases=[c.summary() for c in cases], rows=[], skipped=skipped)
     stem = args.stem or ("attention_" + ("cpu" if device.type == "cpu" else _slug(meta["device"])) + ("_quick" if args.quick else "")

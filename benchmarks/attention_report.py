@@ -42,6 +42,7 @@ def markdown(results: dict) -> str:
            "GPU, the host's dispatch and launch counted (benchmarks/op_overhead.py gives each method's host share)"]
           if m["cuda_timing"] else []),
         *([f"- **Caveat:** {m['caveat']}"] if m.get("caveat") else []),
+        *([_gluon_line(m)] if m.get("gluon_configs") else []),
         "- speedup: SDPA (flash on CUDA) on the duplicated batch, fwd+bwd time, over the method's; "
         "peak GB: peak allocated memory of the method (its inputs, activations and gradients)",
         "- vs cuDNN: fwd+bwd efficiency against SDPA-cuDNN's (its time on the duplicated batch over the method's time "
@@ -94,6 +95,13 @@ def markdown(results: dict) -> str:
     if notes:
         lines += ["## Notes", ""] + [f"- {k}: {'; '.join(sorted(v))}" for k, v in notes.items()] + [""]
     return "\n".join(lines)
+
+
+def _gluon_line(m: dict) -> str:
+    g = m["gluon_configs"]
+    src = f"--gluon-configs set {', '.join(g['set'])}" if g.get("set") else "the defaults"
+    return (f"- Gluon launch configs at D={g.get('head_dim', m['d'])} ({src}): "
+            + "; ".join(f"{k}: {g[k]}" for k in ("fwd", "dq", "dkdv") if k in g))
 
 
 def plot(results: dict, path: Path) -> None:

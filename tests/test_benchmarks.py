@@ -151,6 +151,90 @@ def test_gluon_tune_refuses_a_machine_without_an_sm90_gpu():
     assert run.returncode == 2 and "needs an sm_90 GPU (H100, H200)" in run.stderr, run.stderr[-2000:]
 
 
+def _sweep(path, kind, configs, shapes_done=("a", "b")):
+    """A ``gluon_tune.py --json`` file: ``configs`` as (text, {shape: ms}, max diff, is the default)."""
+    with open(path, "w") as f:
+        json.dump(dict(kind=kind, shapes_done=list(shapes_done), configs=[
+            dict(text=t, default=d, ms=ms, diff={s: diff for s in ms}, errors={}) for t, ms, diff, d in configs]), f)
+    return str(path)
+
+
+def test_gluon_pick_takes_the_fastest_exact_config_of_each_kernel_and_leaves_out_defaults(tmp_path, capsys):
+    """gluon_pick.py: per kernel the least geometric mean over the finished inputs among the configs within the
+    tolerance (1e-2) of Triton; a faster inexact (or NaN: None) config, one missing a finished input and a kernel
+    whose default wins are left out; the text is what attention.py --gluon-configs reads."""
+    import gluon_pick
+    import gluon_tune
+
+    fwd = _sweep(tmp_path / "fwd.json", "fwd", [
+        ("block_m=128, block_n=128, stages=2", {"a": 4.0, "b": 1.0}, 2e-3, True),   # gmean 2.0
+        ("block_m=128, block_n=128, stages=3", {"a": 1.0, "b": 1.0}, 3e-2, False),  # fastest, not exact
+        ("block_m=128, block_n=64, stages=3", {"a": 1.0, "b": 0.5}, None, False),   # a NaN
+        ("block_m=128, block_n=128, stages=4", {"a": 1.0}, 0.0, False),             # no time for input b
+        ("block_m=128, block_n=128, stages=2, pingpong=True", {"a": 2.0, "b": 1.5}, 5e-3, False)])  # gmean 1.73
+    dq = _sweep(tmp_path / "dq.json", "dq", [
+        ("block_m=128, block_n=64, stages=4", {"a": 1.0, "b": 1.0}, 0.0, True),
+        ("block_m=128, block_n=64, stages=3", {"a": 0.9, "b": 1.2}, 0.0, False)])    # gmean 1.04
+    # A sweep cut short: input b unfinished, so only a counts.
+    dkdv = _sweep(tmp_path / "dkdv.json", "dkdv", [
+        ("block_m=64, block_n=128, stages=2", {"a": 2.0, "b": 1.0}, 0.0, True),
+        ("block_m=128, block_n=128, stages=2", {"a": 1.5}, 0.0, False)], shapes_done=["a"])
+    assert gluon_pick.main([fwd, dq, dkdv, str(tmp_path / "missing.json")]) == 0
+    out, err = capsys.readouterr()
+    text = out.strip()
+    assert text == "fwd: block_m=128, block_n=128, stages=2, pingpong=True; dkdv: block_m=128, block_n=128, stages=2"
+    assert "dq: left out: the default is the fastest" in err and "missing.json: skipped" in err
+    assert gluon_tune.parse_kernel_configs(text) == {
+        "fwd": gluon_tune.ga.FwdConfig(pingpong=True), "dkdv": gluon_tune.ga.DkdvConfig(block_m=128)}
+    # Nothing exact, or nothing finished: left out; nothing picked prints an empty line.
+    assert gluon_pick.pick(json.load(open(fwd)), tol=1e-3)[0] is None
+    assert gluon_pick.pick(dict(kind="dq", shapes_done=[], configs=[]))[1] == "no input finished"
+    assert gluon_pick.main([dq]) == 0 and capsys.readouterr().out == "\n"
+
+
+def test_attention_gluon_configs_are_parsed_applied_and_recorded(tmp_path, monkeypatch, capsys):
+    """attention.py --gluon-configs: the named kernels' configs replace the table entries at --head-dim (the others
+    stay), the report records them; a bad kernel, field, value or repeat is refused naming the option."""
+    import attention
+    import gluon_tune
+    from dualkv_compile.kernels.gluon import attention as ga
+
+    def keep_tables():  # restored by monkeypatch.undo() and after the test
+        for table in (ga.FWD_CONFIGS, ga.DQ_CONFIGS, ga.DKDV_CONFIGS):
+            for d in list(table):
+                monkeypatch.setitem(table, d, table[d])
+
+    keep_tables()
+    rec = gluon_tune.use_kernel_configs("fwd: block_m=128, block_n=64, stages=3; dkdv: block_n=128, stages=3", 64)
+    assert ga.FWD_CONFIGS[64] == ga.FwdConfig(128, 64, 3) and ga.DKDV_CONFIGS[64] == ga.DkdvConfig(stages=3)
+    assert ga.DQ_CONFIGS[64] == ga.DqConfig() and ga.FWD_CONFIGS[128] == ga.FwdConfig(128, 128, 2)
+    assert rec == dict(fwd="block_m=128, block_n=64, stages=3", dq="block_m=128, block_n=64, stages=4",
+                       dkdv="block_m=64, block_n=128, stages=3", head_dim=64, set=["dkdv", "fwd"])
+    for text, msg in [("bwd: stages=3", r"--gluon-configs: 'bwd' is not a kernel: expected one of \['dkdv', 'dq', 'fwd'\]"),
+                      ("stages=3", r"--gluon-configs: 'stages=3' names no kernel: expected 'kernel: field=value"),
+                      ("dq: block_k=64", r"--gluon-configs: dq: .*'block_k=64' is not field=value with a field of DqConfig"),
+                      ("fwd: stages=3.0", r"--gluon-configs: fwd: .*stages=3.0: expected int for FwdConfig.stages"),
+                      ("dq: stages=3; dq: stages=2", r"--gluon-configs: kernel 'dq' is given twice"),
+                      (" ; ", r"--gluon-configs: no kernel in")]:
+        with pytest.raises(ValueError, match=msg):
+            gluon_tune.parse_kernel_configs(text)
+    with pytest.raises(ValueError, match=r"--gluon-configs: head dim 96 has no Gluon configs: expected --head-dim"):
+        gluon_tune.use_kernel_configs("dq: stages=3", 96)
+    # The script: refused with a usage error; accepted, recorded in the JSON and the Markdown (no method runs).
+    monkeypatch.undo()
+    keep_tables()
+    with pytest.raises(SystemExit) as e:
+        attention.main(["--device", "cpu", "--gluon-configs", "dq: block_k=64"])
+    assert e.value.code == 2 and "--gluon-configs: dq:" in capsys.readouterr().err
+    assert attention.main(["--device", "cpu", "--shapes", "2,8,4", "--methods", "none", "--out", str(tmp_path),
+                           "--stem", "t", "--head-dim", "64", "--gluon-configs", "dq: stages=2"]) == 0
+    meta = json.load(open(tmp_path / "t.json"))["meta"]
+    assert meta["gluon_configs"]["dq"] == "block_m=128, block_n=64, stages=2" and meta["gluon_configs"]["set"] == ["dq"]
+    assert ("- Gluon launch configs at D=64 (--gluon-configs set dq): fwd: block_m=128, block_n=128, stages=2; "
+            "dq: block_m=128, block_n=64, stages=2; dkdv: block_m=64, block_n=128, stages=2"
+            in (tmp_path / "t.md").read_text())
+
+
 def test_attention_report_gives_each_method_its_efficiency_against_cudnn():
     """The attention report's "vs cuDNN" column: SDPA-cuDNN's fwd+bwd time on the duplicated batch over the
     method's time times the ideal ratio (issue 20's measure). Here 8.0 / (5.0 * 2.0) = 0.8 and
