@@ -11,7 +11,9 @@ starts with it empty (cold), the second finds the FX graph and AOTAutograd cache
 
 Sides: ``plain`` is ``torch.compile(grpo_loss, dynamic=True)`` (Inductor) on the duplicated batch, ``dualkv``
 is ``dualkv_compile.policy_loss(grpo_loss, dynamic=True)``; the loss is ``model_gpu.grpo_loss``. Prints a table
-and writes ``compile_time.{json,md}`` to ``--out``.
+and writes ``compile_time.{json,md}`` to ``--out``. A second table splits each first step by phase (torch's
+compile-time metrics: Dynamo's tracing, AOTAutograd's tracing, Inductor's codegen, cache loads), with Dynamo's
+restarts of an analysis and the caches' bypasses; the reasons torch logged for them follow it.
 """
 
 from __future__ import annotations
