@@ -11,7 +11,9 @@ starts with it empty (cold), the second finds the FX graph and AOTAutograd cache
 
 Sides: ``plain`` is ``torch.compile(grpo_loss, dynamic=True)`` (Inductor) on the duplicated batch, ``dualkv``
 is ``dualkv_compile.policy_loss(grpo_loss, dynamic=True)``; the loss is ``model_gpu.grpo_loss``. Prints a table
-and writes ``compile_time.{json,md}`` to ``--out``.
+and writes ``compile_time.{json,md}`` to ``--out``. A second table splits each first step by phase (torch's
+compile-time metrics: Dynamo's tracing, AOTAutograd's tracing, Inductor's codegen, cache loads), with Dynamo's
+restarts of an analysis and the caches' bypasses; the reasons torch logged for them follow it.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def child(args) -> dict:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = model.to(device=args.device, dtype=dtype).train()
     batch = make_batch(tuple(int(x) for x in args.shape.split(",")), args.device, vocab=vocab)
+    notes = _watch_compile_logs()
     fn = (dualkv_compile.policy_loss(grpo_loss, dynamic=True, inner="inductor") if args.one == "dualkv"
           else torch.compile(grpo_loss, dynamic=True))
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
@@ -91,12 +94,59 @@ def child(args) -> dict:
         times.append(time.perf_counter() - t)
         model.zero_grad(set_to_none=True)
     packed = any(r.packed_calls for r in dualkv_compile.reports()) if args.one == "dualkv" else None
+    split = breakdown(notes)
     # Whether a warm start found its graphs: Inductor's FX graph cache and AOTAutograd's cache, hits and misses.
     c = torch._dynamo.utils.counters
     caches = {k: int(c[group][k]) for group, keys in (("inductor", ("fxgraph_cache_hit", "fxgraph_cache_miss")),
                                                        ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss")))
               for k in keys}
-    return {"first_s": times[0], "second_s": times[1], "packed": packed, **caches}
+    return {"first_s": times[0], "second_s": times[1], "packed": packed, **caches, **split}
+
+
+# Phases of torch's compile-time metrics (torch._dynamo.utils.compilation_time_metrics, seconds per event) summed
+# into the breakdown: where a first step's compile time goes.
+PHASES = {
+    "compile_s": ("_compile.compile_inner",),  # every Dynamo frame, its backend included (dualkv's nested ones too)
+    "dynamo_trace_s": ("bytecode_tracing",),  # Dynamo's bytecode tracing (never cached by torch 2.11-2.14)
+    "aot_trace_s": ("aot_collect_metadata", "aot_trace_joint_graph"),  # AOTAutograd's tracing (a cache miss's)
+    "inductor_s": ("fx_codegen_and_compile",),  # Inductor's lowering and codegen (an FX graph cache miss's)
+    "cache_load_s": ("AOTAutogradCache.inductor_load",),  # loading a cache hit's compiled graphs
+}
+
+
+def _watch_compile_logs() -> list:
+    """Collect, from torch's loggers, why a cache was bypassed and why Dynamo restarted an analysis."""
+    import logging
+
+    notes = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            msg = record.getMessage()
+            if msg.startswith(("Bypassing", "Restarting analysis", "AOTAutograd cache unable")):
+                notes.append(msg.splitlines()[0][:300])
+
+    for name in ("torch._functorch._aot_autograd.autograd_cache", "torch._inductor.codecache",
+                 "torch._dynamo.convert_frame"):
+        logger = logging.getLogger(name)
+        logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+        logger.addHandler(Keep(logging.INFO))
+    return notes
+
+
+def breakdown(notes: list) -> dict:
+    """The first step's compile time by phase (``PHASES``), Dynamo's restarts of an analysis (each retraces its
+    frame, and a TensorifyScalarRestartAnalysis comes after AOTAutograd traced the whole graph), and the caches'
+    bypass reasons."""
+    import torch
+
+    metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
+    out = {k: round(sum(sum(metrics.get(name, ())) for name in names), 3) for k, names in PHASES.items()}
+    out["restarts"] = sum(len(v) for k, v in metrics.items() if k.startswith("compile_attempt_") and k != "compile_attempt_0")
+    out["cache_bypass"] = int(torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_bypass"]
+                              + torch._dynamo.utils.counters["inductor"]["fxgraph_cache_bypass"])
+    out["notes"] = sorted(set(notes))
+    return out
 
 
 def run(args, side: str, cache: str) -> dict:
@@ -147,6 +197,20 @@ def main(argv=None) -> int:
         lines.append(f"| {side} | {cold['first_s']:.2f} | {warm['first_s']:.2f} | {cold['second_s']:.3f} | "
                      f"{warm.get('fxgraph_cache_hit', '-')} / {warm.get('fxgraph_cache_miss', '-')} | "
                      f"{warm.get('autograd_cache_hit', '-')} / {warm.get('autograd_cache_miss', '-')} |")
+    lines += ["", "Where the first step's time goes (s; torch's compile-time metrics: Dynamo frames with their backends, "
+              "Dynamo's bytecode tracing, AOTAutograd's tracing, Inductor's codegen, cache loads; restarts: Dynamo "
+              "analyses traced again):", "",
+              "| side | state | first step | compile | Dynamo tracing | AOTAutograd tracing | Inductor codegen | "
+              "cache loads | restarts | cache bypasses |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for side in sides:
+        for state in ("cold", "warm"):
+            r = rows[(side, state)]
+            cells = [f"{r[k]:.2f}" if k in r else "-" for k in ("first_s", *PHASES)]
+            lines.append(f"| {side} | {state} | {' | '.join(cells)} | {r.get('restarts', '-')} | "
+                         f"{r.get('cache_bypass', '-')} |")
+    notes = sorted({f"{side}/{state}: {n}" for (side, state), r in rows.items() for n in r.get("notes", ())})
+    if notes:
+        lines += ["", "torch's log: " + "; ".join(notes)]
     if len(sides) == 2:
         ratio = rows[("dualkv", "cold")]["first_s"] / rows[("plain", "cold")]["first_s"]
         warm_ratio = rows[("dualkv", "warm")]["first_s"] / rows[("plain", "warm")]["first_s"]

@@ -13,7 +13,8 @@
 4. ``rewrite.pack_graph``: the packed graph, then ``rewrite.fuse_linear_log_prob``
    (a loss's lm_head -> log_softmax -> next-token gather as one chunked op,
    with an entropy of the same log-probs if the loss has one, option
-   ``chunked_log_probs``; not the entropy under sequence parallelism), then,
+   ``chunked_log_probs``; not the entropy under sequence parallelism), then
+   ``rewrite.module_floats`` (module floats an op reads as numbers baked in, checked per call), then,
    with option ``sequence_parallel``, ``rewrite.sequence_parallel`` (the packed graph split over the group);
 5. ``runtime.runner.Runner``: per call, the layout from its source
    (detected from ``input_ids``, or carried from an earlier graph of the
@@ -43,6 +44,7 @@ from .normalize.graph_pass import Refusal, ev
 from .normalize.inline_checkpoint import inline_checkpoint_regions
 from .normalize.positional_args import positional_args
 from .rewrite.fuse_linear_log_prob import fuse_linear_log_prob
+from .rewrite.module_floats import bake_module_floats
 from .rewrite.pack_graph import pack_graph
 from .rewrite.sequence_parallel import shard_packed_graph
 from .runtime.nested_compile import LazyCompile
@@ -85,6 +87,9 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
             fused = fuse_linear_log_prob(packed, cfg.log_prob_chunk_bytes, example_inputs, entropy=cfg.sequence_parallel is None)
             report.fused_log_probs, report.fused_entropy = fused.count, fused.entropy
             scalar_checks += tuple(fused.scalar_checks)
+        # Module floats an op takes as numbers, baked in: traced again, the packed graph would otherwise restart
+        # Dynamo's analysis after AOTAutograd's whole trace, on every cold and warm start (rewrite.module_floats).
+        scalar_checks += tuple(bake_module_floats(packed, example_inputs))
         # Under sequence parallelism the runner runs the packed graph split over the group.
         runs = packed if cfg.sequence_parallel is None else shard_packed_graph(packed, cfg.sequence_parallel)
     except Refusal as e:
