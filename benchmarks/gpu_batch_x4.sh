@@ -12,7 +12,8 @@
 #               at 4 and 16 rollouts (with 8 on GPU 0: whether dualkv's fixed part of the step is plain_varlen's)
 #   BATCH compile, side by side: compile_time.py, one side per GPU (Llama-1B dualkv; Qwen3-1.7B plain; Qwen3-1.7B
 #     dualkv), cold then warm, each within CT_S (default 500 s); GPU 3 the shared-token precision test and its
-#     breakdown per backend at head dim 32 (the Triton kernels) and 8 (the reference backend)
+#     breakdown per backend at head dim 32 (the Triton kernels) and 8 (the reference backend), then the host time
+#     of one attention call (op_overhead.py, cProfile of dualkv_gluon)
 #   BATCH sp, one after the other on all 4 GPUs: fsdp_sp_gpu.sh sp4 (issue 37 (b), the 64K prompt at sp 4), then
 #     fsdp_sp_gpu.sh headline (issue 36, all 36 layers) with what is left of TOTAL_S (default 580 s)
 # Each run compares its sides inside one process, so neighbours on other GPUs load both sides alike; the host's
@@ -60,6 +61,9 @@ case "$BATCH" in
     ( CUDA_VISIBLE_DEVICES=3 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_shared_token_precision.py
       CUDA_VISIBLE_DEVICES=3 timeout 120 python3 benchmarks/shared_token_precision.py --rows 4096 --head-dim 32 --backends auto,triton,reference
       CUDA_VISIBLE_DEVICES=3 timeout 100 python3 benchmarks/shared_token_precision.py --rows 4096 --head-dim 8 --backends auto,reference
+      # the attention ops' host time per call (the MoE row's GPU waits on the host: moe_profile_h200_2026-11-27)
+      CUDA_VISIBLE_DEVICES=3 timeout 120 python3 benchmarks/op_overhead.py --methods sdpa_cudnn_dup,dualkv_gluon \
+        --shapes 16,1024,512 --profile dualkv_gluon
     ) > "$OUT/gpu3.txt" 2>&1 &
     wait
     tail -n 8 "$OUT/gpu0.txt" "$OUT/gpu1.txt" "$OUT/gpu2.txt" "$OUT/gpu3.txt" ;;
