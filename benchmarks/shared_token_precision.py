@@ -58,7 +58,7 @@ def main(argv=None) -> int:
                 print(f"{head}: ran {','.join(sorted(ran)):9s} error {e:.3e} ({e / e_plain:.2f}x plain) "
                       f"[{time.time() - t0:.0f} s]", flush=True)
             except Exception as exc:  # noqa: BLE001  (a backend that does not run here is reported, not fatal)
-                print(f"  inner {inner:9s} attention {backend:9s}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                print(f"{head}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
     return 0
 
 
