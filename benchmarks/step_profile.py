@@ -75,7 +75,33 @@ def profile_step(fn, model, batch, device: str, steps: int = 3, title: str = "st
             lines.append(f"| `{name[:90]}` | {n / steps:.0f} | {ms:.2f} | {kind_of(name)} |")
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
     lines += ["", "Host ops by self CPU time (all steps):", "", "```", table, "```", ""]
+    if cuda:
+        lines += ["Where the GPU waits on the host (3 more steps, profiled with Python frames; `step_gaps.py`):", "",
+                  idle_profile(fn, model, batch, steps)]
     return "\n".join(lines)
+
+
+def idle_profile(fn, model, batch, steps: int = 3) -> str:
+    """``step_gaps.gap_table`` of ``steps`` steps profiled with Python stacks (a CUDA device; warmed by the caller)."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from step_gaps import gap_table
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for _ in range(steps):
+            fn(model, batch).backward()
+            model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    return gap_table(trace, steps)
 
 
 SYNC_WARNING = "synchronizing CUDA operation"  # the text of torch.cuda.set_sync_debug_mode("warn")'s warning

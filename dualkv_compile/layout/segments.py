@@ -21,17 +21,25 @@ This module holds the type, its host-side builder and the dense index maps
 derived from it (segment ids, reach, the dense mask the references use, each
 token's predecessor); it imports nothing else of the package, so kernels
 depend on it alone.
+
+Segments built for a CUDA device keep a *host twin*: the same five tensors on
+the CPU (``host_twin``). What is derived from them once per step (tile
+schedules, walks, each token's predecessor) is built on the twin and copied
+over in one transfer (``derived_on_host``): the same integers, without the
+dozens of tiny kernels that, launched on a GPU with nothing else queued at the
+start of a step, each cost a launch's round trip of idle device time.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "Segments", "tree_segments", "segment_ids", "token_reach", "dense_mask", "previous_token_index", "host_rows",
-    "to_device",
+    "to_device", "host_twin", "register_host_twin", "derived_on_host",
 ]
 
 
@@ -95,14 +103,44 @@ def tree_segments(seg_len: Sequence[int], parent: Sequence[int], device: Optiona
     storage). The copy to a CUDA device does not synchronise (pinned memory).
     """
     rows = host_rows(seg_len, parent)
-    table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 5).t().contiguous()
-    if device is not None:
-        table = to_device(table, torch.device(device))
-    return Segments(
-        *(table[i].clone() for i in range(5)),
-        max((r[1] for r in rows), default=0),
-        max((r[3] for r in rows), default=0),
-    )
+    host = torch.tensor(rows, dtype=torch.int32).reshape(-1, 5).t().contiguous()
+    maxima = (max((r[1] for r in rows), default=0), max((r[3] for r in rows), default=0))
+    table = host if device is None else to_device(host, torch.device(device))
+    segs = Segments(*(table[i].clone() for i in range(5)), *maxima)
+    if segs.seg_start.device.type == "cuda":
+        register_host_twin(segs, Segments(*(host[i].clone() for i in range(5)), *maxima))
+    return segs
+
+
+# device Segments' seg_start -> (the host twin, the five device tensors' ids and versions when registered)
+_twins = WeakIdKeyDictionary()
+
+
+def register_host_twin(segs: Segments, host: Segments) -> None:
+    """Record ``host`` (CPU tensors, the same values) as the twin of ``segs`` for ``host_twin``. The caller vouches
+    that the values are equal; ``tree_segments`` registers the twin of every CUDA ``Segments`` it builds."""
+    _twins[segs.seg_start] = (host, tuple((id(t), t._version) for t in segs[:5]))
+
+
+def host_twin(segs: Segments) -> Optional[Segments]:
+    """The registered host twin of ``segs``, or None: none was registered, or any of its five tensors is not the
+    very tensor registered or has been modified in place since (so the twin may no longer hold its values)."""
+    entry = _twins.get(segs.seg_start)
+    if entry is None:
+        return None
+    host, stamps = entry
+    if any((id(t), t._version) != stamp for t, stamp in zip(segs[:5], stamps)):
+        return None
+    return host
+
+
+def derived_on_host(segs: Segments, build: Callable[[Segments], torch.Tensor]) -> torch.Tensor:
+    """``build(segs)``, computed on the host twin and copied to ``segs``' device when ``segs`` has one; ``build``
+    must be a function of the segments' values alone (integer tensor ops, so both places give the same bits)."""
+    twin = host_twin(segs)
+    if twin is None:
+        return build(segs)
+    return to_device(build(twin), segs.seg_start.device)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -146,10 +184,14 @@ def previous_token_index(segs: Segments, num_tokens: int) -> torch.Tensor:
     node: DESIGN.md, semantics 5); the first token of a root has no
     predecessor and maps to itself.
     """
-    seg = segment_ids(segs, num_tokens)
-    t = torch.arange(num_tokens, device=seg.device)
-    first = segs.seg_start.long()[seg] == t
-    parent = segs.parent.long()[seg]
-    pc = parent.clamp(min=0)
-    parent_last = segs.seg_start.long()[pc] + segs.seg_len.long()[pc] - 1
-    return torch.where(first, torch.where(parent >= 0, parent_last, t), t - 1)
+
+    def build(s: Segments) -> torch.Tensor:
+        seg = segment_ids(s, num_tokens)
+        t = torch.arange(num_tokens, device=seg.device)
+        first = s.seg_start.long()[seg] == t
+        parent = s.parent.long()[seg]
+        pc = parent.clamp(min=0)
+        parent_last = s.seg_start.long()[pc] + s.seg_len.long()[pc] - 1
+        return torch.where(first, torch.where(parent >= 0, parent_last, t), t - 1)
+
+    return derived_on_host(segs, build)

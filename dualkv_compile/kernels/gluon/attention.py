@@ -252,7 +252,9 @@ def resolve_dq_mode(config: DkdvConfig, deterministic: bool, head_dim: int, max_
     return "atomic" if waves >= config.atomic_min_waves else "recompute"
 
 
-DKDV_CONFIGS: dict[int, DkdvConfig] = {64: DkdvConfig(), 128: DkdvConfig()}
+# D=64: 128-row steps (H100, benchmarks/results/gluon_d64_h100_2026-11-27.md): the backward 3-6% faster than with
+# 64 rows on the three tuning inputs, though sm90_resources.py counts spills in its loops (the stores go to L1).
+DKDV_CONFIGS: dict[int, DkdvConfig] = {64: DkdvConfig(block_m=128), 128: DkdvConfig()}
 
 
 def _float_descriptor(t: torch.Tensor, block: list):

@@ -7,9 +7,11 @@ Assumes ``Segments``: a prefix forest in pre-order, in stream order, so a
 segment's ancestors total ``prefix_len`` tokens and its readers (beyond its
 own rows) are the one run ``[seg_end, subtree_end)``.
 
-Guarantees: every function is a handful of device tensor ops whose sizes come
-from host ints (T, the block, the number of segments), so nothing waits on
-the device and a new layout never changes a grid's shape beyond those ints.
+Guarantees: every function is a handful of tensor ops whose sizes come from
+host ints (T, the block, the number of segments), so nothing waits on the
+device and a new layout never changes a grid's shape beyond those ints. They
+run on the segments' host twin when there is one (``derived_on_host``: one
+copy instead of dozens of tiny kernels), else on the device.
 Results are cached per (segment tensors, arguments) in a ``PlanCache`` that
 only hits for the very same, unmodified tensors, so the layers of one step
 share one schedule.
@@ -21,7 +23,7 @@ import weakref
 
 import torch
 
-from ...layout.segments import Segments
+from ...layout.segments import Segments, derived_on_host
 
 __all__ = ["PlanCache", "tile_schedule", "ancestor_walk"]
 
@@ -63,7 +65,7 @@ def tile_schedule(segs: Segments, num_tokens: int, block: int, kind: str) -> tor
     its own later rows and every descendant's).
     """
 
-    def build():
+    def build(segs: Segments) -> torch.Tensor:
         seg_len = segs.seg_len.long()
         nseg = seg_len.numel()
         dev = seg_len.device
@@ -83,7 +85,7 @@ def tile_schedule(segs: Segments, num_tokens: int, block: int, kind: str) -> tor
         sched = torch.stack([torch.where(valid, seg, -1)[order], tile[order]])
         return sched.to(torch.int32).contiguous()
 
-    return _plans.get(segs, (num_tokens, block, kind), build)
+    return _plans.get(segs, (num_tokens, block, kind), lambda: derived_on_host(segs, build))
 
 
 def ancestor_walk(segs: Segments, block: int) -> torch.Tensor:
@@ -97,7 +99,7 @@ def ancestor_walk(segs: Segments, block: int) -> torch.Tensor:
     The counts are exact for segments with tokens, the only ones with tiles.
     """
 
-    def build():
+    def build(segs: Segments) -> torch.Tensor:
         lens = segs.seg_len.long()
         nseg = lens.numel()
         weight = torch.stack([lens // block, (lens % block != 0).long()])  # [2, nseg]: full blocks, ragged blocks
@@ -117,4 +119,4 @@ def ancestor_walk(segs: Segments, block: int) -> torch.Tensor:
             ptr = torch.where(stop, ptr, ptr.gather(1, at))
         return torch.cat([counts, ptr]).t().to(torch.int32).contiguous()
 
-    return _plans.get(segs, ("walk", block), build)
+    return _plans.get(segs, ("walk", block), lambda: derived_on_host(segs, build))
