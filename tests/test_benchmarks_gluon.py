@@ -141,5 +141,5 @@ def test_attention_gluon_configs_are_parsed_applied_and_recorded(tmp_path, monke
     meta = json.load(open(tmp_path / "t.json"))["meta"]
     assert meta["gluon_configs"]["dq"] == "block_m=128, block_n=64, stages=2" and meta["gluon_configs"]["set"] == ["dq"]
     assert ("- Gluon launch configs at D=64 (--gluon-configs set dq): fwd: block_m=128, block_n=128, stages=2; "
-            "dq: block_m=128, block_n=64, stages=2; dkdv: block_m=64, block_n=128, stages=2"
+            "dq: block_m=128, block_n=64, stages=2; dkdv: block_m=128, block_n=128, stages=2"
             in (tmp_path / "t.md").read_text())

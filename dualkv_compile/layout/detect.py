@@ -3,10 +3,7 @@
 Assumes each row's valid tokens are one contiguous run (``sequences``);
 guarantees one device-to-host transfer per call (the batch's keys, read by
 ``sequences.read_sequences``; the forest is built on the host by ``forest``),
-and index tensors built without a host loop over tokens: on the host, with
-vectorised ops, then copied to the batch's device, one asynchronous copy each
-(built there instead, their dozens of tiny kernels would each cost a round
-trip of idle GPU at the start of the step, when nothing else is queued).
+and index tensors built on the batch's device without a host loop over tokens.
 """
 
 from __future__ import annotations
@@ -126,12 +123,11 @@ def _build(batch: HostBatch, forest: list, leaf: list[int], device) -> SharedPro
             n = node.parent
     (pack_index,) = expand_runs(pack_runs, T, device)
     # (a zero-length run: with no sequences at all there is no run to give expand_runs its width)
-    flat_dst, packed_src = _expand_on_host(unpack_runs or [(0, 0, 0)], sum(s.length for s in spans))
-    unpack_index = torch.zeros(B * S, dtype=torch.long)
+    flat_dst, packed_src = expand_runs(unpack_runs or [(0, 0, 0)], sum(s.length for s in spans), device)
+    unpack_index = torch.zeros(B * S, dtype=torch.long, device=device)
     unpack_index.index_copy_(0, flat_dst, packed_src)
-    valid = torch.zeros(B * S, dtype=torch.bool)
-    valid.index_fill_(0, flat_dst, True)
-    unpack_index, valid = to_device(unpack_index, device), to_device(valid, device)
+    valid = torch.zeros(B * S, dtype=torch.bool, device=device)
+    valid.index_fill_(0, flat_dst, True)  # not valid[flat_dst] = True: that syncs on CUDA
 
     segs = tree_segments([n.length for n in nodes], [n.parent for n in nodes], device)
     return SharedPromptLayout(
@@ -150,20 +146,15 @@ def _build(batch: HostBatch, forest: list, leaf: list[int], device) -> SharedPro
 def expand_runs(runs, total: int, device) -> tuple[torch.Tensor, ...]:
     """For runs ``(a, b, ..., n)``: the concatenations of ``arange(a, a + n)``, ``arange(b, b + n)``, ...
 
-    Runs are expanded in the order given, on the host with vectorised ops (no loop over tokens), and each result
-    copied to ``device`` without a sync.
+    Runs are expanded on the device in the order given, so a few hundred
+    small host tuples become index tensors of any length without a host loop.
     """
-    return tuple(to_device(t, torch.device(device)) for t in _expand_on_host(runs, total))
-
-
-def _expand_on_host(runs, total: int) -> tuple[torch.Tensor, ...]:
-    """``expand_runs`` on the host (int64 CPU tensors)."""
     width = len(runs[0]) - 1 if runs else 1
     runs = [r for r in runs if r[-1] > 0]
     if not runs:
-        return tuple(torch.zeros(0, dtype=torch.long) for _ in range(width))
-    t = torch.tensor(runs, dtype=torch.long)
+        return tuple(torch.zeros(0, dtype=torch.long, device=device) for _ in range(width))
+    t = to_device(torch.tensor(runs, dtype=torch.long), device)
     n = t[:, -1]
-    run = torch.repeat_interleave(torch.arange(len(runs)), n, output_size=total)
-    within = torch.arange(total) - (torch.cumsum(n, 0) - n)[run]
+    run = torch.repeat_interleave(torch.arange(len(runs), device=device), n, output_size=total)
+    within = torch.arange(total, device=device) - (torch.cumsum(n, 0) - n)[run]
     return tuple(t[run, i] + within for i in range(width))

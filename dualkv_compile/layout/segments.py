@@ -23,11 +23,12 @@ token's predecessor); it imports nothing else of the package, so kernels
 depend on it alone.
 
 Segments built for a CUDA device keep a *host twin*: the same five tensors on
-the CPU (``host_twin``). What is derived from them once per step (tile
-schedules, walks, each token's predecessor) is built on the twin and copied
-over in one transfer (``derived_on_host``): the same integers, without the
-dozens of tiny kernels that, launched on a GPU with nothing else queued at the
-start of a step, each cost a launch's round trip of idle device time.
+the CPU (``host_twin``). The kernels' per-step schedules, whose size is the
+number of segments and tiles (not tokens), are built on the twin and copied
+over in one transfer each (``derived_on_host``): the same integers, without the
+dozens of tiny kernels that, launched on a GPU with nothing else queued, each
+cost a launch's round trip of idle device time. Maps as long as the stream
+stay on the device: on the host their ops would cost more than the launches.
 """
 
 from __future__ import annotations
@@ -184,14 +185,10 @@ def previous_token_index(segs: Segments, num_tokens: int) -> torch.Tensor:
     node: DESIGN.md, semantics 5); the first token of a root has no
     predecessor and maps to itself.
     """
-
-    def build(s: Segments) -> torch.Tensor:
-        seg = segment_ids(s, num_tokens)
-        t = torch.arange(num_tokens, device=seg.device)
-        first = s.seg_start.long()[seg] == t
-        parent = s.parent.long()[seg]
-        pc = parent.clamp(min=0)
-        parent_last = s.seg_start.long()[pc] + s.seg_len.long()[pc] - 1
-        return torch.where(first, torch.where(parent >= 0, parent_last, t), t - 1)
-
-    return derived_on_host(segs, build)
+    seg = segment_ids(segs, num_tokens)
+    t = torch.arange(num_tokens, device=seg.device)
+    first = segs.seg_start.long()[seg] == t
+    parent = segs.parent.long()[seg]
+    pc = parent.clamp(min=0)
+    parent_last = segs.seg_start.long()[pc] + segs.seg_len.long()[pc] - 1
+    return torch.where(first, torch.where(parent >= 0, parent_last, t), t - 1)

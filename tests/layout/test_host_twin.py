@@ -1,5 +1,5 @@
-"""Segments' host twin: what is derived once per step (tile schedules, walks, each token's predecessor) is built on
-the CPU copy of the segments and copied over, and only while the device tensors are the very ones registered and
+"""Segments' host twin: the kernels' per-step schedules (tile schedules, ancestor walks) are built on the CPU copy of
+the segments and copied over, and only while the device tensors are the very ones registered and
 unmodified. On a CPU machine the twin is registered by hand (``tree_segments`` registers one for CUDA segments
 only); the CUDA test checks that path and that its results equal the ones built on the device."""
 
@@ -9,9 +9,7 @@ import pytest
 import torch
 
 from dualkv_compile.kernels.triton import schedule
-from dualkv_compile.layout.segments import (
-    derived_on_host, host_twin, previous_token_index, register_host_twin, tree_segments,
-)
+from dualkv_compile.layout.segments import Segments, derived_on_host, host_twin, register_host_twin, tree_segments
 
 LENS, PARENTS = [300, 40, 0, 70, 129, 5], [-1, 0, 0, 2, -1, 4]
 OTHER_LENS, OTHER_PARENTS = [200, 160, 30, 129, 5, 20], [-1, 0, 1, -1, 3, 3]  # the same total: 544 tokens
@@ -19,9 +17,9 @@ T = sum(LENS)
 
 
 def _derived(segs):
-    schedule._plans.entries.clear()  # the plan cache would hand back an earlier call's result
+    schedule.clear_plans()  # the plan cache would hand back an earlier call's result
     return (schedule.tile_schedule(segs, T, 64, "q"), schedule.tile_schedule(segs, T, 128, "kv"),
-            schedule.ancestor_walk(segs, 64), previous_token_index(segs, T))
+            schedule.ancestor_walk(segs, 64), schedule.ancestor_walk(segs, 128))
 
 
 def test_derived_maps_are_built_on_the_registered_twin():
@@ -56,7 +54,6 @@ def test_cuda_segments_derive_on_their_twin_the_same_bits():
     for t, h in zip(segs[:5], twin[:5]):
         assert torch.equal(t.cpu(), h)
     on_twin = _derived(segs)
-    register_host_twin(segs, segs)  # now derived on the device itself
-    on_device = _derived(segs)
+    on_device = _derived(Segments(*(t.clone() for t in segs[:5]), *segs[5:]))  # other tensors: no twin
     for a, b in zip(on_twin, on_device):
         assert a.device == b.device and torch.equal(a, b)

@@ -25,7 +25,7 @@ import torch
 
 from ...layout.segments import Segments, derived_on_host
 
-__all__ = ["PlanCache", "tile_schedule", "ancestor_walk"]
+__all__ = ["PlanCache", "tile_schedule", "ancestor_walk", "clear_plans"]
 
 
 class PlanCache:
@@ -53,6 +53,11 @@ class PlanCache:
 
 
 _plans = PlanCache()
+
+
+def clear_plans() -> None:
+    """Forget every cached schedule (the next call builds anew): for tests that build one forest two ways."""
+    _plans.entries.clear()
 
 
 def tile_schedule(segs: Segments, num_tokens: int, block: int, kind: str) -> torch.Tensor:
