@@ -187,6 +187,22 @@ def setup_sdpa_dup(case: Case, cfg: Cfg, backend: Optional[str]):
     return fn, [q, k, v], None, note
 
 
+def setup_varlen_dup(case: Case, cfg: Cfg):
+    """The duplicated batch as the strongest baseline runs it: every row's tokens back to back in one varlen call
+    (tokens first, ``[T_dup, H, D]``), causal within each row, no padding computed; the kernel is
+    ``varlen_attention``'s (torch's ``varlen_attn``, or FlashAttention-4 with ``DUALKV_VARLEN_KERNEL=fa4``)."""
+    import varlen_attention
+
+    rows = case.rows
+    q, k, v = (_randn(cfg, sum(rows), h, cfg.d).requires_grad_() for h in (cfg.hq, cfg.hkv, cfg.hkv))
+    cu = torch.tensor([0] + rows, dtype=torch.int32, device=cfg.device).cumsum(0, dtype=torch.int32)
+
+    def fn():
+        return [varlen_attention._varlen_cuda(q, k, v, cu, max(rows), cfg.scale)]
+
+    return fn, [q, k, v], None, f"kernel: {varlen_attention.kernel_name()}"
+
+
 def setup_split_sdpa(case: Case, cfg: Cfg):
     """Prompt causal, then each group's responses (right-padded) over [prompt K/V, own K/V], lower-right causal."""
     from torch.nn.attention.bias import causal_lower_right
@@ -318,6 +334,7 @@ def methods_for(cfg: Cfg) -> dict[str, Callable]:
     m = {
         "sdpa_flash_dup": lambda c, g: setup_sdpa_dup(c, g, "flash"),
         "sdpa_cudnn_dup": lambda c, g: setup_sdpa_dup(c, g, "cudnn"),
+        "varlen_dup": setup_varlen_dup,
         "flex_packed": setup_flex_packed,
         "flex_user": setup_flex_user,
         "split_sdpa": setup_split_sdpa,
