@@ -33,6 +33,7 @@ stay on the device: on the host their ops would cost more than the launches.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -113,14 +114,14 @@ def tree_segments(seg_len: Sequence[int], parent: Sequence[int], device: Optiona
     return segs
 
 
-# device Segments' seg_start -> (the host twin, the five device tensors' ids and versions when registered)
+# device Segments' seg_start -> (the host twin, weak references to the five device tensors and their versions then)
 _twins = WeakIdKeyDictionary()
 
 
 def register_host_twin(segs: Segments, host: Segments) -> None:
     """Record ``host`` (CPU tensors, the same values) as the twin of ``segs`` for ``host_twin``. The caller vouches
     that the values are equal; ``tree_segments`` registers the twin of every CUDA ``Segments`` it builds."""
-    _twins[segs.seg_start] = (host, tuple((id(t), t._version) for t in segs[:5]))
+    _twins[segs.seg_start] = (host, tuple((weakref.ref(t), t._version) for t in segs[:5]))
 
 
 def host_twin(segs: Segments) -> Optional[Segments]:
@@ -130,7 +131,7 @@ def host_twin(segs: Segments) -> Optional[Segments]:
     if entry is None:
         return None
     host, stamps = entry
-    if any((id(t), t._version) != stamp for t, stamp in zip(segs[:5], stamps)):
+    if any(ref() is not t or t._version != version for t, (ref, version) in zip(segs[:5], stamps)):
         return None
     return host
 
