@@ -14,6 +14,10 @@
 #     dualkv), cold then warm, each within CT_S (default 500 s); GPU 3 the shared-token precision test and its
 #     breakdown per backend at head dim 32 (the Triton kernels) and 8 (the reference backend), then the host time
 #     of one attention call (op_overhead.py, cProfile of dualkv_gluon)
+#   BATCH next, side by side, after `bash benchmarks/fa4_wheels.sh install` in the same call (the wheels staged by the
+#     call before): GPU 0 fa4_rows.sh (FA4's varlen attention alone; the MoE and 8K rows with FA4 as the baseline's
+#     kernel); GPUs 1-3 as BATCH compile (the warm starts after module_floats; Qwen3-1.7B plain's warm start, which
+#     did not finish in 500 s; the precision test at the final code; the attention ops' host time)
 #   BATCH sp, one after the other on all 4 GPUs: fsdp_sp_gpu.sh sp4 (issue 37 (b), the 64K prompt at sp 4), then
 #     fsdp_sp_gpu.sh headline (issue 36, all 36 layers) with what is left of TOTAL_S (default 580 s)
 # Each run compares its sides inside one process, so neighbours on other GPUs load both sides alike; the host's
@@ -67,12 +71,28 @@ case "$BATCH" in
     ) > "$OUT/gpu3.txt" 2>&1 &
     wait
     tail -n 8 "$OUT/gpu0.txt" "$OUT/gpu1.txt" "$OUT/gpu2.txt" "$OUT/gpu3.txt" ;;
+  next)
+    mkdir -p "$OUT/ct_llama_dualkv" "$OUT/ct_q17_plain" "$OUT/ct_q17_dualkv"
+    L=${CT_S:-560}
+    ( export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
+      CUDA_VISIBLE_DEVICES=0 bash benchmarks/fa4_wheels.sh probe
+      CUDA_VISIBLE_DEVICES=0 bash benchmarks/fa4_rows.sh "$OUT/fa4" ) > "$OUT/gpu0.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout $L python3 benchmarks/compile_time.py --model 1.7b --sides plain --out "$OUT/ct_q17_plain" > "$OUT/gpu1.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=2 timeout $L python3 benchmarks/compile_time.py --model 1.7b --sides dualkv --out "$OUT/ct_q17_dualkv" > "$OUT/gpu2.txt" 2>&1 &
+    ( CUDA_VISIBLE_DEVICES=3 timeout 330 python3 benchmarks/compile_time.py --model llama-1b --sides dualkv --out "$OUT/ct_llama_dualkv"
+      CUDA_VISIBLE_DEVICES=3 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_shared_token_precision.py \
+        tests/layout/test_host_twin.py
+      CUDA_VISIBLE_DEVICES=3 timeout 90 python3 benchmarks/op_overhead.py --methods sdpa_cudnn_dup,dualkv_gluon \
+        --shapes 16,1024,512 --profile dualkv_gluon ) > "$OUT/gpu3.txt" 2>&1 &
+    wait
+    tail -n 8 "$OUT/gpu0.txt" "$OUT/gpu1.txt" "$OUT/gpu2.txt" "$OUT/gpu3.txt"
+    rm -f "$OUT/fa4.tgz" ;;
   sp)
     LIMIT=${SP4_S:-240} bash benchmarks/fsdp_sp_gpu.sh "$OUT" sp4
     left=$(( ${TOTAL_S:-580} - ($(date +%s) - start) ))
     echo "== sp4 done after $(($(date +%s) - start)) s; headline gets ${left} s"
     LIMIT=$left bash benchmarks/fsdp_sp_gpu.sh "$OUT" headline ;;
-  *) echo "gpu_batch_x4.sh: unknown BATCH '$BATCH' (q17, profile, compile or sp)" >&2; exit 2 ;;
+  *) echo "gpu_batch_x4.sh: unknown BATCH '$BATCH' (q17, profile, compile, next or sp)" >&2; exit 2 ;;
 esac
 echo "== batch $BATCH done after $(($(date +%s) - start)) s"
 tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
