@@ -15,7 +15,7 @@
 #     breakdown per backend at head dim 32 (the Triton kernels) and 8 (the reference backend), then the host time
 #     of one attention call (op_overhead.py, cProfile of dualkv_gluon)
 #   BATCH next, side by side, after `bash benchmarks/fa4_wheels.sh install` in the same call (the wheels staged by the
-#     call before): GPU 0 fa4_rows.sh (FA4's varlen attention alone; the MoE and 8K rows with FA4 as the baseline's
+#     call before): GPU 0 fa4_rows.sh (FA4's varlen attention alone; the 8K row with each kernel as the baseline's
 #     kernel); GPUs 1-3 as BATCH compile (the warm starts after module_floats; Qwen3-1.7B plain's warm start, which
 #     did not finish in 500 s; the precision test at the final code; the attention ops' host time)
 #   BATCH sp, one after the other on all 4 GPUs: fsdp_sp_gpu.sh sp4 (issue 37 (b), the 64K prompt at sp 4), then
