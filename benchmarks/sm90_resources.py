@@ -26,6 +26,7 @@ triton==3.6.0`` for the H200 here): code generation differs between versions.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import re
@@ -168,9 +169,9 @@ def compile_gluon_kernels(head_dim: int = 128, q_heads: int = 32, kv_heads: int 
     q, k, v, do = make(q_heads), make(kv_heads), make(kv_heads), make(q_heads)
     scale = 1 / math.sqrt(head_dim)
     ga.forward(q, k, v, segs, scale)
-    for dq_mode in ("recompute", "atomic"):
+    for dq_mode in ("recompute", "atomic"):  # the head dim's default tiles (DKDV_CONFIGS), each dQ mode
         ga.backward(do, q, k, v, q, torch.zeros(1, q_heads, tokens), segs, scale,
-                    dkdv_config=ga.DkdvConfig(dq_mode=dq_mode))
+                    dkdv_config=dataclasses.replace(ga.DKDV_CONFIGS[head_dim], dq_mode=dq_mode))
     return [resources(name, kernel) for name, kernel in compiled if kernel is not None]
 
 
