@@ -172,6 +172,20 @@ def test_compiles_for_sm90():
     assert len(kernels) >= 4 and all("FMA contraction on" in ln for ln in kernels), run.stdout
 
 
+def test_compiles_the_head_dims_default_tiles_for_sm90():
+    """``sm90_resources.py --gluon`` compiles the dK/dV kernel with the head dim's default tiles (``DKDV_CONFIGS``):
+    at D=64, 128-row steps, whose loops issue 24 products per block (S^T, dP^T: 8 + 8 at 64 keys x 128 rows and
+    K = 64; P^T dO, dS^T Q: 4 + 4 at K = 128 rows). It once compiled the class defaults' 64-row steps (16)."""
+    pytest.importorskip("triton.experimental.gluon")
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sm90_resources.py"), "--gluon", "--head-dim", "64"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout.split("shared_prompt_dkdv_kernel")
+    dkdv_loops = [ln for part in out[1:] for ln in part.split("shared_prompt_dq_kernel")[0].splitlines() if "HGMMA" in ln]
+    assert dkdv_loops and all("'HGMMA': 24" in ln for ln in dkdv_loops), run.stdout
+
+
 # --------------------------------------------------------------------------- on an H100 / H200
 
 
