@@ -35,13 +35,14 @@ def _enclosing(spans, ts):
     return best
 
 
-def _frame(name: str) -> str:
-    """A Python frame's name as the trace gives it ("path(line): func"), from the package folder on."""
-    for root in ("dualkv_compile/", "site-packages/", "benchmarks/"):
-        at = name.find(root)
+def short_path(path: str) -> str:
+    """A file (or a trace's "path(line): func" frame) as a reader finds it: from the package or the repository
+    folder on, not the machine's prefix (``site-packages/`` itself dropped)."""
+    for root in ("site-packages/", "dualkv_compile/", "benchmarks/", "tests/"):
+        at = path.rfind(root)
         if at >= 0:
-            return name[at + (len(root) if root == "site-packages/" else 0):]
-    return name
+            return path[at + (len(root) if root == "site-packages/" else 0):]
+    return path.rsplit("/", 1)[-1]
 
 
 def idle_gaps(trace: dict, min_us: float = 5.0):
@@ -83,7 +84,7 @@ def idle_gaps(trace: dict, min_us: float = 5.0):
 def _site(launch, ours, frames, ops) -> str:
     if launch is None:
         return "(launch not found)"
-    for table, fmt in ((ours, _frame), (frames, _frame), (ops, str)):
+    for table, fmt in ((ours, short_path), (frames, short_path), (ops, str)):
         hit = _enclosing(table.get(launch.get("tid"), []), launch["ts"])
         if hit is not None:
             return fmt(hit[2])

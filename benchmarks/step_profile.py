@@ -19,6 +19,8 @@ import warnings
 
 import torch
 
+from step_gaps import gap_table, short_path
+
 # (kind, regex over a kernel's name), first match wins.
 KINDS = [
     ("communication", r"nccl|all_?to_?all|allgather|reduce_?scatter|allreduce"),
@@ -41,6 +43,13 @@ def _device_events(prof):
     return [e for e in prof.events() if e.device_type == DeviceType.CUDA]
 
 
+def _steps(fn, model, batch, steps: int) -> None:
+    """``steps`` training steps, ``fn(model, batch).backward()`` each, the gradients dropped after each."""
+    for _ in range(steps):
+        fn(model, batch).backward()
+        model.zero_grad(set_to_none=True)
+
+
 def profile_step(fn, model, batch, device: str, steps: int = 3, title: str = "step") -> str:
     from torch.profiler import ProfilerActivity, profile
 
@@ -50,9 +59,7 @@ def profile_step(fn, model, batch, device: str, steps: int = 3, title: str = "st
     sync()
     start = time.perf_counter()
     with profile(activities=activities) as prof:
-        for _ in range(steps):
-            fn(model, batch).backward()
-            model.zero_grad(set_to_none=True)
+        _steps(fn, model, batch, steps)
         sync()
     wall_ms = (time.perf_counter() - start) * 1e3 / steps
     lines = [f"### Profile: {title}", "", f"- wall time per step under the profiler: {wall_ms:.1f} ms ({steps} steps)"]
@@ -88,13 +95,9 @@ def idle_profile(fn, model, batch, steps: int = 3) -> str:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from step_gaps import gap_table
-
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-        for _ in range(steps):
-            fn(model, batch).backward()
-            model.zero_grad(set_to_none=True)
+        _steps(fn, model, batch, steps)
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
@@ -107,22 +110,13 @@ def idle_profile(fn, model, batch, steps: int = 3) -> str:
 SYNC_WARNING = "synchronizing CUDA operation"  # the text of torch.cuda.set_sync_debug_mode("warn")'s warning
 
 
-def _short(path: str) -> str:
-    """A frame's file as a reader finds it: from the package or the repository folder on, not the machine's prefix."""
-    for root in ("site-packages/", "dualkv_compile/", "benchmarks/", "tests/"):
-        at = path.rfind(root)
-        if at >= 0:
-            return path[at + (len("site-packages/") if root == "site-packages/" else 0):]
-    return os.path.basename(path)
-
-
 def _site(frames) -> str:
     """Where a sync comes from: the innermost frame of dualkv_compile (if any) and the innermost frame overall."""
     inner = frames[-1]
     ours = next((f for f in reversed(frames) if "dualkv_compile/" in f.filename), None)
-    text = f"`{_short(inner.filename)}:{inner.lineno}` {inner.name}"
+    text = f"`{short_path(inner.filename)}:{inner.lineno}` {inner.name}"
     if ours is not None and ours is not inner:
-        text = f"`{_short(ours.filename)}:{ours.lineno}` {ours.name} -> " + text
+        text = f"`{short_path(ours.filename)}:{ours.lineno}` {ours.name} -> " + text
     return text
 
 
@@ -176,9 +170,7 @@ def sync_sites(fn, model, batch, title: str = "step", steps: int = 1) -> str:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     with SyncSites() as sites:
-        for _ in range(steps):
-            fn(model, batch).backward()
-            model.zero_grad(set_to_none=True)
+        _steps(fn, model, batch, steps)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return sites.markdown(title, steps)
