@@ -110,7 +110,7 @@ def tree_segments(seg_len: Sequence[int], parent: Sequence[int], device: Optiona
     table = host if device is None else to_device(host, torch.device(device))
     segs = Segments(*(table[i].clone() for i in range(5)), *maxima)
     if segs.seg_start.device.type == "cuda":
-        register_host_twin(segs, Segments(*(host[i].clone() for i in range(5)), *maxima))
+        register_host_twin(segs, Segments(*host, *maxima))  # rows of the host table: only read, so views do
     return segs
 
 
