@@ -49,7 +49,7 @@ import torch.fx as fx
 from ..layout.packed_ops import PICKED_META, WEIGHTED_META, unpack_merged, unpack_tokens
 from .token_rules import POINTWISE_FUNCS, POINTWISE_METHODS, REDUCE_FUNCS, REDUCE_METHODS, SOFTMAX_LIKE, SOFTMAX_METHODS
 
-__all__ = ["Read", "find_padding_reads", "tainted"]
+__all__ = ["Read", "find_padding_reads", "nonzero_masks", "tainted", "tainted_where"]
 
 # Products, and the bitwise and of booleans (``picked & mask``): zero wherever the factor is.
 _MUL = {operator.mul, torch.mul, "mul", operator.and_, torch.logical_and, "__and__", "logical_and"}
@@ -230,15 +230,53 @@ def _window(columns: int, slices: tuple[tuple, ...], device) -> torch.Tensor:
     return index
 
 
-def tainted(
-    read: Read, valid: torch.Tensor, factors: dict[fx.Node, torch.Tensor], linked: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """Whether ``read`` reads a position packing zeroed (``valid``: the call's ``[B, S]`` non-padding mask)
-    where none of its factors (``factors``: their values this call) is zero: a 0-d bool tensor on ``valid``'s
-    device (the caller syncs once for all reads). ``linked`` (``[B, S - 1]``): where columns ``c`` and
-    ``c + 1`` hold consecutive tokens of one sequence (default: both valid). A next-token value elsewhere
-    reads across a sequence boundary (another sequence packed into the row, or padding), which the packed
-    stream does not compute."""
+def _window_host(columns: int, slices: tuple[tuple, ...]) -> range:
+    """``_window``'s columns as a host range (no tensor, no device op)."""
+    index = range(columns)
+    for sl in slices:
+        index = index[slice(*sl)]
+    return index
+
+
+def _columns(read: Read, seq_len: int) -> int:
+    """The columns of the value ``read`` reads: ``S - 1`` for a next-token value or a truncated one, else ``S``."""
+    return seq_len - 1 if read.shift or read.truncate else seq_len
+
+
+def nonzero_masks(read: Read, factors: dict[fx.Node, torch.Tensor], batch_size: int, seq_len: int) -> list:
+    """Where each factor of ``read`` is nonzero, from the factors' values alone (no layout): ``(mask, slices)``
+    per factor that lines up with the read, ``mask`` bool ``[1 or B, n]`` over the columns that ``slices``
+    select (``slices`` None: a merged read's ``[B, C]`` mask over all its columns). Factors that do not line up
+    get no credit and are left out. On the factors' device; ``tainted_where`` applies them."""
+    B, C = batch_size, _columns(read, seq_len)
+    out = []
+    if read.merged:
+        # No slice is followed along a merged axis; a factor counts if its first dim is that axis,
+        # token-major (``mask.reshape(-1)``, its ``repeat_interleave(k)``, ``[:, None]``).
+        for node, _, _ in read.factors:
+            f = factors[node]
+            if isinstance(f, torch.Tensor) and f.dim() >= 1 and f.shape[0] % (B * C) == 0 and f.shape[0] > 0:
+                out.append(((f != 0).reshape(B, C, -1).any(-1), None))
+        return out
+    for node, slices, rank in read.factors:
+        f = factors[node]
+        if not isinstance(f, torch.Tensor) or rank is None or f.dim() > rank:
+            continue  # a Python number, or shapes that do not line up with the read: no credit
+        f = f.reshape((1,) * (rank - f.dim()) + tuple(f.shape))
+        nonzero = (f != 0).flatten(2).any(-1) if rank > 2 else (f != 0)
+        n = len(_window_host(C, slices))
+        if nonzero.shape[1] not in (1, n) or nonzero.shape[0] not in (1, B):
+            continue
+        out.append((nonzero, slices))
+    return out
+
+
+def tainted_where(read: Read, valid: torch.Tensor, masks: list, linked: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Whether ``read`` reads a position packing zeroed (``valid``: the call's ``[B, S]`` non-padding mask) where
+    none of ``masks`` (``nonzero_masks``) is zero: a 0-d bool tensor on ``valid``'s device. ``linked``
+    (``[B, S - 1]``): where columns ``c`` and ``c + 1`` hold consecutive tokens of one sequence (default: both
+    valid). A next-token value elsewhere reads across a sequence boundary (another sequence packed into the row,
+    or padding), which the packed stream does not compute."""
     if read.shift:
         taint = ~(valid[:, 1:] & valid[:, :-1] if linked is None else linked)
     elif read.truncate:
@@ -247,22 +285,23 @@ def tainted(
         taint = ~valid
     B, C = taint.shape
     taint = taint.clone()
-    if read.merged:
-        # No slice is followed along a merged axis; a factor counts if its first dim is that axis,
-        # token-major (``mask.reshape(-1)``, its ``repeat_interleave(k)``, ``[:, None]``).
-        for node, _, _ in read.factors:
-            f = factors[node]
-            if isinstance(f, torch.Tensor) and f.dim() >= 1 and f.shape[0] % (B * C) == 0 and f.shape[0] > 0:
-                taint &= (f != 0).reshape(B, C, -1).any(-1).to(taint.device)
-        return taint.any()
-    for node, slices, rank in read.factors:
-        f = factors[node]
-        if not isinstance(f, torch.Tensor) or rank is None or f.dim() > rank:
-            continue  # a Python number, or shapes that do not line up with the read: no credit
-        f = f.reshape((1,) * (rank - f.dim()) + tuple(f.shape))
-        nonzero = (f != 0).flatten(2).any(-1) if rank > 2 else (f != 0)
-        cols = _window(C, slices, taint.device)
-        if nonzero.shape[1] not in (1, cols.numel()) or nonzero.shape[0] not in (1, B):
+    for mask, slices in masks:
+        mask = mask.to(taint.device)
+        if slices is None:
+            taint &= mask
             continue
-        taint[:, cols] &= nonzero.to(taint.device).expand(B, cols.numel())
+        cols = _window(C, slices, taint.device)
+        taint[:, cols] &= mask.expand(B, cols.numel())
+    if read.merged:
+        return taint.any()
     return taint[:, _window(C, read.slices, taint.device)].any()
+
+
+def tainted(
+    read: Read, valid: torch.Tensor, factors: dict[fx.Node, torch.Tensor], linked: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``tainted_where`` with the masks of ``factors`` (their values this call): whether ``read`` reads a position
+    packing zeroed where none of its factors is zero (a 0-d bool tensor on ``valid``'s device; the caller syncs
+    once for all reads)."""
+    B, S = valid.shape
+    return tainted_where(read, valid, nonzero_masks(read, factors, B, S), linked)

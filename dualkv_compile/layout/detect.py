@@ -9,7 +9,7 @@ and index tensors built on the batch's device without a host loop over tokens.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -20,7 +20,7 @@ from .shared_prompt import Node, SequenceSpan, SharedPromptLayout
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["detect", "expand_runs"]
+__all__ = ["detect", "detect_reading", "expand_runs"]
 
 
 def detect(
@@ -34,6 +34,25 @@ def detect(
     split_at_restarts: bool = True,
     vocab_size: Optional[int] = None,
 ) -> SharedPromptLayout:
+    """The layout of a batch (``detect_reading``, reading nothing else)."""
+    return detect_reading(
+        input_ids, attention_mask, position_ids, group_size=group_size, min_shared=min_shared,
+        same_columns=same_columns, split_at_restarts=split_at_restarts, vocab_size=vocab_size,
+    )[0]
+
+
+def detect_reading(
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
+    *,
+    group_size: Optional[int] = None,
+    min_shared: int = 1,
+    same_columns: bool = True,
+    split_at_restarts: bool = True,
+    vocab_size: Optional[int] = None,
+    also_read: Sequence[torch.Tensor] = (),
+) -> tuple[SharedPromptLayout, tuple[torch.Tensor, ...]]:
     """The prefix forest of a ``[B, S]`` batch's sequences, in any row order, and its packed layout.
 
     Sequences are the rows' valid runs, split where ``position_ids`` restart
@@ -47,7 +66,9 @@ def detect(
     rows of the embedding that reads ``input_ids``: an id outside ``[0, vocab_size)``
     anywhere, padding included, is a ``ValueError`` (the model's embedding raises
     on it; packing would drop a padding position's id unread). Read off the one
-    host copy of the batch: no extra transfer.
+    host copy of the batch: no extra transfer. ``also_read``: integer or boolean
+    tensors the caller needs on the host, read in the same transfer
+    (``read_sequences``) and returned beside the layout, as int64 host tensors.
     """
     B = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else None
     if group_size is not None and (not isinstance(group_size, int) or group_size < 1 or (B is not None and B % group_size)):
@@ -55,7 +76,8 @@ def detect(
     if not isinstance(min_shared, int) or min_shared < 1:
         raise ValueError(f"min_shared must be a positive integer, got {min_shared!r}")
     batch = read_sequences(
-        input_ids, attention_mask, position_ids, same_columns=same_columns, split_at_restarts=split_at_restarts
+        input_ids, attention_mask, position_ids, same_columns=same_columns, split_at_restarts=split_at_restarts,
+        also_read=also_read,
     )
     if vocab_size is not None:
         _check_ids(batch.keys[..., 0], vocab_size)
@@ -63,7 +85,7 @@ def detect(
     layout = _build(batch, nodes, leaf, input_ids.device)
     if group_size is not None:
         _check_groups(layout, group_size, min_shared)
-    return layout
+    return layout, batch.read
 
 
 def _check_ids(ids: torch.Tensor, vocab_size: int) -> None:

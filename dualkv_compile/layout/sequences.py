@@ -34,6 +34,7 @@ class HostBatch(NamedTuple):
     seq_len: int
     keys: torch.Tensor
     sequences: tuple[tuple[int, int, int], ...]  # (row, start column, end column), in row and column order
+    read: tuple[torch.Tensor, ...] = ()  # the host copies of read_sequences' ``also_read``, in its order
 
 
 def _check_2d(name: str, t, shape: Sequence[int]) -> None:
@@ -50,8 +51,13 @@ def read_sequences(
     *,
     same_columns: bool = True,
     split_at_restarts: bool = True,
+    also_read: Sequence[torch.Tensor] = (),
 ) -> HostBatch:
-    """The sequences of a batch and their keys, with one device-to-host transfer (see the module docstring)."""
+    """The sequences of a batch and their keys, with one device-to-host transfer (see the module docstring).
+
+    ``also_read``: tensors of integer or boolean values on the batch's device that the caller needs on the host
+    too; they ride in the same transfer and come back, as int64 host tensors of their shapes, in ``HostBatch.read``.
+    """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         got = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a 2-D tensor [B, S], got {got}")
@@ -60,29 +66,41 @@ def read_sequences(
     B, S = input_ids.shape
     if B == 0 or S == 0:
         raise ValueError(f"input_ids must have at least one row and one column, got shape {[B, S]}")
-    device = input_ids.device
-    if attention_mask is None:
-        mask = torch.ones(B, S, dtype=torch.bool, device=device)
-        mask_bad = torch.zeros((), dtype=torch.bool, device=device)
-    else:
+    if attention_mask is not None:
         _check_2d("attention_mask", attention_mask, (B, S))
-        mask_bad = ((attention_mask != 0) & (attention_mask != 1)).any()
-        mask = attention_mask != 0
-    pos = None
-    if position_ids is not None:
-        if (
-            not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
-            or position_ids.shape[1] != S or position_ids.shape[0] not in (1, B)
-        ):
-            got = list(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
-            raise ValueError(f"position_ids must have shape [B, S] = {[B, S]} or [1, S], got {got}")
-        pos = position_ids.expand(B, S).long()
+    if position_ids is not None and (
+        not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
+        or position_ids.shape[1] != S or position_ids.shape[0] not in (1, B)
+    ):
+        got = list(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise ValueError(f"position_ids must have shape [B, S] = {[B, S]} or [1, S], got {got}")
+    # The one device-to-host transfer: the raw fields (and the riders), everything else is derived on the host,
+    # so the device runs a few copies before the sync rather than a dozen small kernels.
+    parts = [input_ids, _mask_code(attention_mask), position_ids, *also_read]
+    sent = [p for p in parts if p is not None]
+    host = torch.cat([p.reshape(-1).long() for p in sent]).cpu()
+    pieces = iter(host.split([p.numel() for p in sent]))
+    ids = next(pieces).view(B, S)
+    code = next(pieces).view(B, S) if attention_mask is not None else None
+    pos = next(pieces).view(-1, S).expand(B, S) if position_ids is not None else None
+    read = tuple(next(pieces).view(p.shape) for p in also_read)
 
-    cols = torch.arange(S, device=device)
+    if code is None:
+        mask = torch.ones(B, S, dtype=torch.bool)
+    else:
+        if ((code != 0) & (code != 1)).any():
+            raise ValueError("attention_mask must hold only 0 and 1")
+        mask = code != 0
+    cols = torch.arange(S)
     count = mask.sum(1)
     last = torch.where(mask, cols, -1).amax(1)
     first = torch.where(mask, cols, S).amin(1)
     holes = ((last - first + 1) != count) & (count > 0)
+    if holes.any():
+        bad = holes.nonzero().flatten().tolist()
+        raise ValueError(
+            f"attention_mask must mark one contiguous run of tokens per row (left and/or right padding); rows {bad} have holes"
+        )
     # A sequence starts at a valid column whose left neighbour is padding, or where the positions restart.
     starts = mask.clone()
     if S > 1:
@@ -90,32 +108,27 @@ def read_sequences(
         if pos is not None and split_at_restarts:
             cont = cont & (pos[:, 1:] == pos[:, :-1] + 1)
         starts[:, 1:] &= ~cont
-    fields = [input_ids.long()]
+    fields = [ids]
     if pos is not None:
         fields.append(pos)
     if same_columns:
         fields.append(cols.expand(B, S))
     keys = torch.stack(fields, -1)
-    flags = torch.stack([mask_bad.long(), holes.any().long()])
-    # The one device-to-host transfer.
-    host = torch.cat([keys.flatten(), starts.long().flatten(), mask.long().flatten(), flags]).cpu()
-    n = B * S * len(fields)
-    if host[-2]:
-        raise ValueError("attention_mask must hold only 0 and 1")
-    if host[-1]:
-        bad = holes.cpu().nonzero().flatten().tolist()
-        raise ValueError(
-            f"attention_mask must mark one contiguous run of tokens per row (left and/or right padding); rows {bad} have holes"
-        )
-    keys_host = host[:n].view(B, S, len(fields))
-    start_flat = host[n : n + B * S].view(B, S).bool()
-    valid = host[n + B * S : n + 2 * B * S].view(B, S).bool()
     # Each sequence runs from its start to the next start in its row or the end of the row's valid run.
-    ends = valid.sum(1) + torch.where(valid, torch.arange(S), S).amin(1).clamp(max=S)
-    begin = start_flat.nonzero().tolist()
+    ends = count + torch.where(mask, cols, S).amin(1).clamp(max=S)
+    begin = starts.nonzero().tolist()
     seqs = []
     for i, (b, c) in enumerate(begin):
         nxt = begin[i + 1] if i + 1 < len(begin) else None
         end = nxt[1] if nxt is not None and nxt[0] == b else int(ends[b])
         seqs.append((b, c, end))
-    return HostBatch(B, S, keys_host, tuple(seqs))
+    return HostBatch(B, S, keys, tuple(seqs), read)
+
+
+def _mask_code(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The mask as integers that keep its 0s and 1s and show any other value as something else (a float
+    0.5 would truncate to 0 as an integer: it becomes 2)."""
+    if attention_mask is None or not (attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex):
+        return attention_mask
+    nonzero = attention_mask != 0
+    return nonzero.long() + (nonzero & (attention_mask != 1)).long()

@@ -190,11 +190,18 @@ class SharedPromptLayout:
     def sequence_ids(self) -> torch.Tensor:
         """int64 ``[B * S]``: the sequence holding each position, ``-1`` at padding (on the layout's device)."""
         if "sequence_ids" not in self._cache:
+            self._cache["sequence_ids"] = to_device(self.sequence_ids_on_host(), self.device)
+        return self._cache["sequence_ids"]
+
+    def sequence_ids_on_host(self) -> torch.Tensor:
+        """``sequence_ids`` as a host tensor, built from the spans without reading the device (``valid`` is
+        ``sequence_ids_on_host() >= 0``)."""
+        if "sequence_ids_host" not in self._cache:
             ids = torch.full((self.batch_size * self.seq_len,), -1, dtype=torch.long)
             for i, s in enumerate(self.sequences):
                 ids[s.row * self.seq_len + s.start : s.row * self.seq_len + s.end] = i
-            self._cache["sequence_ids"] = to_device(ids, self.device)
-        return self._cache["sequence_ids"]
+            self._cache["sequence_ids_host"] = ids
+        return self._cache["sequence_ids_host"]
 
     def token_multiplicity(self) -> torch.Tensor:
         """int64 ``[T]``: how many sequences each packed token stands for (DESIGN.md, semantics 12)."""

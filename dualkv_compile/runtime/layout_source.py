@@ -33,7 +33,8 @@ from ..analysis.side_graphs import mask_graph
 from ..analysis.token_inputs import NAMED_ROLES, Role
 from ..config import DualKVConfig
 from ..layout import carried as active_layout
-from ..layout import SharedPromptLayout, detect
+from ..layout import SharedPromptLayout
+from ..layout.detect import detect_reading
 from ..normalize.graph_pass import ev
 from ..report import GraphReport
 from .mask_check import mask_mismatch, pure_mask
@@ -60,6 +61,9 @@ class LayoutSource:
         self.floating_index = [self.position[n] for n in floating_carried(analysis.axes)]
         self.active: Optional[active_layout.ActiveLayout] = None
         self.source: Optional[str] = None
+        # The host copies of the call's ``also_read`` tensors when its layout was read from the device with them
+        # (one transfer for both), else None.
+        self.read_back: Optional[tuple[torch.Tensor, ...]] = None
         self.same_columns = True  # the runner clears it when the packed program reads no value of the column
 
     def masks(self, args):
@@ -96,7 +100,10 @@ class FromTokenIds(LayoutSource):
         ids = next(n for n, i in self.position.items() if i == self.index[Role.INPUT_IDS])
         self.vocab_size = _embedding_rows(ids)
 
-    def __call__(self, args) -> "SharedPromptLayout | str":
+    def __call__(self, args, also_read=()) -> "SharedPromptLayout | str":
+        """The call's layout (or why none); ``also_read``: tensors to read to the host in the detection's one
+        transfer, left in ``read_back`` when the layout was detected here (not taken from an earlier graph)."""
+        self.read_back = None
         ids = args[self.index[Role.INPUT_IDS]]
         mask = args[self.index[Role.ATTENTION_MASK]] if Role.ATTENTION_MASK in self.index else None
         pos = args[self.index[Role.POSITION_IDS]] if Role.POSITION_IDS in self.index else None
@@ -105,14 +112,15 @@ class FromTokenIds(LayoutSource):
             if current is not None:
                 return self.share_check(args, self.active) or current
         try:
-            layout = detect(
+            layout, read = detect_reading(
                 ids, mask, pos, group_size=self.cfg.group_size, min_shared=self.cfg.min_shared, same_columns=self.same_columns,
                 # Causal attention without a mask spans the whole row: then a row is one sequence.
-                split_at_restarts=self.causal_unmasked is None, vocab_size=self.vocab_size,
+                split_at_restarts=self.causal_unmasked is None, vocab_size=self.vocab_size, also_read=also_read,
             )
         except ValueError as e:
             active_layout.clear()
             return f"layout: {e}"
+        self.read_back = read
         self.active = active_layout.publish(layout, self.report.graph_id, "input_ids")
         self.source = "detected from input_ids"
         return self.share_check(args, self.active) or layout
@@ -173,7 +181,8 @@ class FromCarried(LayoutSource):
             self.mask_key = [i for i, p in enumerate(self.mask_gm.graph.find_nodes(op="placeholder")) if p.users]
         self.size_index = self.carried[0][1]
 
-    def __call__(self, args) -> "SharedPromptLayout | str":
+    def __call__(self, args, also_read=()) -> "SharedPromptLayout | str":
+        """The call's layout (or why none); reads nothing extra for the caller (``read_back`` stays None)."""
         ref = args[self.size_index]
         B, S = int(ref.shape[0]), int(ref.shape[1])
         cur = active_layout.current()

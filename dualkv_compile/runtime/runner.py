@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.analyze import Analysis
-from ..analysis.padding_reads import find_padding_reads, tainted
+from ..analysis.padding_reads import find_padding_reads, nonzero_masks, tainted_where
 from ..analysis.side_graphs import factor_graph
 from ..analysis.token_inputs import Role
 from ..config import DualKVConfig
@@ -101,7 +101,11 @@ class Runner:
         for index, value, what in self.scalar_checks:
             if float(args[index]) != value:
                 return self._unpacked(args, f"{what} is {float(args[index])}, the packed graph was built for {value}")
-        layout = self.layout_source(args)
+        # The padding reads' masks, computed from the inputs alone, ride in the layout's one host transfer when
+        # the layout is detected from this call's token ids: then the check needs no second sync.
+        masks = self._factor_masks(args) if self.padding_reads and isinstance(self.layout_source, FromTokenIds) else None
+        riders = _riders(masks, args[self.layout_source.index[Role.INPUT_IDS]].device) if masks is not None else ()
+        layout = self.layout_source(args, also_read=riders)
         if self.sp is not None:  # the group takes one path, on one layout (runtime.sequence_parallel)
             self._agree(args, layout)
         if isinstance(layout, str):
@@ -115,7 +119,10 @@ class Runner:
             if why is not None:
                 return self._disable(args, f"disabled on its first call: {why}")
             self.checked = True
-        why = self._padding_read(args, layout)
+        host = self.layout_source.read_back
+        if riders and host is not None:  # else (a layout taken from an earlier graph) the masks stay on the device
+            masks = (_on_host(masks[0], host), masks[1])
+        why = self._padding_read(args, layout, masks)
         if why is not None:
             return self._unpacked(args, why)
         if self.compiled is None:
@@ -154,19 +161,12 @@ class Runner:
         self.layout_source.active.record_outputs(out, self.unpacked_outputs)
         return out
 
-    def _padding_read(self, args, layout: SharedPromptLayout) -> Optional[str]:
-        """None, or why this call reads a position packing does not compute (DESIGN.md semantics 8).
-
-        Packing zeroes padding positions, and next-token values whose previous
-        column is not the previous token of the same sequence (a sequence's
-        first token: left padding, an empty prompt, another sequence packed
-        into the row). Reading them is exact only where a factor zeroes them.
-        """
-        if not self.padding_reads:
-            return None
-        valid = layout.valid.view(layout.batch_size, layout.seq_len)
-        seq = layout.sequence_ids().view(layout.batch_size, layout.seq_len)
-        linked = (seq[:, 1:] == seq[:, :-1]) & (seq[:, 1:] >= 0)
+    def _factor_masks(self, args, batch_size: Optional[int] = None, seq_len: Optional[int] = None):
+        """Per padding read, where its factors (evaluated on this call's inputs) are nonzero
+        (``padding_reads.nonzero_masks``), and the factors that are unknown, with why."""
+        if batch_size is None:
+            ids = args[self.layout_source.index[Role.INPUT_IDS]]
+            batch_size, seq_len = int(ids.shape[0]), int(ids.shape[1])
         factors = dict.fromkeys(self.unknown_factors)  # None: unknown, zeroes nothing
         unknown = dict(self.unknown_factors)
         with torch.no_grad():
@@ -176,8 +176,32 @@ class Runner:
                 except Exception as e:  # noqa: BLE001 - the factors are then unknown; the original program runs
                     factors.update(dict.fromkeys(f.factor_nodes))
                     unknown.update(dict.fromkeys(f.factor_nodes, f"evaluating them failed: {type(e).__name__}: {e}"[:300]))
-        flags = torch.stack([tainted(read, valid, factors, linked) for read in self.padding_reads])
-        if not bool(flags.any()):  # one host sync for all reads
+            masks = [nonzero_masks(read, factors, batch_size, seq_len) for read in self.padding_reads]
+        return masks, unknown
+
+    def _padding_read(self, args, layout: SharedPromptLayout, masks=None) -> Optional[str]:
+        """None, or why this call reads a position packing does not compute (DESIGN.md semantics 8).
+
+        Packing zeroes padding positions, and next-token values whose previous
+        column is not the previous token of the same sequence (a sequence's
+        first token: left padding, an empty prompt, another sequence packed
+        into the row). Reading them is exact only where a factor zeroes them.
+        ``masks``: ``_factor_masks``' result, on the host when it was read with
+        the layout (then no sync here), else None (evaluated here, one sync).
+        """
+        if not self.padding_reads:
+            return None
+        B, S = layout.batch_size, layout.seq_len
+        if masks is None:
+            masks = self._factor_masks(args, B, S)
+        per_read, unknown = masks
+        on_host = all(m.device.type == "cpu" for read in per_read for m, _ in read)
+        seq = (layout.sequence_ids_on_host() if on_host else layout.sequence_ids()).view(B, S)
+        valid = seq >= 0
+        linked = (seq[:, 1:] == seq[:, :-1]) & (seq[:, 1:] >= 0)
+        with torch.no_grad():
+            flags = torch.stack([tainted_where(read, valid, m, linked) for read, m in zip(self.padding_reads, per_read)])
+        if not bool(flags.any()):  # on the device: one host sync for all reads
             return None
         read = self.padding_reads[int(flags.nonzero()[0, 0])]
         why = next((f"{node.name}: {unknown[node]}" for node, _, _ in read.factors if node in unknown), None)
@@ -218,6 +242,19 @@ class Runner:
         agree(layout, self.sp, _device_of(args))
         if same:
             active.sp_agreed = True
+
+
+def _riders(masks, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The padding reads' factor masks to read with the layout: all of them, or none if any is elsewhere than
+    the token ids' device (one transfer reads one device)."""
+    flat = [m for read in masks[0] for m, _ in read]
+    return tuple(flat) if flat and all(m.device == device for m in flat) else ()
+
+
+def _on_host(per_read, host: tuple[torch.Tensor, ...]):
+    """``per_read`` with each mask replaced by its host copy (``host``, in ``_riders``' order)."""
+    it = iter(host)
+    return [[(next(it) != 0, slices) for _, slices in read] for read in per_read]
 
 
 def _device_of(args) -> torch.device:

@@ -99,3 +99,37 @@ def test_nan_padding_embedding_poisons_the_original_program_only():
     got = dualkv_compile.policy_loss(loss, inner="aot_eager")(model, ids, mask, response)
     assert [r.packed_calls for r in dualkv_compile.reports() if r.num_attention][-1] == 1
     torch.testing.assert_close(got, loss(clean, ids, mask, response), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_call_with_a_masked_padding_read_syncs_once():
+    """The padding reads' masks ride in the layout's one host transfer: a packed call of a loss that reads a
+    next-token value under a response mask synchronises with the device once (it was twice: the layout's read,
+    then the padding-read check's)."""
+    import warnings
+
+    dev = torch.device("cuda")
+    ids = torch.tensor([[0, 0, 4, 5, 8, 9, 1], [0, 0, 4, 5, 8, 7, 0], [0, 0, 4, 5, 8, 3, 3]], device=dev)
+    mask = (ids != 0).long()
+    response = mask.clone()
+    response[:, :5] = 0
+    torch._dynamo.reset()
+    model = hf_model("qwen3", "sdpa").to(dev)
+    loss = dualkv_compile.policy_loss(lambda m, i, a, r: _next_token_loss(m, i, a, r), inner="aot_eager", min_rho=1.0)
+    for _ in range(2):  # compile, then a warm call
+        loss(model, ids, mask, response).backward()
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            out = loss(model, ids, mask, response)
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    syncs = [(x.filename, x.lineno) for x in w if "synchronizing" in str(x.message)]
+    reports = [r for r in dualkv_compile.reports() if r.num_attention]
+    assert reports[-1].packed_calls == 3, reports[-1]
+    assert len(syncs) == 1, syncs
+    assert torch.isfinite(out)

@@ -174,3 +174,27 @@ def test_detect_one_cuda_sync():
             assert torch.equal(getattr(L, name).cpu(), getattr(ref, name)), name
         for name in ("seg_start", "seg_len", "parent", "prefix_len", "subtree_end"):
             assert torch.equal(getattr(L.attention_segments, name).cpu(), getattr(ref.attention_segments, name)), name
+
+
+def test_detect_reading_reads_riders_in_the_one_transfer():
+    """Tensors the runtime needs on the host (the padding reads' factor masks) ride in the layout's one transfer and
+    come back as int64 host copies of their values and shapes."""
+    from dualkv_compile.layout.detect import detect_reading
+
+    riders = (VERL_MASK.bool()[:, 1:], torch.tensor([[1], [0], [2]]))
+    with _CountHostSyncs() as c:
+        layout, read = detect_reading(VERL_IDS, VERL_MASK, also_read=riders)
+    assert c.syncs == ["cpu"], c.syncs
+    assert [r.dtype for r in read] == [torch.long, torch.long]
+    for got, want in zip(read, riders):
+        assert torch.equal(got, want.long())
+    assert layout.sequences == detect(VERL_IDS, VERL_MASK).sequences
+
+
+@pytest.mark.parametrize("value", [0.5, 2.0, -1.0])
+def test_float_mask_values_other_than_0_and_1_are_refused(value):
+    """The mask travels to the host as integers; a float 0.5 must not truncate to a valid 0."""
+    mask = VERL_MASK.float()
+    mask[0, -1] = value
+    with pytest.raises(ValueError, match="attention_mask must hold only 0 and 1"):
+        detect(VERL_IDS, mask)
