@@ -14,7 +14,7 @@
    (a loss's lm_head -> log_softmax -> next-token gather as one chunked op,
    with an entropy of the same log-probs if the loss has one, option
    ``chunked_log_probs``; not the entropy under sequence parallelism), then
-   ``rewrite.module_floats`` (module floats an op reads as numbers baked in, checked per call), then,
+   ``rewrite.module_floats`` (the module floats it reads baked in as numbers, checked per call), then,
    with option ``sequence_parallel``, ``rewrite.sequence_parallel`` (the packed graph split over the group);
 5. ``runtime.runner.Runner``: per call, the layout from its source
    (detected from ``input_ids``, or carried from an earlier graph of the
@@ -87,8 +87,9 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
             fused = fuse_linear_log_prob(packed, cfg.log_prob_chunk_bytes, example_inputs, entropy=cfg.sequence_parallel is None)
             report.fused_log_probs, report.fused_entropy = fused.count, fused.entropy
             scalar_checks += tuple(fused.scalar_checks)
-        # Module floats an op takes as numbers, baked in: traced again, the packed graph would otherwise restart
-        # Dynamo's analysis after AOTAutograd's whole trace, on every cold and warm start (rewrite.module_floats).
+        # Module floats, baked in: traced again, the packed graph would otherwise restart Dynamo's analysis after
+        # AOTAutograd's whole trace, or compute them as C++ code on the CPU whose cached load probes the host's
+        # instruction sets, on every cold and warm start (rewrite.module_floats).
         scalar_checks += tuple(bake_module_floats(packed, example_inputs))
         # Under sequence parallelism the runner runs the packed graph split over the group.
         runs = packed if cfg.sequence_parallel is None else shard_packed_graph(packed, cfg.sequence_parallel)

@@ -1,25 +1,30 @@
-"""Module floats the packed graph passes to an op as Python numbers: baked in, so its compile never restarts.
+"""Module floats the packed graph reads: baked in as numbers, so its compile never restarts and holds no CPU code.
 
 Under ``dynamic=True`` Dynamo lifts a module's float attributes (an RMSNorm's ``eps``, a rotary
-``attention_scaling``, an ``nn.Embedding``'s ``norm_type``, a ``LayerNorm``'s ``eps``) as 0-dim tensor
+``attention_scaling``, an ``nn.Embedding``'s ``norm_type``, a ``LayerNorm``'s ``eps``) as 0-dim CPU tensor
 inputs that the graph reads with ``placeholder.item()``. The packed graph is traced by Dynamo again
-(``runtime.nested_compile``), and AOTAutograd's ``tensorify_python_scalars`` pass turns each such float
-back into a tensor where it feeds tensor arithmetic (``x + eps``). One that an op takes as a Python number
-(``F.embedding(..., norm_type)``, ``F.layer_norm(..., eps)``) it cannot: it specialises the float and
-restarts Dynamo's analysis of the whole graph (``TensorifyScalarRestartAnalysis``), after AOTAutograd had
-traced the joint graph and missed its cache under a key no run ever saves. That wasted trace was most of a
-warm start's compile time (issue 36; ``benchmarks/results/compile_warm_start_cpu_2026-11-27.md``).
+(``runtime.nested_compile``), and AOTAutograd's ``tensorify_python_scalars`` pass handles each such float
+one of two ways:
 
-``bake_module_floats`` replaces each such read with its value, as torch would have specialised it, and
-returns the per-call checks (input index, value, what) the runner already keeps for attention scales: a
-call where the module's float changed runs unpacked. Only module attributes are baked (their source is an
-attribute of an ``nn.Module``): a float the loss function takes as an argument may change every step, and
-stays as it was. Reads that feed only tensor arithmetic are left to ``tensorify_python_scalars``.
+* where an op takes it as a Python number (``F.embedding(..., norm_type)``, ``F.layer_norm(..., eps)``),
+  it specialises the float and restarts Dynamo's analysis of the whole graph
+  (``TensorifyScalarRestartAnalysis``), after AOTAutograd had traced the joint graph and missed its cache
+  under a key no run ever saves: most of a warm start's compile time on the CPU
+  (``benchmarks/results/compile_warm_start_cpu_2026-11-27.md``);
+* where it feeds tensor arithmetic (``x + eps``), it turns the read into tensor ops on the 0-dim CPU tensor
+  (``scalar_tensor``, ``convert_element_type``), which Inductor compiles as C++ even in a CUDA graph. Loading
+  a cached graph with C++ code makes Inductor probe the host CPU's vector instruction sets, and torch 2.11
+  probes by starting a Python process that imports torch, once per instruction set: 47 s of a 79 s warm
+  start of the Llama-1B shape on an H100 host (``benchmarks/results/compile_warm_start_h100_2026-11-27``).
+
+``bake_module_floats`` replaces every such read with its value, as torch would have specialised it without
+``dynamic=True``, and returns the per-call checks (input index, value, what) the runner already keeps for
+attention scales: a call where a module's float changed runs unpacked. Only module attributes are baked
+(their source is an attribute of an ``nn.Module``): a float the loss function takes as an argument may
+change every step, and stays as it was.
 """
 
 from __future__ import annotations
-
-import operator
 
 import torch
 import torch.fx as fx
@@ -27,35 +32,6 @@ import torch.fx as fx
 from ..analysis.attention_match import item_of_placeholder
 
 __all__ = ["bake_module_floats", "is_module_attribute"]
-
-# Torch-level ops whose scalar operand AOTAutograd's tensorify pass turns into a tensor (aten add/mul/sub/div.Tensor).
-_COMMUTATIVE = {operator.add, operator.mul, torch.add, torch.mul, "add", "mul", "add_", "mul_", "__add__", "__mul__",
-                "__radd__", "__rmul__"}
-_SECOND_OPERAND = {operator.sub, operator.truediv, torch.sub, torch.div, "sub", "div", "sub_", "div_", "__sub__",
-                   "__truediv__"}
-
-
-def _tensorified(use: fx.Node, value: fx.Node, depth: int = 0) -> bool:
-    """True if every way ``use`` reads ``value`` (a Python float) is tensor arithmetic tensorify handles."""
-    if use.op not in ("call_function", "call_method") or use.kwargs or depth > 8:
-        return False
-    positions = [i for i, a in enumerate(use.args) if a is value]
-    if not positions:  # read inside a list or tuple operand: not an arithmetic operand
-        return False
-    out = use.meta.get("example_value")
-    if out is None:  # a value the rewrite added (``add_packed``) carries no example value: its other operand tells
-        others = [a for i, a in enumerate(use.args[:2]) if i not in positions]
-        tensor = others and isinstance(others[0], fx.Node) and not isinstance(
-            others[0].meta.get("example_value"), (torch.SymInt, torch.SymFloat, int, float))
-        out = torch.empty(0) if tensor else None
-    if isinstance(out, (torch.SymFloat, float)):  # scalar arithmetic (1 - eps): where its result goes decides
-        arithmetic = use.target in _COMMUTATIVE or use.target in _SECOND_OPERAND
-        return arithmetic and bool(use.users) and all(_tensorified(u, use, depth + 1) for u in use.users)
-    if not isinstance(out, torch.Tensor):
-        return False
-    if use.target in _COMMUTATIVE:
-        return all(i < 2 for i in positions)
-    return use.target in _SECOND_OPERAND and positions == [1]
 
 
 def is_module_attribute(placeholder: fx.Node) -> bool:
@@ -73,7 +49,7 @@ def is_module_attribute(placeholder: fx.Node) -> bool:
 
 
 def bake_module_floats(gm: fx.GraphModule, example_inputs) -> list[tuple[int, float, str]]:
-    """Bake in the module floats ``gm`` passes to an op as numbers (see the module docstring); the checks.
+    """Bake in the module floats ``gm`` reads (see the module docstring); the per-call checks.
 
     ``example_inputs`` are the backend call's inputs, the first placeholders of ``gm`` in order. Changes
     ``gm`` in place and recompiles it when it bakes anything.
@@ -82,7 +58,7 @@ def bake_module_floats(gm: fx.GraphModule, example_inputs) -> list[tuple[int, fl
     checks = []
     for item in list(gm.graph.find_nodes(op="call_method", target="item")):
         p = item_of_placeholder(item)
-        if p is None or not item.users or all(_tensorified(u, item) for u in item.users):
+        if p is None or not item.users:
             continue
         index = placeholders.index(p)
         example = example_inputs[index] if index < len(example_inputs) else None
