@@ -19,6 +19,7 @@ restarts of an analysis and the caches' bypasses; the reasons torch logged for t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -46,7 +47,12 @@ def parse(argv=None):
                          "more slowly than alone, and the ratio is between two equally loaded processes)")
     ap.add_argument("--sides", default="plain,dualkv", help="the sides to measure (comma-separated; one side per "
                     "GPU in parallel runs, each with its own --out, keeps a long cold compile within one device call)")
+    ap.add_argument("--profile-warm", action="store_true", help="run the warm process's first step under cProfile "
+                    "and write where its time goes (by cumulative and by own time) to OUT/profile_<side>_warm.txt")
+    ap.add_argument("--cache-dir", default=None, help="keep each side's Inductor cache in DIR/<side> (default: a "
+                    "temporary directory, removed after), e.g. to read the generated code")
     ap.add_argument("--one", choices=["plain", "dualkv"], default=None, help=argparse.SUPPRESS)  # a child process
+    ap.add_argument("--profile-to", default=None, help=argparse.SUPPRESS)  # the child's cProfile report, if any
     args = ap.parse_args(argv)
     unknown = set(args.sides.split(",")) - {"plain", "dualkv"}
     if unknown or not args.sides:
@@ -86,12 +92,21 @@ def child(args) -> dict:
           else torch.compile(grpo_loss, dynamic=True))
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     times = []
-    for _ in range(2):
+    for i in range(2):
+        prof = None
+        if i == 0 and args.profile_to:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         sync()
         t = time.perf_counter()
         fn(model, batch).backward()
         sync()
         times.append(time.perf_counter() - t)
+        if prof is not None:
+            prof.disable()
+            _write_profile(prof, args.profile_to)
         model.zero_grad(set_to_none=True)
     packed = any(r.packed_calls for r in dualkv_compile.reports()) if args.one == "dualkv" else None
     split = breakdown(notes)
@@ -112,6 +127,24 @@ PHASES = {
     "inductor_s": ("fx_codegen_and_compile",),  # Inductor's lowering and codegen (an FX graph cache miss's)
     "cache_load_s": ("AOTAutogradCache.inductor_load",),  # loading a cache hit's compiled graphs
 }
+
+
+def _write_profile(prof, path: str) -> None:
+    """cProfile's top functions by cumulative and by own time, and torch's compile-time metrics by total."""
+    import io
+    import pstats
+
+    import torch
+
+    buf = io.StringIO()
+    for key in ("cumulative", "tottime"):
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
+    metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
+    totals = sorted(((sum(v), len(v), k) for k, v in metrics.items()), reverse=True)
+    buf.write("\ntorch compile-time metrics (s, calls, name):\n")
+    buf.writelines(f"{t:9.3f} {n:5d} {k}\n" for t, n, k in totals[:40])
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
 
 
 def _watch_compile_logs() -> list:
@@ -149,9 +182,12 @@ def breakdown(notes: list) -> dict:
     return out
 
 
-def run(args, side: str, cache: str) -> dict:
+def run(args, side: str, cache: str, state: str = "cold") -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", side, "--model", args.model, "--shape", args.shape,
            "--device", args.device] + (["--layers", str(args.layers)] if args.layers else [])
+    if args.profile_warm and state == "warm" and args.out:
+        os.makedirs(args.out, exist_ok=True)
+        cmd += ["--profile-to", os.path.join(os.path.abspath(args.out), f"profile_{side}_warm.txt")]
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
     sys.path.insert(0, os.path.dirname(HERE))
     from dualkv_compile.runtime.nested_compile import _COALESCE_ANALYSIS_BREAKS_DYNAMIC
@@ -175,10 +211,13 @@ def main(argv=None) -> int:
     rows = {}
 
     def one_side(side: str) -> None:
-        with tempfile.TemporaryDirectory() as cache:
+        kept = os.path.join(os.path.abspath(args.cache_dir), side) if args.cache_dir else None
+        if kept:
+            os.makedirs(kept, exist_ok=True)
+        with (contextlib.nullcontext(kept) if kept else tempfile.TemporaryDirectory()) as cache:
             for state in ("cold", "warm"):
                 print(f"compile_time: {side}, {state} cache ...", file=sys.stderr, flush=True)
-                rows[(side, state)] = run(args, side, cache)
+                rows[(side, state)] = run(args, side, cache, state)
                 print(f"compile_time: {side}, {state}: {json.dumps(rows[(side, state)])}", file=sys.stderr, flush=True)
 
     sides = [s for s in ("plain", "dualkv") if s in args.sides.split(",")]
