@@ -5,7 +5,7 @@ One process times, for each (N, P, R) case, forward and forward+backward of:
     sdpa_flash_dup   SDPA (flash backend), the duplicated [N, P+R] batch, causal
     sdpa_cudnn_dup   SDPA (cuDNN backend), the duplicated batch, causal
     varlen_dup       the duplicated rows back to back in one varlen call (the strongest baseline's attention:
-                     torch's varlen_attn, or FlashAttention-4 with DUALKV_VARLEN_KERNEL=fa4), no padding computed
+                     torch's varlen_attn or FlashAttention-4: DUALKV_VARLEN_KERNEL), no padding computed
     flex_packed      FlexAttention on the packed stream, compiled, two-region
                      BlockMask built once outside the timed region
     flex_user        plain FlexAttention as a user writes it: create_block_mask of a

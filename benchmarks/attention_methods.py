@@ -190,7 +190,7 @@ def setup_sdpa_dup(case: Case, cfg: Cfg, backend: Optional[str]):
 def setup_varlen_dup(case: Case, cfg: Cfg):
     """The duplicated batch as the strongest baseline runs it: every row's tokens back to back in one varlen call
     (tokens first, ``[T_dup, H, D]``), causal within each row, no padding computed; the kernel is
-    ``varlen_attention``'s (torch's ``varlen_attn``, or FlashAttention-4 with ``DUALKV_VARLEN_KERNEL=fa4``)."""
+    ``varlen_attention``'s (torch's ``varlen_attn`` or FlashAttention-4, ``varlen_attention.kernel()``)."""
     import varlen_attention
 
     rows = case.rows

@@ -19,12 +19,12 @@ step() {  # step NAME LIMIT_S CMD...
   echo "$name: exit $? after $((SECONDS - t0)) s (limit $limit s)" | tee -a "$OUT/steps.txt"
 }
 ATT=(benchmarks/attention.py --skip-mask --shapes 16,4096,1024 --shapes 28,4096,2048 --shapes 8,8192,2048 --out "$OUT")
-step att_torch 75 python3 "${ATT[@]}" --methods sdpa_cudnn_dup,varlen_dup,dualkv_gluon --stem attention_varlen_torch
+step att_torch 75 env DUALKV_VARLEN_KERNEL=torch python3 "${ATT[@]}" --methods sdpa_cudnn_dup,varlen_dup,dualkv_gluon --stem attention_varlen_torch
 step att_fa4 60 env DUALKV_VARLEN_KERNEL=fa4 python3 "${ATT[@]}" --methods sdpa_cudnn_dup,varlen_dup --stem attention_varlen_fa4
 PEERS=(benchmarks/peers.py --device cuda --layers 4 --ragged --compile --iters 5)
 step long_fa4 150 env DUALKV_VARLEN_KERNEL=fa4 python3 "${PEERS[@]}" --shape qwen3-8b --groups 1 --rollouts 8 \
   --prompt-len 8192 --response-len 2048 --sides plain_varlen,dualkv --out "$OUT/long_fa4"
-step long_torch 110 python3 "${PEERS[@]}" --shape qwen3-8b --groups 1 --rollouts 8 \
+step long_torch 110 env DUALKV_VARLEN_KERNEL=torch python3 "${PEERS[@]}" --shape qwen3-8b --groups 1 --rollouts 8 \
   --prompt-len 8192 --response-len 2048 --sides plain_varlen --out "$OUT/long_torch"
 grep -hE "^## |varlen_dup|sdpa_cudnn_dup|dualkv_gluon" "$OUT"/attention_varlen_*.md 2>/dev/null
 grep -hE "^\| (plain_varlen|dualkv) " "$OUT"/*/peers.md 2>/dev/null | cut -c1-160

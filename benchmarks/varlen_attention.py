@@ -6,8 +6,8 @@
 What veRL and TRL run when FlashAttention is installed (``flash_attention_2``): the rows' valid tokens as
 sequences of one varlen call, each causal within itself, no ``[T, T]`` mask, nothing computed at padding. No
 FlashAttention-2 wheel exists for the GPU machine, so this calls ``torch.nn.attention.varlen.varlen_attn`` (CUDA
-only) instead, or FlashAttention-4 with ``DUALKV_VARLEN_KERNEL=fa4``; on a CPU it loops over the sequences with
-causal SDPA (the same math, for tests).
+only) or FlashAttention-4 (``DUALKV_VARLEN_KERNEL``: by default FA4 where it is installed and runs); on a CPU it
+loops over the sequences with causal SDPA (the same math, for tests).
 
 Sequences come from, in this order: FlashAttention's ``cu_seq_lens_q`` and ``max_length_q`` keyword arguments
 for one row (passed through the model's call, as veRL passes them; no host sync), one row (``B == 1``) whose
@@ -19,6 +19,7 @@ or the 2-D mask), so no ``[B, 1, S, S]`` mask is built.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from typing import Optional
@@ -26,18 +27,36 @@ from typing import Optional
 import torch
 
 NAME = "torch_varlen"
-# The CUDA kernel: "torch" (``varlen_attn``) or "fa4" (FlashAttention-4's ``flash_attn.cute.flash_attn_varlen_func``,
-# installed from carried wheels: ``benchmarks/fa4_wheels.sh``), chosen by the environment so that every benchmark
-# using this baseline can run either without a flag of its own. The CPU loop ignores it.
-KERNELS = ("torch", "fa4")
-KERNEL = os.environ.get("DUALKV_VARLEN_KERNEL", "torch")
-if KERNEL not in KERNELS:
-    raise ValueError(f"DUALKV_VARLEN_KERNEL: expected one of {', '.join(KERNELS)}, got {KERNEL!r}")
+# The CUDA kernel: "torch" (``varlen_attn``), "fa4" (FlashAttention-4's ``flash_attn.cute.flash_attn_varlen_func``,
+# installed from carried wheels: ``benchmarks/fa4_wheels.sh``) or "auto" (the default: FA4 where it imports and the GPU
+# is a Hopper or newer, else torch's; the strongest baseline is the fastest kernel that runs: on an H100 FA4 runs at
+# 1.05-1.10 of cuDNN's efficiency, torch 2.11's varlen_attn at 0.57-0.59, benchmarks/results/fa4_rows_h100_2026-11-27),
+# chosen by the environment so that every benchmark using this baseline can run any without a flag of its own. The
+# CPU loop ignores it.
+KERNELS = ("auto", "torch", "fa4")
+CHOICE = os.environ.get("DUALKV_VARLEN_KERNEL", "auto")
+if CHOICE not in KERNELS:
+    raise ValueError(f"DUALKV_VARLEN_KERNEL: expected one of {', '.join(KERNELS)}, got {CHOICE!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def kernel() -> str:
+    """The CUDA kernel this process runs, "fa4" or "torch": ``DUALKV_VARLEN_KERNEL``, or for "auto" FA4 where
+    ``flash_attn.cute`` imports and the current GPU is a Hopper or newer (FA4's kernels), else torch's."""
+    if CHOICE != "auto":
+        return CHOICE
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        return "torch"
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed, or installed for another CUDA: torch's kernel
+        return "torch"
+    return "fa4"
 
 
 def kernel_name() -> str:
-    """The CUDA kernel this module runs (``DUALKV_VARLEN_KERNEL``), as the benchmarks' reports name it."""
-    return "FlashAttention-4" if KERNEL == "fa4" else "torch varlen flash attention"
+    """The CUDA kernel this module runs (``kernel()``), as the benchmarks' reports name it."""
+    return "FlashAttention-4" if kernel() == "fa4" else "torch varlen flash attention"
 
 
 def _sequences(query: torch.Tensor, attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
@@ -80,7 +99,7 @@ except ImportError:
 def _varlen_cuda(q, k, v, cu, longest, scale, cu_k=None, longest_k=None):
     """Tokens-first ``[T, H, D]`` sequences, causal. ``cu_k``/``longest_k``: the keys' bounds where a sequence has more
     keys than queries (its queries are its last keys: FlashAttention's window (-1, 0) aligns at the bottom right)."""
-    if KERNEL == "fa4":
+    if kernel() == "fa4":
         return _varlen_fa4(q, k, v, cu, longest, scale, cu_k, longest_k)
     if varlen_attn is None:
         raise RuntimeError(f"torch_varlen: torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn")

@@ -347,11 +347,17 @@ def test_varlen_kernel_choice_is_checked():
     code = "import sys; sys.path.insert(0, 'benchmarks'); import varlen_attention"
     env = dict(os.environ, DUALKV_VARLEN_KERNEL="fa2")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode != 0 and "DUALKV_VARLEN_KERNEL: expected one of torch, fa4, got 'fa2'" in res.stderr, res.stderr
+    assert res.returncode != 0 and "DUALKV_VARLEN_KERNEL: expected one of auto, torch, fa4, got 'fa2'" in res.stderr, res.stderr
     env["DUALKV_VARLEN_KERNEL"] = "fa4"
-    res = subprocess.run([sys.executable, "-c", code + "; print(varlen_attention.KERNEL)"], cwd=ROOT, env=env,
+    res = subprocess.run([sys.executable, "-c", code + "; print(varlen_attention.kernel())"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "fa4", res.stderr
+    # The default picks the fastest kernel that runs here: without a GPU (and FA4), torch's.
+    env.pop("DUALKV_VARLEN_KERNEL")
+    res = subprocess.run([sys.executable, "-c", code + "; print(varlen_attention.CHOICE, varlen_attention.kernel())"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    allowed = {"auto torch", "auto fa4"} if torch.cuda.is_available() else {"auto torch"}
+    assert res.returncode == 0 and res.stdout.strip() in allowed, (res.stdout, res.stderr)
 
 
 def test_cpu_thread_profile_compare_ranks_ops_by_self_time_at_more_threads(tmp_path):
