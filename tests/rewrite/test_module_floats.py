@@ -81,3 +81,19 @@ def test_every_module_float_is_baked_and_no_argument_float():
         (1e-06, "l_model_rms_eps"), (1e-05, "l_model_modules_norm_eps"), (2.0, "l_model_modules_embed_norm_type")]
     reads = {n.args[0].name for n in gm.graph.find_nodes(op="call_method", target="item")}
     assert reads == {"l_eps_"}, reads
+
+
+def test_a_changed_tensor_arithmetic_module_float_runs_unpacked_and_exact():
+    """The RMS-style ``+ eps`` float, now baked too: changing it between calls runs the original program (exact,
+    with the reason reported) instead of the packed graph built for the old value."""
+    torch.manual_seed(0)
+    model, ids = _Block(), _batch()
+    torch._dynamo.reset()
+    start = len(dualkv_compile.reports())
+    fn = dualkv_compile.policy_loss(_loss, dynamic=True, inner="aot_eager")
+    torch.testing.assert_close(fn(model, ids), _loss(model, ids))
+    model.rms_eps = 1e-2
+    torch.testing.assert_close(fn(model, ids), _loss(model, ids))
+    [report] = [r for r in dualkv_compile.reports()[start:] if r.rewritten]
+    assert report.packed_calls == 1, report
+    assert any("rms_eps" in why for why in report.fallback_reasons), report.fallback_reasons
