@@ -58,6 +58,22 @@ BATCHES = {
     "ragged_padding": [(5, [1, 6, 0, 3])],
 }
 
+def cuda_syncs(fn):
+    """``(fn()'s result, the (file, line) of every host sync CUDA's sync debug mode reported while it ran)``."""
+    import warnings
+
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            out = fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    return out, [(x.filename, x.lineno) for x in w if "synchronizing" in str(x.message)]
+
+
 def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 

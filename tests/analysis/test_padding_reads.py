@@ -9,7 +9,7 @@ import torch
 
 import dualkv_compile
 
-from tests.helpers import hf_model
+from tests.helpers import cuda_syncs, hf_model
 from tests.helpers import assert_loss_and_grads_match
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -107,8 +107,6 @@ def test_packed_call_with_a_masked_padding_read_syncs_once():
     """The padding reads' masks ride in the layout's one host transfer: a packed call of a loss that reads a
     next-token value under a response mask synchronises with the device once (it was twice: the layout's read,
     then the padding-read check's)."""
-    import warnings
-
     dev = torch.device("cuda")
     ids = torch.tensor([[0, 0, 4, 5, 8, 9, 1], [0, 0, 4, 5, 8, 7, 0], [0, 0, 4, 5, 8, 3, 3]], device=dev)
     mask = (ids != 0).long()
@@ -119,16 +117,7 @@ def test_packed_call_with_a_masked_padding_read_syncs_once():
     loss = dualkv_compile.policy_loss(lambda m, i, a, r: _next_token_loss(m, i, a, r), inner="aot_eager", min_rho=1.0)
     for _ in range(2):  # compile, then a warm call
         loss(model, ids, mask, response).backward()
-    torch.cuda.synchronize()
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            out = loss(model, ids, mask, response)
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
-    syncs = [(x.filename, x.lineno) for x in w if "synchronizing" in str(x.message)]
+    out, syncs = cuda_syncs(lambda: loss(model, ids, mask, response))
     reports = [r for r in dualkv_compile.reports() if r.num_attention]
     assert reports[-1].packed_calls == 3, reports[-1]
     assert len(syncs) == 1, syncs

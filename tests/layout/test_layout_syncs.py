@@ -16,6 +16,8 @@ from torch.overrides import TorchFunctionMode
 from dualkv_compile.layout import detect
 from dualkv_compile.layout.sequences import read_sequences
 
+from tests.helpers import cuda_syncs
+
 from .layout_cases import MIXED_IDS, MIXED_MASK, VERL_IDS, VERL_MASK, T
 
 
@@ -142,8 +144,6 @@ def test_read_sequences_does_one_host_sync():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_detect_one_cuda_sync():
-    import warnings
-
     dev = torch.device("cuda")
     cases = [
         (VERL_IDS.to(dev), VERL_MASK.to(dev), None, None, True),
@@ -153,17 +153,8 @@ def test_detect_one_cuda_sync():
     ]
     for ids, mask, pos, gs, same_columns in cases:
         detect(ids, mask, pos, group_size=gs, same_columns=same_columns)  # warm up (allocators, pinned memory)
-        torch.cuda.synchronize()
-        prev = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as w:
-                warnings.simplefilter("always")
-                L = detect(ids, mask, pos, group_size=gs, same_columns=same_columns)
-        finally:
-            torch.cuda.set_sync_debug_mode(prev)
-        syncs = [x for x in w if "synchronizing" in str(x.message)]
-        assert len(syncs) <= 1, [(x.filename, x.lineno) for x in syncs]
+        L, syncs = cuda_syncs(lambda: detect(ids, mask, pos, group_size=gs, same_columns=same_columns))
+        assert len(syncs) <= 1, syncs
         assert L.pack_index.device.type == "cuda" and L.attention_segments.seg_start.device.type == "cuda"
         ref = detect(
             ids.cpu(), None if mask is None else mask.cpu(), None if pos is None else pos.cpu(),
