@@ -141,8 +141,10 @@ def _write_profile(prof, path: str) -> None:
         pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
     metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
     totals = sorted(((sum(v), len(v), k) for k, v in metrics.items()), reverse=True)
-    buf.write("\ntorch compile-time metrics (s, calls, name):\n")
+    buf.write("\ntorch compile-time metrics (s, calls, name; then each call's s for the per-frame phases):\n")
     buf.writelines(f"{t:9.3f} {n:5d} {k}\n" for t, n, k in totals[:40])
+    for name in ("_compile.compile_inner", "bytecode_tracing", "AOTAutogradCache.inductor_load"):
+        buf.write(f"{name}: {', '.join(f'{t:.3f}' for t in metrics.get(name, ()))}\n")
     with open(path, "w") as f:
         f.write(buf.getvalue())
 
