@@ -18,6 +18,12 @@
 #     call before): GPU 0 fa4_rows.sh (FA4's varlen attention alone; the 8K row with each kernel as the baseline's
 #     kernel); GPUs 1-3 as BATCH compile (the warm starts after module_floats; Qwen3-1.7B plain's warm start, which
 #     did not finish in 500 s; the precision test at the final code; the attention ops' host time)
+#   BATCH warm, side by side (what 2026-11-27's last session left for the GPU): GPU 0 compile_time.py Llama-1B, both
+#     sides, cold then warm, the warm first steps under cProfile and the caches kept: whether a warm start still
+#     probes the CPU's instruction sets (cpu_vec_isa check_build, 47 s before module_floats baked every module float)
+#     and which graphs hold C++ code (cpp_fused in the kept cache); GPU 1 Qwen3-1.7B plain's warm start (it did not
+#     finish in 174 s); GPUs 2-3 the distributed example (FSDP2 per layer, --sp 2, bf16) at this code, then the GPU
+#     tests of the files the session changed
 #   BATCH sp, one after the other on all 4 GPUs: fsdp_sp_gpu.sh sp4 (issue 37 (b), the 64K prompt at sp 4), then
 #     fsdp_sp_gpu.sh headline (issue 36, all 36 layers) with what is left of TOTAL_S (default 580 s)
 # Each run compares its sides inside one process, so neighbours on other GPUs load both sides alike; the host's
@@ -87,12 +93,29 @@ case "$BATCH" in
     wait
     tail -n 8 "$OUT/gpu0.txt" "$OUT/gpu1.txt" "$OUT/gpu2.txt" "$OUT/gpu3.txt"
     rm -f "$OUT/fa4.tgz" ;;
+  warm)
+    mkdir -p "$OUT/ct_llama" "$OUT/ct_q17_plain" "$OUT/fsdp"
+    ( CUDA_VISIBLE_DEVICES=0 timeout 570 python3 benchmarks/compile_time.py --model llama-1b --profile-warm \
+        --cache-dir /tmp/ck --out "$OUT/ct_llama"
+      for side in plain dualkv; do echo "== $side: cached output code with C++ kernels"; grep -l cpp_fused -r "/tmp/ck/$side" \
+        --include=*.py | head -5; done
+      grep -h "check_build" "$OUT"/ct_llama/profile_*_warm.txt ) > "$OUT/gpu0.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout 570 python3 benchmarks/compile_time.py --model 1.7b --sides plain --profile-warm \
+      --out "$OUT/ct_q17_plain" > "$OUT/gpu1.txt" 2>&1 &
+    ( CUDA_VISIBLE_DEVICES=2,3 timeout 300 torchrun --standalone --nproc-per-node 2 examples/fsdp_grpo.py --device cuda \
+        --mode fsdp --bf16 --layers 4 --hidden 1024 --heads 16 --kv-heads 8 --vocab 32000 --prompts 2 --rollouts 8 \
+        --prompt-len 1024 --response-len 256 --iters 3 --per-layer --sp 2
+      CUDA_VISIBLE_DEVICES=2 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/analysis/test_padding_reads.py \
+        tests/layout/test_layout_syncs.py tests/layout/test_host_twin.py tests/rewrite/test_module_floats.py ) \
+      > "$OUT/gpu23.txt" 2>&1 &
+    wait
+    tail -n 12 "$OUT/gpu0.txt" "$OUT/gpu1.txt" "$OUT/gpu23.txt" ;;
   sp)
     LIMIT=${SP4_S:-240} bash benchmarks/fsdp_sp_gpu.sh "$OUT" sp4
     left=$(( ${TOTAL_S:-580} - ($(date +%s) - start) ))
     echo "== sp4 done after $(($(date +%s) - start)) s; headline gets ${left} s"
     LIMIT=$left bash benchmarks/fsdp_sp_gpu.sh "$OUT" headline ;;
-  *) echo "gpu_batch_x4.sh: unknown BATCH '$BATCH' (q17, profile, compile, next or sp)" >&2; exit 2 ;;
+  *) echo "gpu_batch_x4.sh: unknown BATCH '$BATCH' (q17, profile, compile, next, warm or sp)" >&2; exit 2 ;;
 esac
 echo "== batch $BATCH done after $(($(date +%s) - start)) s"
 tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
