@@ -33,8 +33,10 @@ Contract
     original inputs, when it needs no gradient (no model computation).
     Output: the ``Read``s, each with its ``unpack_tokens`` source (shift,
     truncation), the slices along the sequence on the way, and the factors
-    with the slices in force where each applies; ``tainted(read, valid,
-    factors)`` evaluates one for a call. The graph is not modified.
+    with the slices in force where each applies. For a call, ``nonzero_masks``
+    evaluates where a read's factors are nonzero (from the inputs alone, no
+    layout) and ``tainted_where`` applies them to the call's layout. The graph
+    is not modified.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import torch.fx as fx
 from ..layout.packed_ops import PICKED_META, WEIGHTED_META, unpack_merged, unpack_tokens
 from .token_rules import POINTWISE_FUNCS, POINTWISE_METHODS, REDUCE_FUNCS, REDUCE_METHODS, SOFTMAX_LIKE, SOFTMAX_METHODS
 
-__all__ = ["Read", "find_padding_reads", "nonzero_masks", "tainted", "tainted_where"]
+__all__ = ["Read", "find_padding_reads", "nonzero_masks", "tainted_where"]
 
 # Products, and the bitwise and of booleans (``picked & mask``): zero wherever the factor is.
 _MUL = {operator.mul, torch.mul, "mul", operator.and_, torch.logical_and, "__and__", "logical_and"}
@@ -223,19 +225,18 @@ def find_padding_reads(gm: fx.GraphModule, num_packed_inputs: int, original: Opt
     return reads
 
 
-def _window(columns: int, slices: tuple[tuple, ...], device) -> torch.Tensor:
-    index = torch.arange(columns, device=device)
-    for sl in slices:
-        index = index[slice(*sl)]
-    return index
-
-
 def _window_host(columns: int, slices: tuple[tuple, ...]) -> range:
-    """``_window``'s columns as a host range (no tensor, no device op)."""
+    """The columns ``slices`` select, applied in turn to ``range(columns)``, as a host range."""
     index = range(columns)
     for sl in slices:
         index = index[slice(*sl)]
     return index
+
+
+def _window(columns: int, slices: tuple[tuple, ...], device) -> torch.Tensor:
+    """``_window_host``'s columns as an index tensor on ``device``."""
+    r = _window_host(columns, slices)
+    return torch.arange(len(r), device=device) * r.step + r.start
 
 
 def _columns(read: Read, seq_len: int) -> int:
@@ -296,12 +297,3 @@ def tainted_where(read: Read, valid: torch.Tensor, masks: list, linked: Optional
         return taint.any()
     return taint[:, _window(C, read.slices, taint.device)].any()
 
-
-def tainted(
-    read: Read, valid: torch.Tensor, factors: dict[fx.Node, torch.Tensor], linked: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """``tainted_where`` with the masks of ``factors`` (their values this call): whether ``read`` reads a position
-    packing zeroed where none of its factors is zero (a 0-d bool tensor on ``valid``'s device; the caller syncs
-    once for all reads)."""
-    B, S = valid.shape
-    return tainted_where(read, valid, nonzero_masks(read, factors, B, S), linked)
