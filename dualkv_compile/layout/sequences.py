@@ -115,7 +115,7 @@ def read_sequences(
         fields.append(cols.expand(B, S))
     keys = torch.stack(fields, -1)
     # Each sequence runs from its start to the next start in its row or the end of the row's valid run.
-    ends = count + torch.where(mask, cols, S).amin(1).clamp(max=S)
+    ends = count + first.clamp(max=S)
     begin = starts.nonzero().tolist()
     seqs = []
     for i, (b, c) in enumerate(begin):
