@@ -19,7 +19,6 @@ or the 2-D mask), so no ``[B, 1, S, S]`` mask is built.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 from typing import Optional
@@ -39,12 +38,11 @@ if CHOICE not in KERNELS:
     raise ValueError(f"DUALKV_VARLEN_KERNEL: expected one of {', '.join(KERNELS)}, got {CHOICE!r}")
 
 
-@functools.lru_cache(maxsize=None)
-def kernel() -> str:
-    """The CUDA kernel this process runs, "fa4" or "torch": ``DUALKV_VARLEN_KERNEL``, or for "auto" FA4 where
-    ``flash_attn.cute`` imports and the current GPU is a Hopper or newer (FA4's kernels), else torch's."""
-    if CHOICE != "auto":
-        return CHOICE
+def _resolve(choice: str) -> str:
+    """"fa4" or "torch": ``choice``, or for "auto" FA4 where ``flash_attn.cute`` imports and the current GPU is a
+    Hopper or newer (FA4's kernels), else torch's."""
+    if choice != "auto":
+        return choice
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         return "torch"
     try:
@@ -52,6 +50,16 @@ def kernel() -> str:
     except Exception:  # noqa: BLE001 - not installed, or installed for another CUDA: torch's kernel
         return "torch"
     return "fa4"
+
+
+# Resolved once, at import: a module constant to Dynamo (the attention reads it while traced; a CUDA query or an
+# import inside the traced function would not be).
+KERNEL = _resolve(CHOICE)
+
+
+def kernel() -> str:
+    """The CUDA kernel this process runs, "fa4" or "torch" (``DUALKV_VARLEN_KERNEL``, resolved at import)."""
+    return KERNEL
 
 
 def kernel_name() -> str:
@@ -99,7 +107,7 @@ except ImportError:
 def _varlen_cuda(q, k, v, cu, longest, scale, cu_k=None, longest_k=None):
     """Tokens-first ``[T, H, D]`` sequences, causal. ``cu_k``/``longest_k``: the keys' bounds where a sequence has more
     keys than queries (its queries are its last keys: FlashAttention's window (-1, 0) aligns at the bottom right)."""
-    if kernel() == "fa4":
+    if KERNEL == "fa4":
         return _varlen_fa4(q, k, v, cu, longest, scale, cu_k, longest_k)
     if varlen_attn is None:
         raise RuntimeError(f"torch_varlen: torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn")

@@ -360,6 +360,32 @@ def test_varlen_kernel_choice_is_checked():
     assert res.returncode == 0 and res.stdout.strip() in allowed, (res.stdout, res.stderr)
 
 
+@pytest.mark.parametrize("fa4_installed, capability, expected", [(True, (9, 0), "fa4"), (False, (9, 0), "torch"),
+                                                                (True, (8, 0), "torch")])
+def test_varlen_kernel_auto_picks_fa4_on_hopper_where_it_imports(monkeypatch, fa4_installed, capability, expected):
+    """"auto" (the default) resolves once, at import, to FA4 on a Hopper-or-newer GPU where ``flash_attn.cute``
+    imports, else to torch's kernel; the attention then reads a module constant while Dynamo traces it."""
+    import importlib
+    import types
+
+    import varlen_attention
+
+    monkeypatch.delenv("DUALKV_VARLEN_KERNEL", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    if fa4_installed:
+        monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+        monkeypatch.setitem(sys.modules, "flash_attn.cute", types.ModuleType("flash_attn.cute"))
+    else:
+        monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # an import of it raises ImportError
+    try:
+        module = importlib.reload(varlen_attention)
+        assert (module.CHOICE, module.KERNEL, module.kernel()) == ("auto", expected, expected)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(varlen_attention)
+
+
 def test_cpu_thread_profile_compare_ranks_ops_by_self_time_at_more_threads(tmp_path):
     """cpu_thread_profile --compare: rows by self time at the second file's thread count, each with its speedup and
     its excess over perfect scaling; the ops left out are summed into one row."""
