@@ -54,6 +54,8 @@ def parse(argv=None):
     ap.add_argument("--one", choices=["plain", "dualkv"], default=None, help=argparse.SUPPRESS)  # a child process
     ap.add_argument("--profile-to", default=None, help=argparse.SUPPRESS)  # the child's cProfile report, if any
     args = ap.parse_args(argv)
+    if args.profile_warm and not args.out:
+        ap.error("--profile-warm writes OUT/profile_<side>_warm.txt: give --out")
     unknown = set(args.sides.split(",")) - {"plain", "dualkv"}
     if unknown or not args.sides:
         ap.error(f"--sides: expected plain, dualkv or both (comma-separated), got {args.sides!r}")
@@ -187,7 +189,7 @@ def breakdown(notes: list) -> dict:
 def run(args, side: str, cache: str, state: str = "cold") -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", side, "--model", args.model, "--shape", args.shape,
            "--device", args.device] + (["--layers", str(args.layers)] if args.layers else [])
-    if args.profile_warm and state == "warm" and args.out:
+    if args.profile_warm and state == "warm":
         os.makedirs(args.out, exist_ok=True)
         cmd += ["--profile-to", os.path.join(os.path.abspath(args.out), f"profile_{side}_warm.txt")]
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)

@@ -341,6 +341,17 @@ def test_compile_time_names_a_bad_model_and_takes_llama_1b():
     assert compile_time.LLAMA_1B["head_dim"] == 64 and compile_time.LLAMA_1B["num_hidden_layers"] == 16
 
 
+def test_compile_time_profile_warm_needs_out(capsys):
+    """``--profile-warm`` writes its report under ``--out``: without one it is refused, naming both (it profiled
+    the warm process for nothing and wrote no file)."""
+    import compile_time
+
+    with pytest.raises(SystemExit) as e:
+        compile_time.parse(["--model", "tiny", "--profile-warm"])
+    assert e.value.code == 2 and "--profile-warm" in capsys.readouterr().err
+    assert compile_time.parse(["--model", "tiny", "--profile-warm", "--out", "x"]).profile_warm
+
+
 def test_varlen_kernel_choice_is_checked():
     """``DUALKV_VARLEN_KERNEL`` picks the baseline's CUDA kernel; a value it does not know stops the import, naming
     the variable and the choices."""
