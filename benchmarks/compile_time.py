@@ -51,6 +51,9 @@ def parse(argv=None):
                     "and write where its time goes (by cumulative and by own time) to OUT/profile_<side>_warm.txt")
     ap.add_argument("--cache-dir", default=None, help="keep each side's Inductor cache in DIR/<side> (default: a "
                     "temporary directory, removed after), e.g. to read the generated code")
+    ap.add_argument("--states", default="cold,warm", help="the processes to run per side: cold (an empty cache), warm "
+                    "(the cache cold filled) or both; warm alone needs --cache-dir holding an earlier cold run's cache "
+                    "(a long cold compile and its warm start then fit two device calls on one machine)")
     ap.add_argument("--one", choices=["plain", "dualkv"], default=None, help=argparse.SUPPRESS)  # a child process
     ap.add_argument("--profile-to", default=None, help=argparse.SUPPRESS)  # the child's cProfile report, if any
     args = ap.parse_args(argv)
@@ -59,6 +62,12 @@ def parse(argv=None):
     unknown = set(args.sides.split(",")) - {"plain", "dualkv"}
     if unknown or not args.sides:
         ap.error(f"--sides: expected plain, dualkv or both (comma-separated), got {args.sides!r}")
+    states = args.states.split(",")
+    if not args.states or set(states) - {"cold", "warm"}:
+        ap.error(f"--states: expected cold, warm or both (comma-separated), got {args.states!r}")
+    if states == ["warm"] and not args.cache_dir:
+        ap.error("--states warm: a warm start reads the cache an earlier cold run kept: give --cache-dir (the one "
+                 "that run was given)")
     sys.path.insert(0, HERE)
     from model_gpu import MODELS
 
@@ -207,6 +216,10 @@ def run(args, side: str, cache: str, state: str = "cold") -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _cell(row: dict, key: str, fmt: str = ".2f") -> str:
+    return format(row[key], fmt) if key in row else "-"
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     if args.one:
@@ -218,8 +231,14 @@ def main(argv=None) -> int:
         kept = os.path.join(os.path.abspath(args.cache_dir), side) if args.cache_dir else None
         if kept:
             os.makedirs(kept, exist_ok=True)
+            if "cold" in args.states.split(",") and os.listdir(kept):
+                raise SystemExit(f"compile_time: --cache-dir: {kept} is not empty, so a cold run would start warm; "
+                                 "give an empty or new directory")
+            if "cold" not in args.states.split(",") and not os.listdir(kept):
+                raise SystemExit(f"compile_time: --states warm: {kept} is empty, so the warm run would start cold; "
+                                 "give the --cache-dir an earlier cold run kept")
         with (contextlib.nullcontext(kept) if kept else tempfile.TemporaryDirectory()) as cache:
-            for state in ("cold", "warm"):
+            for state in [s for s in ("cold", "warm") if s in args.states.split(",")]:
                 print(f"compile_time: {side}, {state} cache ...", file=sys.stderr, flush=True)
                 rows[(side, state)] = run(args, side, cache, state)
                 print(f"compile_time: {side}, {state}: {json.dumps(rows[(side, state)])}", file=sys.stderr, flush=True)
@@ -236,8 +255,9 @@ def main(argv=None) -> int:
     lines = ["| side | cold: first step s | warm: first step s | next step s | warm: FX graph cache hit / miss | "
              "warm: AOTAutograd cache hit / miss |", "|---|---:|---:|---:|---:|---:|"]
     for side in sides:
-        cold, warm = rows[(side, "cold")], rows[(side, "warm")]
-        lines.append(f"| {side} | {cold['first_s']:.2f} | {warm['first_s']:.2f} | {cold['second_s']:.3f} | "
+        cold, warm = rows.get((side, "cold"), {}), rows.get((side, "warm"), {})
+        lines.append(f"| {side} | {_cell(cold, 'first_s')} | {_cell(warm, 'first_s')} | "
+                     f"{_cell(cold or warm, 'second_s', '.3f')} | "
                      f"{warm.get('fxgraph_cache_hit', '-')} / {warm.get('fxgraph_cache_miss', '-')} | "
                      f"{warm.get('autograd_cache_hit', '-')} / {warm.get('autograd_cache_miss', '-')} |")
     lines += ["", "Where the first step's time goes (s; torch's compile-time metrics: Dynamo frames with their backends, "
@@ -247,6 +267,8 @@ def main(argv=None) -> int:
               "cache loads | restarts | cache bypasses |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for side in sides:
         for state in ("cold", "warm"):
+            if (side, state) not in rows:
+                continue
             r = rows[(side, state)]
             cells = [f"{r[k]:.2f}" if k in r else "-" for k in ("first_s", *PHASES)]
             lines.append(f"| {side} | {state} | {' | '.join(cells)} | {r.get('restarts', '-')} | "
@@ -254,13 +276,13 @@ def main(argv=None) -> int:
     notes = sorted({f"{side}/{state}: {n}" for (side, state), r in rows.items() for n in r.get("notes", ())})
     if notes:
         lines += ["", "torch's log: " + "; ".join(notes)]
-    if len(sides) == 2:
+    if len(sides) == 2 and len(rows) == 4:
         ratio = rows[("dualkv", "cold")]["first_s"] / rows[("plain", "cold")]["first_s"]
         warm_ratio = rows[("dualkv", "warm")]["first_s"] / rows[("plain", "warm")]["first_s"]
         lines.append(f"\ndualkv's first step / plain Inductor's: cold {ratio:.2f}x, warm {warm_ratio:.2f}x; dualkv "
                      f"packed: {rows[('dualkv', 'cold')]['packed']}")
-    elif sides == ["dualkv"]:
-        lines.append(f"\ndualkv packed: {rows[('dualkv', 'cold')]['packed']}")
+    elif "dualkv" in sides:
+        lines.append(f"\ndualkv packed: {(rows.get(('dualkv', 'cold')) or rows[('dualkv', 'warm')])['packed']}")
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:
@@ -269,7 +291,7 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "device": args.device,
                 "model": args.model, "layers": args.layers, "shape": args.shape,
-                "concurrent": args.concurrent, "sides": sides}
+                "concurrent": args.concurrent, "sides": sides, "states": args.states}
         with open(os.path.join(args.out, "compile_time.json"), "w") as f:
             json.dump({"meta": meta, "rows": {f"{s}/{t}": r for (s, t), r in rows.items()}}, f, indent=2)
         with open(os.path.join(args.out, "compile_time.md"), "w") as f:

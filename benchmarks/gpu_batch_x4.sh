@@ -24,6 +24,11 @@
 #     and which graphs hold C++ code (cpp_fused in the kept cache); GPU 1 Qwen3-1.7B plain's warm start (it did not
 #     finish in 174 s); GPUs 2-3 the distributed example (FSDP2 per layer, --sp 2, bf16) at this code, then the GPU
 #     tests of the files the session changed
+#   BATCH warm2, on 2 GPUs (what 2026-11-28's first call left): GPU 0 Qwen3-1.7B plain's cold start, its cache kept
+#     in /tmp/ck_q17 for BATCH warm2b (its cold start, 389 s, leaves too little of one call for its warm one); GPU 1
+#     dualkv's cold and warm starts, Llama-1B then Qwen3-1.7B, the warm first steps under cProfile, Llama's cache kept
+#     (whether it holds C++ code: cpp_fused)
+#   BATCH warm2b, the next call on the same machine (within its idle release): Qwen3-1.7B plain's warm start
 #   BATCH sp, one after the other on all 4 GPUs: fsdp_sp_gpu.sh sp4 (issue 37 (b), the 64K prompt at sp 4), then
 #     fsdp_sp_gpu.sh headline (issue 36, all 36 layers) with what is left of TOTAL_S (default 580 s)
 # Each run compares its sides inside one process, so neighbours on other GPUs load both sides alike; the host's
@@ -110,12 +115,28 @@ case "$BATCH" in
       > "$OUT/gpu23.txt" 2>&1 &
     wait
     tail -n 12 "$OUT/gpu0.txt" "$OUT/gpu1.txt" "$OUT/gpu23.txt" ;;
+  warm2)
+    mkdir -p "$OUT/ct_q17_plain" "$OUT/ct_llama" "$OUT/ct_q17"
+    CUDA_VISIBLE_DEVICES=0 timeout 570 python3 benchmarks/compile_time.py --model 1.7b --sides plain --states cold \
+      --cache-dir /tmp/ck_q17 --out "$OUT/ct_q17_plain" > "$OUT/gpu0.txt" 2>&1 &
+    ( CUDA_VISIBLE_DEVICES=1 timeout 200 python3 benchmarks/compile_time.py --model llama-1b --sides dualkv \
+        --profile-warm --cache-dir /tmp/ck_llama --out "$OUT/ct_llama"
+      echo "== dualkv: cached output code with C++ kernels (none expected)"; grep -l cpp_fused -r /tmp/ck_llama --include=*.py | head -5
+      CUDA_VISIBLE_DEVICES=1 timeout 360 python3 benchmarks/compile_time.py --model 1.7b --sides dualkv --profile-warm \
+        --out "$OUT/ct_q17" ) > "$OUT/gpu1.txt" 2>&1 &
+    wait
+    tail -n 12 "$OUT/gpu0.txt" "$OUT/gpu1.txt" ;;
+  warm2b)
+    mkdir -p "$OUT/ct_q17_plain_warm"
+    CUDA_VISIBLE_DEVICES=0 timeout 580 python3 benchmarks/compile_time.py --model 1.7b --sides plain --states warm \
+      --cache-dir /tmp/ck_q17 --profile-warm --out "$OUT/ct_q17_plain_warm" > "$OUT/gpu0.txt" 2>&1
+    tail -n 12 "$OUT/gpu0.txt" ;;
   sp)
     LIMIT=${SP4_S:-240} bash benchmarks/fsdp_sp_gpu.sh "$OUT" sp4
     left=$(( ${TOTAL_S:-580} - ($(date +%s) - start) ))
     echo "== sp4 done after $(($(date +%s) - start)) s; headline gets ${left} s"
     LIMIT=$left bash benchmarks/fsdp_sp_gpu.sh "$OUT" headline ;;
-  *) echo "gpu_batch_x4.sh: unknown BATCH '$BATCH' (q17, profile, compile, next, warm or sp)" >&2; exit 2 ;;
+  *) echo "gpu_batch_x4.sh: unknown BATCH '$BATCH' (q17, profile, compile, next, warm, warm2, warm2b or sp)" >&2; exit 2 ;;
 esac
 echo "== batch $BATCH done after $(($(date +%s) - start)) s"
 tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
