@@ -32,6 +32,7 @@ from ..rewrite.pack_graph import PACKED_INPUTS
 from ..rewrite.packed_inputs import PER_TOKEN_OR_SEGMENT, PackedInputs
 from .layout_source import FromCarried, FromTokenIds
 from .nested_compile import is_dynamic, nested_compile
+from . import direct_compile
 from . import exactness_check
 from .sequence_parallel import agree, local_token_count, shard_packed_inputs
 
@@ -60,6 +61,7 @@ class Runner:
         # values of the column (rotary tables from arange(S), cache positions).
         self.layout_source.same_columns = any(n.target is gather_columns for n in packed.graph.nodes)
         self.outer_dynamic = is_dynamic(gm)
+        self.outer_values = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
         self.compiled: Optional[Callable] = None
         self.checked = False
         self.disabled: Optional[str] = None
@@ -83,16 +85,39 @@ class Runner:
             self.unknown_factors.update(dict.fromkeys(f.factor_nodes, f.unusable))
             log.info("dualkv: graph %d: the masks of its padding reads cannot be evaluated on their own (%s)", report.graph_id, f.unusable)
 
-    def _compile_packed(self):
+    def _compile_packed(self, args: tuple):
         def count():
             self.report.packed_compiles += 1
 
-        # A dynamic outer graph (Dynamo's recompile after a shape changed) passes symbolic sizes, ints
-        # included, that a dynamic=None compile would specialise to their first values: all dynamic
-        # then (parameters stay static: force_parameter_static_shapes). A static one: only the
-        # packed layout's per-token and per-segment sizes, marked per call.
-        dynamic = True if self.outer_dynamic else None
-        return nested_compile(self.run_gm, self.cfg, self.mode, dynamic=dynamic, on_compile=count)
+        def nested():
+            # A dynamic outer graph (Dynamo's recompile after a shape changed) passes symbolic sizes, ints
+            # included, that a dynamic=None compile would specialise to their first values: all dynamic
+            # then (parameters stay static: force_parameter_static_shapes). A static one: only the
+            # packed layout's per-token and per-segment sizes, marked per call.
+            dynamic = True if self.outer_dynamic else None
+            return nested_compile(self.run_gm, self.cfg, self.mode, dynamic=dynamic, on_compile=count)
+
+        why_not = direct_compile.eligible(self.run_gm, self.cfg)
+        if why_not is None and not all(direct_compile.plain(a) for a in args):
+            why_not = "an input is not a plain tensor or int"
+        if why_not is None:
+            # Straight to the inner compiler, the sizes symbolic where the outer graph's are and along the packed
+            # tokens and segments: no second Dynamo trace of the packed graph (runtime.direct_compile).
+            return direct_compile.DirectCompile(self.run_gm, self.cfg, self.mode, self._symbolic_dims, on_compile=count,
+                                                otherwise=nested)
+        log.info("dualkv: graph %d: packed graph compiled through a nested torch.compile: %s", self.report.graph_id, why_not)
+        return nested()
+
+    def _symbolic_dims(self, args) -> list:
+        """Per argument of the packed graph, which sizes are symbolic (``DirectCompile``'s ``dims``): the outer
+        graph's inputs where Dynamo made them symbolic; the packed inputs along the tokens and segments (they change
+        every step), and along B * S as the outer graph is (dynamic or not); the two maxima as ints that vary."""
+        n_outer = len(self.outer_values)
+        dims = [_symbolic_where(value, arg) for value, arg in zip(self.outer_values, args[:n_outer])]
+        for name, arg in zip(PACKED_INPUTS, args[n_outer:]):
+            varies = name in PER_TOKEN_OR_SEGMENT or self.outer_dynamic
+            dims.append(tuple(varies for _ in arg.shape) if isinstance(arg, torch.Tensor) else True)
+        return dims
 
     def __call__(self, *args):
         self.report.calls += 1
@@ -125,12 +150,12 @@ class Runner:
         why = self._padding_read(args, layout, masks)
         if why is not None:
             return self._unpacked(args, why)
-        if self.compiled is None:
-            self.compiled = self._compile_packed()
         extra = PackedInputs.of(layout)
         if self.sp is not None:
             extra = shard_packed_inputs(extra, layout.num_tokens, self.sp)
             self.report.local_tokens = local_token_count(layout.num_tokens, self.sp.world)
+        if self.compiled is None:
+            self.compiled = self._compile_packed((*args, *extra))
         # T and the segment count change every step; B * S (unpack_index,
         # valid) follows the outer graph, static or symbolic as Dynamo made it.
         for name in PER_TOKEN_OR_SEGMENT:
@@ -150,7 +175,10 @@ class Runner:
                 first_line = (str(e).splitlines() or [""])[0][:300]
                 return self._disable(args, f"the packed graph failed on its first call: {type(e).__name__}: {first_line}")
         else:
-            out = self.compiled(*args, *extra)
+            try:
+                out = self.compiled(*args, *extra)
+            except direct_compile.TooManyCompiles as e:
+                return self._unpacked(args, str(e))
         if exactness_check.due(self.cfg.check_exact, self.report.packed_calls):
             rerun = functools.partial(self.compiled, *args, *extra)
             summary = exactness_check.check(self.fallback, args, layout, out, rerun, self.input_names, self.sp)
@@ -279,3 +307,16 @@ def unpacked_output_positions(packed: fx.GraphModule) -> tuple[int, ...]:
             continue  # a SymInt or other non-tensor output: not counted by _tensors
         i += 1
     return tuple(positions)
+
+
+def _symbolic_where(outer_value, arg):
+    """Which sizes of ``arg`` the outer graph (Dynamo) made symbolic, from its placeholder's fake value: per dim
+    for a tensor, one bool for an int. No fake value (or another rank): all static, as Dynamo specialised them."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    if isinstance(arg, torch.Tensor):
+        shape = getattr(outer_value, "shape", None)
+        if shape is None or len(shape) != arg.dim():
+            return tuple(False for _ in arg.shape)
+        return tuple(not is_concrete_int(d) for d in shape)
+    return isinstance(outer_value, torch.SymInt) and not is_concrete_int(outer_value)

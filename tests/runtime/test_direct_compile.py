@@ -1,0 +1,148 @@
+"""``DirectCompile``: the packed graph compiled for symbolic sizes without a second Dynamo trace, its guards checked
+on every call (runtime.direct_compile)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+
+import dualkv_compile
+from dualkv_compile.config import DualKVConfig
+from dualkv_compile.layout.packed_ops import gather_columns
+from dualkv_compile.runtime import direct_compile
+from dualkv_compile.runtime import runner as runner_module
+from dualkv_compile.runtime.direct_compile import DirectCompile, TooManyCompiles
+from tests.helpers import assert_loss_and_grads_match, grpo_token_mean, hf_model, make_batch
+
+
+def _matmul_relu(x, w, scale):
+    return ((x @ w).relu().sum(0) * scale,)  # a tuple, as Dynamo's graphs return
+
+
+def _compiled(fn, dims, inner="aot_eager"):
+    gm = fx.symbolic_trace(fn)
+    compiles = []
+    return DirectCompile(gm, DualKVConfig(inner=inner), None, lambda args: dims, on_compile=lambda: compiles.append(1)), compiles
+
+
+def test_one_compile_serves_every_size_its_guards_admit_and_a_size_they_refuse_compiles_again():
+    compiled, compiles = _compiled(_matmul_relu, [(True, False), (False, False), False])
+    w = torch.randn(3, 5)
+    for rows in (4, 7, 9):
+        x = torch.randn(rows, 3)
+        torch.testing.assert_close(compiled(x, w, 2), _matmul_relu(x, w, 2), rtol=0, atol=0)
+    assert len(compiles) == 1
+    # The first compile saw 4 rows: as in Dynamo, 0 and 1 specialise, so 4 made a symbol with 2 <= rows; one row
+    # fails that guard and compiles again, for one row.
+    x = torch.randn(1, 3)
+    torch.testing.assert_close(compiled(x, w, 2), _matmul_relu(x, w, 2), rtol=0, atol=0)
+    assert len(compiles) == 2
+    x = torch.randn(6, 3)
+    torch.testing.assert_close(compiled(x, w, 2), _matmul_relu(x, w, 2), rtol=0, atol=0)
+    assert len(compiles) == 2
+
+
+def test_a_static_size_or_int_is_not_guarded_and_a_symbolic_int_is_an_input():
+    """Static sizes are the caller's to guard (the outer frame's Dynamo guards); a symbolic int is read per call."""
+    compiled, compiles = _compiled(_matmul_relu, [(True, False), (False, False), True])
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+    for scale in (2, 3, 5):
+        torch.testing.assert_close(compiled(x, w, scale), _matmul_relu(x, w, scale), rtol=0, atol=0)
+    assert len(compiles) == 1
+
+
+def test_past_the_limit_a_call_is_refused_not_compiled(monkeypatch):
+    monkeypatch.setattr(direct_compile, "MAX_ENTRIES", 1)
+    compiled, compiles = _compiled(_matmul_relu, [(True, False), (False, False), False])
+    w = torch.randn(3, 5)
+    compiled(torch.randn(4, 3), w, 2)
+    with pytest.raises(TooManyCompiles, match="compiled 1 times"):
+        compiled(torch.randn(1, 3), w, 2)
+    assert len(compiles) == 1
+
+
+def _gather_then_scale(x, col_index, w):
+    return (gather_columns(x, col_index, 1) * w,)
+
+
+def test_a_graph_calling_dualkv_layout_functions_hits_aotautograds_cache():
+    """A packed graph calls dualkv's layout functions (``layout.packed_ops``). AOTAutograd's cache takes only torch
+    functions, so such a graph bypassed it and every warm start traced AOTAutograd again: they are marked with a
+    hash of their source (which joins the cache key)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    gm = fx.GraphModule(torch.nn.Module(), fx.Tracer(autowrap_functions=(gather_columns,)).trace(_gather_then_scale))
+    assert any(n.target is gather_columns for n in gm.graph.nodes)
+    x, cols, w = torch.randn(2, 6, 3, requires_grad=True), torch.tensor([0, 2, 2, 5]), torch.randn(3)
+    dims = [(False, True, False), (True,), (False,)]
+    counters.clear()
+    with fresh_cache():
+        for _ in range(2):  # a second process's warm start: a new compile of the same graph
+            compiled = DirectCompile(copy.deepcopy(gm), DualKVConfig(inner="inductor"), None, lambda args: dims)
+            (out,) = compiled(x, cols, w)
+            out.sum().backward()
+    torch.testing.assert_close(out, _gather_then_scale(x, cols, w)[0])
+    assert counters["aot_autograd"]["autograd_cache_bypass"] == 0
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+
+
+def test_the_runner_compiles_the_packed_graph_without_a_nested_dynamo_trace(monkeypatch):
+    """The packed graph of an HF model under ``@policy_loss(dynamic=True)`` compiles once for two batches of other
+    layouts, exact, and never through ``nested_compile`` (made to fail here)."""
+
+    def no_nested(*args, **kwargs):
+        raise AssertionError("the packed graph went through nested_compile")
+
+    monkeypatch.setattr(runner_module, "nested_compile", no_nested)
+    torch._dynamo.reset()
+    model = hf_model("qwen3", "sdpa", layers=1)
+    ref_model = copy.deepcopy(model)
+    decorated = dualkv_compile.policy_loss(grpo_token_mean, dynamic=True, inner="aot_eager")
+    start = len(dualkv_compile.reports())
+    for seed, groups in enumerate([[(6, [3, 4, 1, 5]), (4, [2, 5])], [(5, [2, 6, 3])]]):
+        batch = make_batch(groups, seed=seed)
+        assert_loss_and_grads_match(decorated(model, batch), grpo_token_mean(ref_model, batch), model, ref_model)
+        model.zero_grad(set_to_none=True)
+        ref_model.zero_grad(set_to_none=True)
+    new = dualkv_compile.reports()[start:]
+    assert sum(r.packed_calls for r in new) == 2 and not any(r.fallback_reasons for r in new), [str(r) for r in new]
+    assert sum(r.packed_compiles for r in new) == 1, [str(r) for r in new]
+
+
+def _clip(x, eps):
+    return (x.clamp(1 - eps.item(), 1 + eps.item()) * 2,)
+
+
+def test_a_scalar_read_with_item_is_baked_in_and_a_changed_one_goes_to_the_other_route():
+    """A loss's clip range arrives as a 0-dim CPU tensor read with ``.item()`` (Dynamo lifts float arguments and
+    defaults): baked in and compared per call; a new value hands the graph to ``otherwise`` (the nested route)."""
+    gm = fx.symbolic_trace(_clip)
+    compiles, nested_calls = [], []
+
+    def otherwise():
+        def run(*args):
+            nested_calls.append(1)
+            return _clip(*args)
+        return run
+
+    compiled = DirectCompile(gm, DualKVConfig(inner="aot_eager"), None, lambda args: [(True,), ()],
+                             on_compile=lambda: compiles.append(1), otherwise=otherwise)
+    eps = torch.tensor(0.2, dtype=torch.float64)
+    for n in (5, 8):
+        x = torch.linspace(0, 2, n)
+        torch.testing.assert_close(compiled(x, eps)[0], _clip(x, eps)[0], rtol=0, atol=0)
+    assert len(compiles) == 1 and not nested_calls
+    eps = torch.tensor(0.3, dtype=torch.float64)
+    torch.testing.assert_close(compiled(x, eps)[0], _clip(x, eps)[0], rtol=0, atol=0)
+    assert len(compiles) == 1 and len(nested_calls) == 1
+    # Without another route, a new value compiles again.
+    compiled = DirectCompile(gm, DualKVConfig(inner="aot_eager"), None, lambda args: [(True,), ()],
+                             on_compile=lambda: compiles.append(1))
+    for value in (0.2, 0.3, 0.2):
+        eps = torch.tensor(value, dtype=torch.float64)
+        torch.testing.assert_close(compiled(x, eps)[0], _clip(x, eps)[0], rtol=0, atol=0)
+    assert len(compiles) == 3
