@@ -29,6 +29,10 @@
 #     dualkv's cold and warm starts, Llama-1B then Qwen3-1.7B, the warm first steps under cProfile, Llama's cache kept
 #     (whether it holds C++ code: cpp_fused)
 #   BATCH warm2b, the next call on the same machine (within its idle release): Qwen3-1.7B plain's warm start
+#   BATCH direct, side by side (runtime.direct_compile, not yet run on a GPU): GPUs 0-1 compile_time.py dualkv,
+#     cold and warm, Llama-1B and Qwen3-1.7B (warm starts before it: 15.5 s and 54.1 s profiled); GPU 2 the dense
+#     8B and MoE rows (peers.py, plain_varlen and dualkv: the step time must not move); GPU 3 the GPU tests of the
+#     direct route, dynamic shapes and shared-token precision
 #   BATCH sp, one after the other on all 4 GPUs: fsdp_sp_gpu.sh sp4 (issue 37 (b), the 64K prompt at sp 4), then
 #     fsdp_sp_gpu.sh headline (issue 36, all 36 layers) with what is left of TOTAL_S (default 580 s)
 # Each run compares its sides inside one process, so neighbours on other GPUs load both sides alike; the host's
@@ -131,12 +135,26 @@ case "$BATCH" in
     CUDA_VISIBLE_DEVICES=0 timeout 580 python3 benchmarks/compile_time.py --model 1.7b --sides plain --states warm \
       --cache-dir /tmp/ck_q17 --profile-warm --out "$OUT/ct_q17_plain_warm" > "$OUT/gpu0.txt" 2>&1
     tail -n 12 "$OUT/gpu0.txt" ;;
+  direct)
+    mkdir -p "$OUT/ct_llama" "$OUT/ct_q17" "$OUT/rows8b" "$OUT/rows30b"
+    CUDA_VISIBLE_DEVICES=0 timeout 560 python3 benchmarks/compile_time.py --model llama-1b --sides dualkv \
+      --out "$OUT/ct_llama" > "$OUT/gpu0.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout 560 python3 benchmarks/compile_time.py --model 1.7b --sides dualkv \
+      --out "$OUT/ct_q17" > "$OUT/gpu1.txt" 2>&1 &
+    ROWS="--device cuda --groups 2 --rollouts 8 --prompt-len 1024 --response-len 512 --ragged --compile --iters 5 --sides plain_varlen,dualkv"
+    ( CUDA_VISIBLE_DEVICES=2 timeout 270 python3 benchmarks/peers.py --shape qwen3-8b --layers 4 $ROWS --out "$OUT/rows8b"
+      CUDA_VISIBLE_DEVICES=2 timeout 270 python3 benchmarks/peers.py --shape qwen3-30b-a3b --layers 4 $ROWS --out "$OUT/rows30b" ) \
+      > "$OUT/gpu2.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=3 timeout 500 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_direct_compile.py \
+      tests/test_dynamic_shapes.py tests/test_shared_token_precision.py > "$OUT/gpu3.txt" 2>&1 &
+    wait
+    tail -n 12 "$OUT/gpu0.txt" "$OUT/gpu1.txt" "$OUT/gpu2.txt" "$OUT/gpu3.txt" ;;
   sp)
     LIMIT=${SP4_S:-240} bash benchmarks/fsdp_sp_gpu.sh "$OUT" sp4
     left=$(( ${TOTAL_S:-580} - ($(date +%s) - start) ))
     echo "== sp4 done after $(($(date +%s) - start)) s; headline gets ${left} s"
     LIMIT=$left bash benchmarks/fsdp_sp_gpu.sh "$OUT" headline ;;
-  *) echo "gpu_batch_x4.sh: unknown BATCH '$BATCH' (q17, profile, compile, next, warm, warm2, warm2b or sp)" >&2; exit 2 ;;
+  *) echo "gpu_batch_x4.sh: unknown BATCH '$BATCH' (q17, profile, compile, next, warm, warm2, warm2b, direct or sp)" >&2; exit 2 ;;
 esac
 echo "== batch $BATCH done after $(($(date +%s) - start)) s"
 tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"

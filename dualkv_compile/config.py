@@ -21,6 +21,9 @@ class DualKVConfig:
     group_size        rows per group, if the caller knows it (verified, not searched)
     min_shared        shortest shared prefix (tokens) that makes rows a group
     inner             "inductor" or "aot_eager": compiles both the fallback and the packed graph
+    packed_compile    "direct" (the packed graph straight to AOTAutograd and the inner compiler, with symbolic
+                      sizes and guards of its own: runtime.direct_compile) or "nested" (traced again by a nested
+                      torch.compile, as before "direct"; what "direct" falls back to where it does not apply)
     verify            check the graph's attention masks against the layout on the first rewritten call
     attention_backend "auto", "reference", "cpu_flash", "flex", "triton" or "gluon" (see ops.attention); one that
                       cannot run a graph's attention (device, dtype, head dim) refuses the graph
@@ -48,6 +51,7 @@ class DualKVConfig:
     group_size: Optional[int] = None
     min_shared: int = 1
     inner: str = "inductor"
+    packed_compile: str = "direct"
     verify: bool = True
     attention_backend: str = "auto"
     verify_max_elements: int = 1 << 26
@@ -81,6 +85,8 @@ class DualKVConfig:
             raise bad("min_shared", "an int >= 1")
         if not isinstance(cfg.inner, str) or cfg.inner not in ("inductor", "aot_eager", "eager"):
             raise bad("inner", "'inductor', 'aot_eager' or 'eager'")
+        if cfg.packed_compile not in ("direct", "nested"):
+            raise bad("packed_compile", "'direct' or 'nested'")
         for name in ("verify", "chunked_log_probs"):
             if not isinstance(getattr(cfg, name), bool):
                 raise bad(name, "a bool")

@@ -171,6 +171,7 @@ BAD_OPTIONS = [
     ("min_shared", 0), ("min_shared", -1), ("min_shared", 1.5), ("min_shared", "1"), ("min_shared", True),
     ("min_shared", None),
     ("inner", "cuda"), ("inner", None), ("inner", 1),
+    ("packed_compile", "dynamo"), ("packed_compile", None), ("packed_compile", True),
     ("verify", 1), ("verify", "yes"), ("verify", None),
     ("attention_backend", "cuda"), ("attention_backend", ""), ("attention_backend", "Reference"),
     ("attention_backend", None), ("attention_backend", 1),
@@ -203,6 +204,7 @@ GOOD_OPTIONS = [
     ("group_size", None), ("group_size", 1), ("group_size", 8),
     ("min_shared", 1), ("min_shared", 32),
     *[("inner", v) for v in ("inductor", "aot_eager", "eager")], ("verify", False),
+    ("packed_compile", "direct"), ("packed_compile", "nested"),
     *[("attention_backend", v) for v in ("auto", "reference", "cpu_flash", "flex", "triton", "gluon")],
     ("verify_max_elements", 0), ("chunked_log_probs", False), ("log_prob_chunk_bytes", 1),
 ]

@@ -10,10 +10,10 @@ Assumes: the caller calls the result only from inside the outer compiled frame, 
 outer input's type, dtype, device, requires_grad, static sizes and the global grad and autocast state; so only
 the symbolic sizes, and the values of scalars read with ``placeholder.item()``, can change from call to call.
 ``eligible`` and ``plain`` say where that holds (plain tensors and ints; an inner compiler that compiles symbolic
-sizes).
+sizes; a mode without CUDA graphs, which take the static inputs from Dynamo's marks).
 
 Guarantees: a size is symbolic exactly where the caller says (``dims``: the outer graph's own symbolic sizes,
-the packed layout's per-token and per-segment lengths); 0 and 1 specialise as in Dynamo and sizes never share a
+the packed layout's per-token and per-segment lengths); 0 and 1 specialise as in Dynamo (checked per call) and sizes never share a
 symbol by being equal (no duck shaping, as ``nested_compile``). Every call evaluates the compile's guards on
 those sizes (``ShapeEnv.produce_guards_expression``) and compares the scalars it baked in (``_bake_scalars``:
 a loss's clip range, read as ``placeholder.item()`` from a CPU scalar); sizes that fail the guards get a new
@@ -24,7 +24,13 @@ route) for good, if the caller gave one.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
 import logging
+import marshal
+import sys
+import types
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -32,7 +38,7 @@ import torch.fx as fx
 
 from ..config import DualKVConfig
 from ..analysis.attention_match import item_of_placeholder
-from .nested_compile import inner_compile
+from . import nested_compile  # its inner_compile, read per call: the one inner compiler of both routes
 
 log = logging.getLogger("dualkv_compile")
 
@@ -46,10 +52,15 @@ class TooManyCompiles(RuntimeError):
     """The packed graph was compiled ``MAX_ENTRIES`` times and this call's sizes fit none of them."""
 
 
-def eligible(gm: fx.GraphModule, cfg: DualKVConfig) -> Optional[str]:
+def eligible(gm: fx.GraphModule, cfg: DualKVConfig, mode: Optional[str] = None) -> Optional[str]:
     """None if ``gm`` can be compiled directly, else why not (then ``nested_compile``)."""
+    if cfg.packed_compile != "direct":
+        return f"options['packed_compile'] is {cfg.packed_compile!r}"
     if cfg.inner not in ("inductor", "aot_eager"):
         return f"inner compiler {cfg.inner!r} compiles no symbolic sizes"
+    if mode not in (None, "default") and torch._inductor.list_mode_options(mode).get("triton.cudagraphs"):
+        # CUDA graphs ("reduce-overhead", "max-autotune") learn which inputs are static (the weights) from Dynamo.
+        return f"mode {mode!r} uses CUDA graphs"
     return None
 
 
@@ -114,14 +125,15 @@ class DirectCompile:
         from torch._dynamo.source import LocalSource
         from torch._guards import TracingContext, tracing
         from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext, is_concrete_int
 
         if self.on_compile is not None:
             self.on_compile()
         shape_env = ShapeEnv(duck_shape=False)
         fake_mode = FakeTensorMode(shape_env=shape_env)
         fakes = []
-        for i, (value, dyn) in enumerate(zip(args, self.dims(args))):
+        dims = self.dims(args)
+        for i, (value, dyn) in enumerate(zip(args, dims)):
             source = LocalSource(f"t{i}")
             if isinstance(value, torch.Tensor):
                 sizes = [DimDynamic.DYNAMIC if d else DimDynamic.STATIC for d in dyn]
@@ -140,8 +152,13 @@ class DirectCompile:
         baked = _bake_scalars(gm, args)
         with tracing(TracingContext(fake_mode)):
             _propagate_fake_values(gm, fake_mode, fakes)
-            compiled = inner_compile(gm, fakes, self.cfg, self.mode)
+            compiled = nested_compile.inner_compile(gm, fakes, self.cfg, self.mode)
         code = shape_env.produce_guards_expression(fakes, ignore_static=True)
+        # A size asked to be symbolic that came as 0 or 1 was specialised (as Dynamo does), and the guards above
+        # leave static sizes to the caller: the caller's guards do not know it, so it is checked here.
+        fixed = [f"L['t{i}'].size()[{d}] == {f.shape[d]}" for i, (f, dyn) in enumerate(zip(fakes, dims))
+                 if isinstance(f, torch.Tensor) for d in range(f.dim()) if dyn[d] and is_concrete_int(f.shape[d])]
+        code = " and ".join(([code] if code else []) + fixed) or None
         log.debug("dualkv: packed graph compiled directly (%d so far), guards: %s", len(self.entries) + 1, code)
         if not code:
             return None, compiled, baked
@@ -212,16 +229,35 @@ def _mark_own_functions_cacheable(graph: fx.Graph) -> None:
 
     Its cache takes calls of torch functions and ops only: a call of a Python function bypasses it (and every
     warm start then traces AOTAutograd again), unless the node, marked as ``torch.fx.wrap`` marks one, carries
-    a ``user_cache_hash`` for the function's behaviour, which joins the cache key. Dynamo's trace inlined these
-    functions into torch ops; here they stay calls, so the hash is of their source: an edited function misses.
+    a ``user_cache_hash``. Dynamo's trace inlined these functions into torch ops; here they stay calls, so an
+    edited function must not hit an entry of the old one. torch 2.13 adds the mark's hash to the cache key;
+    torch 2.11 only checks that it is there, and keys the graph by its code, which names the function. So the
+    node calls a copy of the function named with the hash of its source: the code, and the key, change with it.
     """
-    import hashlib
-    import inspect
-    import types
-
     for node in graph.nodes:
         fn = node.target
         if node.op == "call_function" and isinstance(fn, types.FunctionType) and (fn.__module__ or "").startswith("dualkv_compile."):
-            source = inspect.getsource(fn)
+            digest = _source_hash(fn)
+            node.target = _named_by_hash(fn, digest)
             node.meta["is_wrapped"] = True
-            node.meta["user_cache_hash"] = hashlib.sha256(f"{fn.__module__}.{fn.__qualname__}\n{source}".encode()).hexdigest()
+            node.meta["user_cache_hash"] = digest
+
+
+@functools.lru_cache(maxsize=None)
+def _source_hash(fn) -> str:
+    try:
+        source = inspect.getsource(fn).encode()
+    except (OSError, TypeError):  # no source file (a frozen install): its bytecode, constants and names
+        source = marshal.dumps(fn.__code__)
+    return hashlib.sha256(f"{fn.__module__}.{fn.__qualname__}\n".encode() + source).hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _named_by_hash(fn, digest: str):
+    """``fn`` under the name ``<name>_<digest[:16]>`` (same code, globals, defaults and closure)."""
+    name = f"{fn.__name__}_{digest[:16]}"
+    copy = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    copy.__qualname__, copy.__module__, copy.__kwdefaults__ = name, fn.__module__, fn.__kwdefaults__
+    # The cache key pickles the function by reference (module and name): the copy must be found there.
+    setattr(sys.modules[fn.__module__], name, copy)
+    return copy

@@ -97,7 +97,7 @@ class Runner:
             dynamic = True if self.outer_dynamic else None
             return nested_compile(self.run_gm, self.cfg, self.mode, dynamic=dynamic, on_compile=count)
 
-        why_not = direct_compile.eligible(self.run_gm, self.cfg)
+        why_not = direct_compile.eligible(self.run_gm, self.cfg, self.mode)
         if why_not is None and not all(direct_compile.plain(a) for a in args):
             why_not = "an input is not a plain tensor or int"
         if why_not is None:

@@ -146,3 +146,67 @@ def test_a_scalar_read_with_item_is_baked_in_and_a_changed_one_goes_to_the_other
         eps = torch.tensor(value, dtype=torch.float64)
         torch.testing.assert_close(compiled(x, eps)[0], _clip(x, eps)[0], rtol=0, atol=0)
     assert len(compiles) == 3
+
+
+def _own_function(body: str, filename: str):
+    """A function named ``scale_tokens`` of a dualkv module, as the rewrite's layout functions are, with ``body``
+    as its source (registered with linecache, so ``inspect.getsource`` reads it as it reads a file)."""
+    import linecache
+
+    source = f"def scale_tokens(x):\n    return {body}\n"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {}
+    exec(compile(source, filename, "exec"), namespace)
+    fn = namespace["scale_tokens"]
+    fn.__module__ = "dualkv_compile.layout.packed_ops"
+    return fn
+
+
+def test_an_edited_layout_function_misses_the_cache_entry_of_the_old_one():
+    """Two versions of one layout function (same module and name, other source): the second must not be served
+    the first one's cached graph. torch 2.11 keys the graph by its code, which names the function; the hash of
+    the source is in that name."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    x = torch.randn(4, 3, requires_grad=True)
+    counters.clear()
+    with fresh_cache():
+        for body, factor in (("x * 2", 2), ("x * 3", 3)):
+            fn = _own_function(body, f"<dualkv test {factor}>")
+            gm = fx.GraphModule(torch.nn.Module(), fx.Tracer(autowrap_functions=(fn,)).trace(lambda x: (fn(x) + 1,)))
+            (out,) = DirectCompile(gm, DualKVConfig(inner="inductor"), None, lambda args: [(True, False)])(x)
+            torch.testing.assert_close(out, x * factor + 1)
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 0 and counters["aot_autograd"]["autograd_cache_bypass"] == 0
+
+
+def test_a_size_specialised_to_one_is_checked_per_call():
+    """A size asked to be symbolic that came as 1 is specialised (as in Dynamo); its guard is not the shape
+    environment's (that leaves static sizes to the caller), yet a later call with more rows must not run the
+    compile made for one (Inductor's would fail its size asserts, or worse)."""
+    compiled, compiles = _compiled(_matmul_relu, [(True, False), (False, False), False])
+    w = torch.randn(3, 5)
+    for rows in (1, 4, 1):
+        x = torch.randn(rows, 3)
+        torch.testing.assert_close(compiled(x, w, 2), _matmul_relu(x, w, 2), rtol=0, atol=0)
+    assert len(compiles) == 2
+
+
+def test_option_packed_compile_nested_takes_the_nested_route(monkeypatch):
+    """``packed_compile="nested"`` (for A/B runs, and what "direct" hands over to) compiles the packed graph through
+    ``nested_compile``, exact as the direct route."""
+    calls = []
+    nested = runner_module.nested_compile
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return nested(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module, "nested_compile", counted)
+    torch._dynamo.reset()
+    model = hf_model("llama", "sdpa", layers=1)
+    ref_model = copy.deepcopy(model)
+    decorated = dualkv_compile.policy_loss(grpo_token_mean, dynamic=True, inner="aot_eager", packed_compile="nested")
+    batch = make_batch([(6, [3, 4, 1, 5]), (4, [2, 5])], seed=0)
+    assert_loss_and_grads_match(decorated(model, batch), grpo_token_mean(ref_model, batch), model, ref_model)
+    assert calls == [1]

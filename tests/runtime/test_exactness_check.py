@@ -48,13 +48,15 @@ def test_first_call_is_checked_and_reported():
 
 
 def _perturbed(monkeypatch, change):
-    real = runner.nested_compile
+    """The packed graph's compiled function, on either route (direct_compile, or nested_compile), made wrong."""
+    for owner, name in ((runner, "nested_compile"), (runner.direct_compile, "DirectCompile")):
+        real = getattr(owner, name)
 
-    def wrapped(*args, **kwargs):
-        fn = real(*args, **kwargs)
-        return lambda *a: change(fn(*a))
+        def wrapped(*args, real=real, **kwargs):
+            fn = real(*args, **kwargs)
+            return lambda *a: change(fn(*a))
 
-    monkeypatch.setattr(runner, "nested_compile", wrapped)
+        monkeypatch.setattr(owner, name, wrapped)
 
 
 def test_a_wrong_value_raises_naming_the_output(monkeypatch):

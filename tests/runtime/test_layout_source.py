@@ -266,6 +266,7 @@ def test_out_of_memory_on_the_first_packed_call_is_raised(one_thread, monkeypatc
         return run
 
     monkeypatch.setattr(runner, "nested_compile", out_of_memory)
+    monkeypatch.setattr(runner.direct_compile, "DirectCompile", out_of_memory)  # either route
     torch._dynamo.reset()
     from tests.tiny_decoder import TinyDecoder
 
