@@ -225,6 +225,20 @@ def assert_loss_and_grads_match(loss, ref, model, ref_model, tol=1e-5):
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         assert rel(p.grad, q.grad) <= tol, name
 
+def grpo_steps_match(decorated, model, ref_model, groups_per_step=([(6, [3, 4, 1, 5]), (4, [2, 5])], [(5, [2, 6, 3])])) -> list:
+    """One ``grpo_token_mean`` step per batch of ``groups_per_step`` (other layouts each), the decorated loss's value
+    and gradients checked against the plain model's; returns the reports the steps made."""
+    import dualkv_compile
+
+    start = len(dualkv_compile.reports())
+    for seed, groups in enumerate(groups_per_step):
+        batch = make_batch(groups, seed=seed)
+        assert_loss_and_grads_match(decorated(model, batch), grpo_token_mean(ref_model, batch), model, ref_model)
+        model.zero_grad(set_to_none=True)
+        ref_model.zero_grad(set_to_none=True)
+    return dualkv_compile.reports()[start:]
+
+
 def assert_packed_structure(tc, packed, inputs, layout) -> None:
     """One packed decoder layer's structure, for graphs whose names a transformers release generates:
     one shared-prompt attention and no SDPA, the attention mask input dropped (not rebuilt on the packed

@@ -10,7 +10,7 @@ import torch
 import dualkv_compile
 
 from tests.helpers import BATCHES, hf_model, rel, grpo_batch
-from tests.helpers import assert_loss_and_grads_match, dr_grpo_seq_mean_token_sum, grpo_token_mean, make_batch
+from tests.helpers import assert_loss_and_grads_match, dr_grpo_seq_mean_token_sum, grpo_steps_match, grpo_token_mean, make_batch
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,13 +55,7 @@ def test_eager_attention_packs_under_policy_loss_dynamic(family, one_thread):
     model = hf_model(family, "eager", layers=1)
     ref_model = copy.deepcopy(model)
     decorated = dualkv_compile.policy_loss(grpo_token_mean, dynamic=True, inner="aot_eager")
-    start = len(dualkv_compile.reports())
-    for seed, groups in enumerate([[(6, [3, 4, 1, 5]), (4, [2, 5])], [(5, [2, 6, 3])]]):
-        batch = make_batch(groups, seed=seed)
-        assert_loss_and_grads_match(decorated(model, batch), grpo_token_mean(ref_model, batch), model, ref_model)
-        model.zero_grad(set_to_none=True)
-        ref_model.zero_grad(set_to_none=True)
-    new = dualkv_compile.reports()[start:]
+    new = grpo_steps_match(decorated, model, ref_model)
     assert new and all(r.rewritten and r.reason is None and r.num_attention == 1 for r in new), [str(r) for r in new]
     assert sum(r.packed_calls for r in new) == 2 and not any(r.fallback_reasons for r in new), [str(r) for r in new]
 

@@ -205,7 +205,11 @@ def _propagate_fake_values(gm: fx.GraphModule, fake_mode, fakes: list) -> None:
     AOTAutograd's cache takes a method call only on a node that has one, and Inductor's pre-grad passes read them."""
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*fakes)
+    # The caller's saved-tensors hooks (activation offloading, a test's recorder) must not see these fake values,
+    # as AOTAutograd keeps them from its own tracing (they run at run time, around the compiled function).
+    hooks_off = getattr(torch._dynamo.utils, "_disable_saved_tensors_hooks_during_tracing", None)
+    with hooks_off() if hooks_off is not None else torch.no_grad():
+        FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*fakes)
     for node in gm.graph.nodes:
         if "val" in node.meta and node.op != "output":
             node.meta["example_value"] = node.meta.pop("val")

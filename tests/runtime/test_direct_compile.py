@@ -15,7 +15,7 @@ from dualkv_compile.layout.packed_ops import gather_columns
 from dualkv_compile.runtime import direct_compile
 from dualkv_compile.runtime import runner as runner_module
 from dualkv_compile.runtime.direct_compile import DirectCompile, TooManyCompiles
-from tests.helpers import assert_loss_and_grads_match, grpo_token_mean, hf_model, make_batch
+from tests.helpers import assert_loss_and_grads_match, grpo_steps_match, grpo_token_mean, hf_model, make_batch
 
 
 def _matmul_relu(x, w, scale):
@@ -102,13 +102,7 @@ def test_the_runner_compiles_the_packed_graph_without_a_nested_dynamo_trace(monk
     model = hf_model("qwen3", "sdpa", layers=1)
     ref_model = copy.deepcopy(model)
     decorated = dualkv_compile.policy_loss(grpo_token_mean, dynamic=True, inner="aot_eager")
-    start = len(dualkv_compile.reports())
-    for seed, groups in enumerate([[(6, [3, 4, 1, 5]), (4, [2, 5])], [(5, [2, 6, 3])]]):
-        batch = make_batch(groups, seed=seed)
-        assert_loss_and_grads_match(decorated(model, batch), grpo_token_mean(ref_model, batch), model, ref_model)
-        model.zero_grad(set_to_none=True)
-        ref_model.zero_grad(set_to_none=True)
-    new = dualkv_compile.reports()[start:]
+    new = grpo_steps_match(decorated, model, ref_model)
     assert sum(r.packed_calls for r in new) == 2 and not any(r.fallback_reasons for r in new), [str(r) for r in new]
     assert sum(r.packed_compiles for r in new) == 1, [str(r) for r in new]
 
@@ -210,3 +204,18 @@ def test_option_packed_compile_nested_takes_the_nested_route(monkeypatch):
     batch = make_batch([(6, [3, 4, 1, 5]), (4, [2, 5])], seed=0)
     assert_loss_and_grads_match(decorated(model, batch), grpo_token_mean(ref_model, batch), model, ref_model)
     assert calls == [1]
+
+
+def test_the_callers_saved_tensor_hooks_see_real_tensors_only():
+    """The compile runs inside the caller's step, under its saved-tensors hooks (activation offloading): they must
+    see the tensors the compiled function saves, never the fake values the compile propagates (which a test of
+    checkpointing under sequence parallelism recorded as whole-stream activations)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    compiled, _ = _compiled(_matmul_relu, [(True, False), (False, False), False])
+    x, w = torch.randn(4, 3, requires_grad=True), torch.randn(3, 5, requires_grad=True)
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (seen.append(t), t)[1], lambda t: t):
+        (out,) = compiled(x, w, 2)
+    out.sum().backward()
+    assert seen and not any(isinstance(t, FakeTensor) for t in seen), [type(t).__name__ for t in seen]
