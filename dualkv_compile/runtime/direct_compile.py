@@ -58,9 +58,12 @@ def eligible(gm: fx.GraphModule, cfg: DualKVConfig, mode: Optional[str] = None) 
         return f"options['packed_compile'] is {cfg.packed_compile!r}"
     if cfg.inner not in ("inductor", "aot_eager"):
         return f"inner compiler {cfg.inner!r} compiles no symbolic sizes"
-    if mode not in (None, "default") and torch._inductor.list_mode_options(mode).get("triton.cudagraphs"):
-        # CUDA graphs ("reduce-overhead", "max-autotune") learn which inputs are static (the weights) from Dynamo.
-        return f"mode {mode!r} uses CUDA graphs"
+    if mode not in (None, "default"):
+        from torch._inductor import list_mode_options
+
+        if list_mode_options(mode).get("triton.cudagraphs"):
+            # CUDA graphs ("reduce-overhead", "max-autotune") learn which inputs are static (the weights) from Dynamo.
+            return f"mode {mode!r} uses CUDA graphs"
     return None
 
 

@@ -219,3 +219,14 @@ def test_the_callers_saved_tensor_hooks_see_real_tensors_only():
         (out,) = compiled(x, w, 2)
     out.sum().backward()
     assert seen and not any(isinstance(t, FakeTensor) for t in seen), [type(t).__name__ for t in seen]
+
+
+@pytest.mark.parametrize("mode, options, direct", [
+    (None, {}, True), ("max-autotune-no-cudagraphs", {}, True), ("reduce-overhead", {}, False),
+    (None, {"packed_compile": "nested"}, False), (None, {"inner": "eager"}, False),
+])
+def test_which_graphs_take_the_direct_route(mode, options, direct):
+    """CUDA graphs learn the static inputs from Dynamo, and the eager inner compiler compiles nothing: those, and
+    the nested option, take the nested route, with the reason."""
+    why = direct_compile.eligible(fx.symbolic_trace(_matmul_relu), DualKVConfig.from_options(options), mode)
+    assert (why is None) == direct, why
