@@ -54,6 +54,8 @@ def parse(argv=None):
     ap.add_argument("--states", default="cold,warm", help="the processes to run per side: cold (an empty cache), warm "
                     "(the cache cold filled) or both; warm alone needs --cache-dir holding an earlier cold run's cache "
                     "(a long cold compile and its warm start then fit two device calls on one machine)")
+    ap.add_argument("--packed-compile", choices=["direct", "nested"], default="direct", help="dualkv's route for "
+                    "the packed graph (option packed_compile): direct, its default, or nested, for an A/B")
     ap.add_argument("--one", choices=["plain", "dualkv"], default=None, help=argparse.SUPPRESS)  # a child process
     ap.add_argument("--profile-to", default=None, help=argparse.SUPPRESS)  # the child's cProfile report, if any
     args = ap.parse_args(argv)
@@ -99,7 +101,8 @@ def child(args) -> dict:
     model = model.to(device=args.device, dtype=dtype).train()
     batch = make_batch(tuple(int(x) for x in args.shape.split(",")), args.device, vocab=vocab)
     notes = _watch_compile_logs()
-    fn = (dualkv_compile.policy_loss(grpo_loss, dynamic=True, inner="inductor") if args.one == "dualkv"
+    fn = (dualkv_compile.policy_loss(grpo_loss, dynamic=True, inner="inductor",
+                                            packed_compile=args.packed_compile) if args.one == "dualkv"
           else torch.compile(grpo_loss, dynamic=True))
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     times = []
@@ -197,7 +200,8 @@ def breakdown(notes: list) -> dict:
 
 def run(args, side: str, cache: str, state: str = "cold") -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", side, "--model", args.model, "--shape", args.shape,
-           "--device", args.device] + (["--layers", str(args.layers)] if args.layers else [])
+           "--device", args.device, "--packed-compile", args.packed_compile]
+    cmd += ["--layers", str(args.layers)] if args.layers else []
     if args.profile_warm and state == "warm":
         os.makedirs(args.out, exist_ok=True)
         cmd += ["--profile-to", os.path.join(os.path.abspath(args.out), f"profile_{side}_warm.txt")]
@@ -291,7 +295,8 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "device": args.device,
                 "model": args.model, "layers": args.layers, "shape": args.shape,
-                "concurrent": args.concurrent, "sides": sides, "states": args.states}
+                "concurrent": args.concurrent, "sides": sides, "states": args.states,
+                "packed_compile": args.packed_compile}
         with open(os.path.join(args.out, "compile_time.json"), "w") as f:
             json.dump({"meta": meta, "rows": {f"{s}/{t}": r for (s, t), r in rows.items()}}, f, indent=2)
         with open(os.path.join(args.out, "compile_time.md"), "w") as f:

@@ -32,7 +32,7 @@
 #   BATCH direct, side by side (runtime.direct_compile, not yet run on a GPU): GPUs 0-1 compile_time.py dualkv,
 #     cold and warm, Llama-1B and Qwen3-1.7B (warm starts before it: 15.5 s and 54.1 s profiled); GPU 2 the dense
 #     8B and MoE rows (peers.py, plain_varlen and dualkv: the step time must not move); GPU 3 the GPU tests of the
-#     direct route, dynamic shapes and shared-token precision
+#     direct route, dynamic shapes and shared-token precision, then the nested route's Llama-1B compile times (A/B)
 #   BATCH sp, one after the other on all 4 GPUs: fsdp_sp_gpu.sh sp4 (issue 37 (b), the 64K prompt at sp 4), then
 #     fsdp_sp_gpu.sh headline (issue 36, all 36 layers) with what is left of TOTAL_S (default 580 s)
 # Each run compares its sides inside one process, so neighbours on other GPUs load both sides alike; the host's
@@ -145,8 +145,12 @@ case "$BATCH" in
     ( CUDA_VISIBLE_DEVICES=2 timeout 270 python3 benchmarks/peers.py --shape qwen3-8b --layers 4 $ROWS --out "$OUT/rows8b"
       CUDA_VISIBLE_DEVICES=2 timeout 270 python3 benchmarks/peers.py --shape qwen3-30b-a3b --layers 4 $ROWS --out "$OUT/rows30b" ) \
       > "$OUT/gpu2.txt" 2>&1 &
-    CUDA_VISIBLE_DEVICES=3 timeout 500 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_direct_compile.py \
-      tests/test_dynamic_shapes.py tests/test_shared_token_precision.py > "$OUT/gpu3.txt" 2>&1 &
+    ( CUDA_VISIBLE_DEVICES=3 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_direct_compile.py \
+        tests/test_dynamic_shapes.py tests/test_shared_token_precision.py
+      # the A/B: the nested route's Llama-1B cold and warm starts, beside GPU 0's direct ones (equally loaded host)
+      mkdir -p "$OUT/ct_llama_nested"
+      CUDA_VISIBLE_DEVICES=3 timeout $((555 - $(date +%s) + start)) python3 benchmarks/compile_time.py --model llama-1b \
+        --sides dualkv --packed-compile nested --out "$OUT/ct_llama_nested" ) > "$OUT/gpu3.txt" 2>&1 &
     wait
     tail -n 12 "$OUT/gpu0.txt" "$OUT/gpu1.txt" "$OUT/gpu2.txt" "$OUT/gpu3.txt" ;;
   sp)

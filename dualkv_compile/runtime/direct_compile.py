@@ -38,6 +38,7 @@ import torch.fx as fx
 
 from ..config import DualKVConfig
 from ..analysis.attention_match import item_of_placeholder
+from ..normalize.graph_copy import copy_graph_module
 from . import nested_compile  # its inner_compile, read per call: the one inner compiler of both routes
 
 log = logging.getLogger("dualkv_compile")
@@ -153,6 +154,7 @@ class DirectCompile:
                 fakes.append(value)
         gm = _fresh_copy(self.gm)
         baked = _bake_scalars(gm, args)
+        gm.recompile()  # once, after both edits of the copy
         with tracing(TracingContext(fake_mode)):
             _propagate_fake_values(gm, fake_mode, fakes)
             compiled = nested_compile.inner_compile(gm, fakes, self.cfg, self.mode)
@@ -199,7 +201,6 @@ def _bake_scalars(gm: fx.GraphModule, args: list) -> dict[int, float]:
         for user in list(node.users):
             user.replace_input_with(node, number)
         gm.graph.erase_node(node)
-    gm.recompile()
     return baked
 
 
@@ -219,15 +220,13 @@ def _propagate_fake_values(gm: fx.GraphModule, fake_mode, fakes: list) -> None:
 
 
 def _fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm``'s graph without the outer trace's fake values (another fake mode's): the inner compiler makes its own."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    for node in graph.nodes:
+    """``gm``'s graph without the outer trace's fake values (another fake mode's): the inner compiler makes its own.
+    The caller recompiles the copy after its last edit."""
+    copy = copy_graph_module(gm)
+    for node in copy.graph.nodes:
         for key in ("example_value", "val", "tensor_meta"):
             node.meta.pop(key, None)
-    _mark_own_functions_cacheable(graph)
-    copy = fx.GraphModule(gm, graph)
-    copy.recompile()
+    _mark_own_functions_cacheable(copy.graph)
     return copy
 
 

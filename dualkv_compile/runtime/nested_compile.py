@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from ..config import DualKVConfig
 from ..analysis.attention_match import item_of_placeholder
+from ..normalize.graph_copy import copy_graph_module
 from .autocast_regions import autocast_regions_as_with_blocks
 
 __all__ = [
@@ -146,9 +147,7 @@ def nested_compile(gm: fx.GraphModule, cfg: DualKVConfig, mode: Optional[str], d
 
     # Dynamo's own graphs are _LazyGraphModules, whose lazy forward Dynamo
     # will not trace; a plain GraphModule over the same graph it will.
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    module = fx.GraphModule(gm, graph)
+    module = copy_graph_module(gm)
     # Size arithmetic in dynamic-shape graphs (torch.sym_sum([1, s0]) ...)
     # cannot be re-traced by Dynamo; the Python builtins can, on SymInts too.
     for node in module.graph.nodes:
