@@ -253,6 +253,8 @@ def main(argv=None) -> int:
     ap.add_argument("--standin", choices=["varlen", "sdpa"], help="the kernel that answers PrefixGrouper's inner "
                     "attention and TRL's FlashAttention-3 call: torch's varlen flash attention (CUDA; the default there) or SDPA")
     ap.add_argument("--inner", default=None, help="dualkv's inner compiler (default inductor on cuda, aot_eager on cpu)")
+    ap.add_argument("--packed-compile", choices=["direct", "nested"], default="direct",
+                    help="dualkv's route for the packed graph (option packed_compile), for an A/B")
     ap.add_argument("--sides", default=",".join(s for s in SIDES if s not in ("plain", "plain_compiled")),
                     help="the sides beside plain (which always runs first: the reference)")
     ap.add_argument("--profile", default="", help="comma-separated sides to profile after their timing (torch.profiler: "

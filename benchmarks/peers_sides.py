@@ -173,8 +173,9 @@ def side_plain_varlen(model, batch, args):
 
 def side_dualkv(model, batch, args):
     stats = dualkv_compile.detect(batch["input_ids"], batch["attention_mask"]).stats()
-    return Side(dualkv_compile.policy_loss(grpo_loss, inner=args.inner), "sdpa", stats.tokens_after,
-                stats.attention_pairs_after, None, f"@policy_loss, inner {args.inner}")
+    return Side(dualkv_compile.policy_loss(grpo_loss, inner=args.inner, packed_compile=args.packed_compile), "sdpa",
+                stats.tokens_after, stats.attention_pairs_after, None,
+                f"@policy_loss, inner {args.inner}, packed graph compiled {args.packed_compile}")
 
 
 def side_prefix_grouper(model, batch, args):
