@@ -32,7 +32,9 @@
 #   BATCH direct, side by side (runtime.direct_compile, not yet run on a GPU): GPUs 0-1 compile_time.py dualkv,
 #     cold and warm, Llama-1B and Qwen3-1.7B (warm starts before it: 15.5 s and 54.1 s profiled); GPU 2 the dense
 #     8B and MoE rows (peers.py, plain_varlen and dualkv: the step time must not move); GPU 3 the GPU tests of the
-#     direct route, dynamic shapes and shared-token precision, then the nested route's Llama-1B compile times (A/B)
+#     direct route, dynamic shapes and shared-token precision, then the nested route's Llama-1B compile times (A/B).
+#     GPU 2's step times were NOT valid (direct_compile_h100_2026-11-28): a row must not share the host with
+#     compiling processes (dualkv's step waits on the host's launches); time rows alone or beside other rows
 #   BATCH sp, one after the other on all 4 GPUs: fsdp_sp_gpu.sh sp4 (issue 37 (b), the 64K prompt at sp 4), then
 #     fsdp_sp_gpu.sh headline (issue 36, all 36 layers) with what is left of TOTAL_S (default 580 s)
 # Each run compares its sides inside one process, so neighbours on other GPUs load both sides alike; the host's

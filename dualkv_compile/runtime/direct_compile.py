@@ -207,12 +207,16 @@ def _bake_scalars(gm: fx.GraphModule, args: list) -> dict[int, float]:
 def _propagate_fake_values(gm: fx.GraphModule, fake_mode, fakes: list) -> None:
     """Each node's fake value for these inputs, as ``example_value`` (what Dynamo's trace would have left there):
     AOTAutograd's cache takes a method call only on a node that has one, and Inductor's pre-grad passes read them."""
+    from torch._dispatch.python import enable_python_dispatcher
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     # The caller's saved-tensors hooks (activation offloading, a test's recorder) must not see these fake values,
     # as AOTAutograd keeps them from its own tracing (they run at run time, around the compiled function).
     hooks_off = getattr(torch._dynamo.utils, "_disable_saved_tensors_hooks_during_tracing", None)
-    with hooks_off() if hooks_off is not None else torch.no_grad():
+    # Under the Python dispatcher, as Dynamo's and AOTAutograd's tracing run: without it, torch 2.11's C++
+    # composites (linear and matmul on 3-d inputs) read the concrete sizes of a fake tensor (aten.size.default)
+    # and specialise every symbolic size they touch, and the packed graph compiled again for each token count.
+    with hooks_off() if hooks_off is not None else torch.no_grad(), enable_python_dispatcher():
         FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*fakes)
     for node in gm.graph.nodes:
         if "val" in node.meta and node.op != "output":

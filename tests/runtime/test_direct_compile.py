@@ -54,6 +54,22 @@ def test_a_static_size_or_int_is_not_guarded_and_a_symbolic_int_is_an_input():
     assert len(compiles) == 1
 
 
+def _padded_matmul(x, w):
+    return (torch.nn.functional.pad(x @ w, (0, 1)).relu().sum(0),)
+
+
+def test_the_fake_value_propagation_keeps_symbolic_sizes_symbolic():
+    """The fake values are made under the Python dispatcher, as Dynamo's trace makes them: without it, ``F.pad``
+    (torch 2.13) and 3-d ``linear`` / ``matmul`` (torch 2.11) ran C++ composites that read a fake tensor's concrete
+    sizes, specialising the rows, and each new row count compiled again (the runner's test failed on torch 2.11)."""
+    compiled, compiles = _compiled(_padded_matmul, [(True, False), (False, False)])
+    w = torch.randn(3, 5)
+    for rows in (4, 7, 9):
+        x = torch.randn(rows, 3)
+        torch.testing.assert_close(compiled(x, w), _padded_matmul(x, w), rtol=0, atol=0)
+    assert len(compiles) == 1
+
+
 def test_past_the_limit_a_call_is_refused_not_compiled(monkeypatch):
     monkeypatch.setattr(direct_compile, "MAX_ENTRIES", 1)
     compiled, compiles = _compiled(_matmul_relu, [(True, False), (False, False), False])
