@@ -11,6 +11,10 @@ STAMP := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.0
 LATEST := .venv-latest
 LATEST_STAMP := $(LATEST)/.installed
+# The suite's files on two workers (pytest-xdist; a file's tests stay together, in order, on one worker): most of
+# its time is single-threaded compiling, and CI has 2 cores. PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: demo test test-slow test-verl test-latest test-torch lock venv clean
 
@@ -29,11 +33,11 @@ demo: $(STAMP)
 	$(PY) examples/grpo_tiny.py --steps 3
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(XDIST) tests
 
 # The slow tests (pyproject's addopts leave them out of `make test`): the 1,000-example fuzz.
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow tests
+	$(PY) -m pytest -q $(XDIST) -m slow tests
 
 # veRL 0.9.1's own FSDP engine with dualkv (tests/integrations/test_verl.py), in .venv-verl: a venv over .venv's
 # packages (site.addsitedir) plus veRL and the imports its engine needs, without veRL's pins (it asks for
@@ -65,7 +69,7 @@ $(LATEST_STAMP): pyproject.toml Makefile
 test-latest: $(LATEST_STAMP)
 	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager "$(TORCH_CPU)" -e ".[test,bench]"
 	$(LATEST)/bin/python -m pip freeze --exclude-editable | grep -E '^(torch|transformers|triton|numpy|hypothesis|expecttest|pytest)=='
-	$(LATEST)/bin/python -m pytest -q tests
+	$(LATEST)/bin/python -m pytest -q $(XDIST) tests
 
 # The suite on another torch release (not run by CI): `make test-torch TORCH=2.11.0` (the oldest the project supports,
 # the GPU machine's). PyPI has only CUDA builds of older releases: several GB, run on the CPU. Everything else comes
@@ -86,7 +90,7 @@ $(OTHER)/.installed: pyproject.toml Makefile $(LOCK)
 
 test-torch: $(OTHER)/.installed
 	$(OTHER)/bin/python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-	$(OTHER)/bin/python -m pytest -q -p no:cacheprovider tests
+	$(OTHER)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) tests
 
 # Rewrite constraints.txt from the newest releases (run test-latest first, then commit the lock with a message).
 lock: $(LATEST_STAMP)

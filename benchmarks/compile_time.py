@@ -48,7 +48,8 @@ def parse(argv=None):
     ap.add_argument("--sides", default="plain,dualkv", help="the sides to measure (comma-separated; one side per "
                     "GPU in parallel runs, each with its own --out, keeps a long cold compile within one device call)")
     ap.add_argument("--profile-warm", action="store_true", help="run the warm process's first step under cProfile "
-                    "and write where its time goes (by cumulative and by own time) to OUT/profile_<side>_warm.txt")
+                    "and write where its time goes (by cumulative and by own time) to OUT/profile_<side>_warm.txt, the whole "
+                    "profile to OUT/profile_<side>_warm.prof")
     ap.add_argument("--cache-dir", default=None, help="keep each side's Inductor cache in DIR/<side> (default: a "
                     "temporary directory, removed after), e.g. to read the generated code")
     ap.add_argument("--states", default="cold,warm", help="the processes to run per side: cold (an empty cache), warm "
@@ -161,6 +162,7 @@ def _write_profile(prof, path: str) -> None:
         buf.write(f"{name}: {', '.join(f'{t:.3f}' for t in metrics.get(name, ()))}\n")
     with open(path, "w") as f:
         f.write(buf.getvalue())
+    prof.dump_stats(path.rsplit(".", 1)[0] + ".prof")  # the whole profile, for pstats or snakeviz
 
 
 def _watch_compile_logs() -> list:

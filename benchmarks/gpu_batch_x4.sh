@@ -35,6 +35,8 @@
 #     direct route, dynamic shapes and shared-token precision, then the nested route's Llama-1B compile times (A/B).
 #     GPU 2's step times were NOT valid (direct_compile_h100_2026-11-28): a row must not share the host with
 #     compiling processes (dualkv's step waits on the host's launches); time rows alone or beside other rows
+#   BATCH final, on 2 GPUs: the distributed example (FSDP2 per layer, --sp 2, bf16), then dualkv's Llama-1B compile
+#     times beside the GPU tests of the packed graph's compile
 #   BATCH sp, one after the other on all 4 GPUs: fsdp_sp_gpu.sh sp4 (issue 37 (b), the 64K prompt at sp 4), then
 #     fsdp_sp_gpu.sh headline (issue 36, all 36 layers) with what is left of TOTAL_S (default 580 s)
 # Each run compares its sides inside one process, so neighbours on other GPUs load both sides alike; the host's
@@ -155,12 +157,26 @@ case "$BATCH" in
         --sides dualkv --packed-compile nested --out "$OUT/ct_llama_nested" ) > "$OUT/gpu3.txt" 2>&1 &
     wait
     tail -n 12 "$OUT/gpu0.txt" "$OUT/gpu1.txt" "$OUT/gpu2.txt" "$OUT/gpu3.txt" ;;
+  final)
+    # On 2 GPUs, at the code a session submits: the distributed example (FSDP2 per layer, --sp 2, bf16), then side
+    # by side dualkv's Llama-1B compile times (GPU 0) and the GPU tests of the packed graph's compile (GPU 1)
+    mkdir -p "$OUT/ct_llama"
+    CUDA_VISIBLE_DEVICES=0,1 timeout 240 torchrun --standalone --nproc-per-node 2 examples/fsdp_grpo.py --device cuda \
+      --mode fsdp --bf16 --layers 4 --hidden 1024 --heads 16 --kv-heads 8 --vocab 32000 --prompts 2 --rollouts 8 \
+      --prompt-len 1024 --response-len 256 --iters 3 --per-layer --sp 2 > "$OUT/fsdp.txt" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout $((570 - $(date +%s) + start)) python3 benchmarks/compile_time.py --model llama-1b \
+      --sides dualkv --out "$OUT/ct_llama" > "$OUT/gpu0.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout $((570 - $(date +%s) + start)) python3 -m pytest -q -p no:cacheprovider \
+      tests/runtime/test_direct_compile.py tests/test_dynamic_shapes.py tests/test_shared_token_precision.py \
+      > "$OUT/gpu1.txt" 2>&1 &
+    wait
+    tail -n 12 "$OUT/fsdp.txt" "$OUT/gpu0.txt" "$OUT/gpu1.txt" ;;
   sp)
     LIMIT=${SP4_S:-240} bash benchmarks/fsdp_sp_gpu.sh "$OUT" sp4
     left=$(( ${TOTAL_S:-580} - ($(date +%s) - start) ))
     echo "== sp4 done after $(($(date +%s) - start)) s; headline gets ${left} s"
     LIMIT=$left bash benchmarks/fsdp_sp_gpu.sh "$OUT" headline ;;
-  *) echo "gpu_batch_x4.sh: unknown BATCH '$BATCH' (q17, profile, compile, next, warm, warm2, warm2b, direct or sp)" >&2; exit 2 ;;
+  *) echo "gpu_batch_x4.sh: unknown BATCH '$BATCH' (q17, profile, compile, next, warm, warm2, warm2b, direct, final or sp)" >&2; exit 2 ;;
 esac
 echo "== batch $BATCH done after $(($(date +%s) - start)) s"
 tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
