@@ -73,15 +73,16 @@ test-latest: $(LATEST_STAMP)
 
 # The suite on another torch release (not run by CI): `make test-torch TORCH=2.11.0` (the oldest the project supports,
 # the GPU machine's). PyPI has only CUDA builds of older releases: several GB, run on the CPU. Everything else comes
-# from constraints.txt but triton, which is the one that torch release asks for, and numpy under triton < 3.7 (torch
-# 2.11's 3.6 interprets kernels with int() of a one-element array, which numpy 2.4 refuses: the CPU tests of the
-# Triton kernels, TRITON_INTERPRET=1, need numpy < 2.4 there).
+# from constraints.txt but triton, which is the one that torch release asks for, setuptools (torch 2.11 asks for
+# < 82, the lock pins 84), and numpy under triton < 3.7 (torch 2.11's 3.6 interprets kernels with int() of a
+# one-element array, which numpy 2.4 refuses: the CPU tests of the Triton kernels, TRITON_INTERPRET=1, need
+# numpy < 2.4 there).
 TORCH ?= 2.11.0
 OTHER := .venv-torch-$(TORCH)
 
 $(OTHER)/.installed: pyproject.toml Makefile $(LOCK)
 	test -x $(OTHER)/bin/python || $(PYTHON) -m venv $(OTHER)
-	grep -v -E '^(torch|triton)==' $(LOCK) > $(OTHER)/constraints.txt
+	grep -v -E '^(torch|triton|setuptools)==' $(LOCK) > $(OTHER)/constraints.txt
 	$(OTHER)/bin/python -m pip install -q "torch==$(TORCH)"
 	PIP_CONSTRAINT=$(OTHER)/constraints.txt $(OTHER)/bin/python -m pip install -q "torch==$(TORCH)" -e ".[test,bench]"
 	$(OTHER)/bin/python -c "import triton, sys; sys.exit(tuple(map(int, triton.__version__.split('.')[:2])) >= (3, 7))" \
