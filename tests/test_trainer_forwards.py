@@ -113,12 +113,11 @@ def test_hidden_states_leave_with_merged_token_axes(cut):
     _last_report()
 
 
-def test_autocast_bfloat16_fuses_the_log_probs_and_entropy_with_the_plain_models_error():
-    """Under autocast (TRL's ``accelerator.autocast()``, veRL's engine) the lm_head runs in bfloat16: the chunked op
-    gets its operands cast as autocast casts them, so the log-probs and the entropy are still fused (no [T, V])."""
+def _autocast_step_is_fused_with_the_plain_models_error(model) -> None:
+    """One decorated ``with_entropy_and_kl`` step under bfloat16 autocast: the log-probs and the entropy fused, and
+    the loss and the gradients within twice the plain model's bfloat16 error of its float32 step."""
     from .helpers import make_batch, with_entropy_and_kl
 
-    model = hf_model("qwen3", "sdpa")
     plain, full = copy.deepcopy(model), copy.deepcopy(model)
     batch = make_batch([(6, [3, 4, 2]), (5, [2, 3])], seed=3)
     torch._dynamo.reset()
@@ -128,6 +127,7 @@ def test_autocast_bfloat16_fuses_the_log_probs_and_entropy_with_the_plain_models
         bf16 = with_entropy_and_kl(plain, batch)
     fp32 = with_entropy_and_kl(full, batch)
     report = _last_report()
+    assert report.rewritten and report.packed_calls == 1, str(report)
     assert report.fused_log_probs == 1 and report.fused_entropy == 1, str(report)
     err, plain_err = rel(out.float(), fp32), rel(bf16.float(), fp32)
     assert err <= 2 * plain_err + 1e-3, (err, plain_err)
@@ -135,3 +135,46 @@ def test_autocast_bfloat16_fuses_the_log_probs_and_entropy_with_the_plain_models
         loss.backward()
     for (name, p), q, r in zip(model.named_parameters(), plain.parameters(), full.parameters()):
         assert rel(p.grad, r.grad) <= 2 * rel(q.grad, r.grad) + 1e-3, name
+
+
+def test_autocast_bfloat16_fuses_the_log_probs_and_entropy_with_the_plain_models_error():
+    """Under autocast (TRL's ``accelerator.autocast()``, veRL's engine) the lm_head runs in bfloat16: the chunked op
+    gets its operands cast as autocast casts them, so the log-probs and the entropy are still fused (no [T, V])."""
+    _autocast_step_is_fused_with_the_plain_models_error(hf_model("qwen3", "sdpa"))
+
+
+def test_an_autocast_region_elsewhere_in_the_graph_leaves_the_log_probs_fused():
+    """transformers 5.17's rotary embedding turns autocast off around its cos/sin: an autocast region inside the
+    graph, away from the lm_head. The log-probs and the entropy are fused all the same (before: the whole graph was
+    left unfused, and TRL's and veRL's autocast steps on transformers 5.17 built the [T, V] logits)."""
+    model = hf_model("qwen3", "sdpa")
+    rotary = model.model.rotary_emb
+    rotary_forward = rotary.forward
+
+    def forward_without_autocast(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False):
+            return rotary_forward(*args, **kwargs)
+
+    rotary.forward = forward_without_autocast
+    _autocast_step_is_fused_with_the_plain_models_error(model)
+
+
+def test_log_probs_inside_an_autocast_region_of_the_graph_are_left_unfused():
+    """A loss that enters autocast itself, around the model and the log-probs: the chain runs inside the graph's
+    own autocast region, whose dtype policy the fused op would not replay, so it stays unfused, and exact."""
+    from .helpers import make_batch, with_entropy_and_kl
+
+    def loss_under_autocast(model, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return with_entropy_and_kl(model, batch)
+
+    model = hf_model("qwen3", "sdpa")
+    plain = copy.deepcopy(model)
+    batch = make_batch([(6, [3, 4, 2]), (5, [2, 3])], seed=3)
+    torch._dynamo.reset()
+    out = dualkv_compile.policy_loss(loss_under_autocast, inner="aot_eager")(model, batch)
+    want = loss_under_autocast(plain, batch)
+    report = _last_report()
+    assert report.rewritten and report.packed_calls == 1, str(report)
+    assert report.fused_log_probs == 0 and report.fused_entropy == 0, str(report)
+    assert rel(out.float(), want.float()) <= 2e-2, (out, want)

@@ -75,9 +75,10 @@ every row of the gathered hidden states, not the rank's tokens), a bias,
 two scalar ops or two casts, any other op in the chain (a softcap), a temperature
 tensor (not a lifted float), a scale read from an input with no example
 input to resolve it, a ``dtype`` argument to the log-softmax, nodes tagged
-for activation-checkpoint recomputation, an autocast region in the graph,
-and, with autocast enabled while the pass runs (Dynamo compiles a graph for
-the caller's autocast state), a chain without the ``.float()`` before the
+for activation-checkpoint recomputation, a node of the chain inside an autocast
+region the graph enters itself (a region elsewhere does not matter), and, with
+autocast enabled while the pass runs (Dynamo compiles a graph for the caller's
+autocast state), a chain without the ``.float()`` before the
 log-softmax; with it, the op gets the lm_head's operands cast to the
 autocast dtype, as autocast casts them, and runs with autocast off.
 """
@@ -350,11 +351,20 @@ def _rewrite(graph: fx.Graph, site: _Site, where: fx.Node, chunk_bytes: int) -> 
         graph.erase_node(site.scale_node)
 
 
-def _autocast_reason(graph: fx.Graph) -> Optional[str]:
+def _autocast_region_reason(site: _Site, graph: fx.Graph) -> Optional[str]:
+    """Why not, if a node the op replaces runs inside an autocast region the graph enters and exits itself (its
+    dtype policy would have to be replayed inside the op). A region elsewhere (transformers 5.17's rotary embedding
+    turns autocast off around its cos/sin) leaves the site to the caller's autocast state (_autocast_site_reason)."""
+    inside, depth = set(), 0
     for n in graph.nodes:
-        if n.op == "call_function" and getattr(n.target, "__name__", None) in _AUTOCAST:
-            return "the graph has an autocast region"
-    return None  # autocast enabled around the compilation: per site (_autocast_site_reason)
+        name = getattr(n.target, "__name__", None) if n.op == "call_function" else None
+        if name in _AUTOCAST:
+            depth += 1 if name == "_enter_autocast" else -1
+        elif depth > 0:
+            inside.add(n)
+    if inside.intersection([*site.replaced, *(site.entropy.nodes if site.entropy is not None else ())]):
+        return f"{site.name} runs inside an autocast region of the graph"
+    return None
 
 
 def _entropy_alone(graph: fx.Graph):
@@ -387,10 +397,6 @@ def fuse_linear_log_prob(
     gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (gather_previous, gather_unpacked)]
     if not gathers and not (entropy and any(True for _ in _entropy_alone(gm.graph))):
         return result
-    why = _autocast_reason(gm.graph)
-    if why is not None:
-        log.debug("dualkv: next-token log-probs left unfused: %s", why)
-        return result
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
 
     def fuse(name: str, site: Union[_Site, str]) -> None:
@@ -399,6 +405,9 @@ def fuse_linear_log_prob(
             site = site if why is None else why
         if isinstance(site, _Site) and site.entropy is not None:
             why = _entropy_reason(site, placeholders, example_inputs)
+            site = site if why is None else why
+        if isinstance(site, _Site):
+            why = _autocast_region_reason(site, gm.graph)
             site = site if why is None else why
         if isinstance(site, _Site) and any(torch.is_autocast_enabled(d) for d in ("cuda", "cpu")):
             why = _autocast_site_reason(site, placeholders, example_inputs)
