@@ -28,20 +28,23 @@ def _compiled(fn, dims, inner="aot_eager"):
     return DirectCompile(gm, DualKVConfig(inner=inner), None, lambda args: dims, on_compile=lambda: compiles.append(1)), compiles
 
 
+def _check_rows(compiled, fn, row_counts, *rest) -> None:
+    """``compiled`` on x of each row count (and a fixed [3, 5] w), bit-equal to ``fn``."""
+    w = torch.randn(3, 5)
+    for rows in row_counts:
+        x = torch.randn(rows, 3)
+        torch.testing.assert_close(compiled(x, w, *rest), fn(x, w, *rest), rtol=0, atol=0)
+
+
 def test_one_compile_serves_every_size_its_guards_admit_and_a_size_they_refuse_compiles_again():
     compiled, compiles = _compiled(_matmul_relu, [(True, False), (False, False), False])
-    w = torch.randn(3, 5)
-    for rows in (4, 7, 9):
-        x = torch.randn(rows, 3)
-        torch.testing.assert_close(compiled(x, w, 2), _matmul_relu(x, w, 2), rtol=0, atol=0)
+    _check_rows(compiled, _matmul_relu, (4, 7, 9), 2)
     assert len(compiles) == 1
     # The first compile saw 4 rows: as in Dynamo, 0 and 1 specialise, so 4 made a symbol with 2 <= rows; one row
     # fails that guard and compiles again, for one row.
-    x = torch.randn(1, 3)
-    torch.testing.assert_close(compiled(x, w, 2), _matmul_relu(x, w, 2), rtol=0, atol=0)
+    _check_rows(compiled, _matmul_relu, (1,), 2)
     assert len(compiles) == 2
-    x = torch.randn(6, 3)
-    torch.testing.assert_close(compiled(x, w, 2), _matmul_relu(x, w, 2), rtol=0, atol=0)
+    _check_rows(compiled, _matmul_relu, (6,), 2)
     assert len(compiles) == 2
 
 
@@ -63,10 +66,7 @@ def test_the_fake_value_propagation_keeps_symbolic_sizes_symbolic():
     (torch 2.13) and 3-d ``linear`` / ``matmul`` (torch 2.11) ran C++ composites that read a fake tensor's concrete
     sizes, specialising the rows, and each new row count compiled again (the runner's test failed on torch 2.11)."""
     compiled, compiles = _compiled(_padded_matmul, [(True, False), (False, False)])
-    w = torch.randn(3, 5)
-    for rows in (4, 7, 9):
-        x = torch.randn(rows, 3)
-        torch.testing.assert_close(compiled(x, w), _padded_matmul(x, w), rtol=0, atol=0)
+    _check_rows(compiled, _padded_matmul, (4, 7, 9))
     assert len(compiles) == 1
 
 
@@ -195,10 +195,7 @@ def test_a_size_specialised_to_one_is_checked_per_call():
     environment's (that leaves static sizes to the caller), yet a later call with more rows must not run the
     compile made for one (Inductor's would fail its size asserts, or worse)."""
     compiled, compiles = _compiled(_matmul_relu, [(True, False), (False, False), False])
-    w = torch.randn(3, 5)
-    for rows in (1, 4, 1):
-        x = torch.randn(rows, 3)
-        torch.testing.assert_close(compiled(x, w, 2), _matmul_relu(x, w, 2), rtol=0, atol=0)
+    _check_rows(compiled, _matmul_relu, (1, 4, 1), 2)
     assert len(compiles) == 2
 
 
