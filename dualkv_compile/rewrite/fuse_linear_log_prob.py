@@ -351,10 +351,8 @@ def _rewrite(graph: fx.Graph, site: _Site, where: fx.Node, chunk_bytes: int) -> 
         graph.erase_node(site.scale_node)
 
 
-def _autocast_region_reason(site: _Site, graph: fx.Graph) -> Optional[str]:
-    """Why not, if a node the op replaces runs inside an autocast region the graph enters and exits itself (its
-    dtype policy would have to be replayed inside the op). A region elsewhere (transformers 5.17's rotary embedding
-    turns autocast off around its cos/sin) leaves the site to the caller's autocast state (_autocast_site_reason)."""
+def _in_autocast_regions(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes between an ``_enter_autocast`` and its ``_exit_autocast`` (regions the graph enters itself)."""
     inside, depth = set(), 0
     for n in graph.nodes:
         name = getattr(n.target, "__name__", None) if n.op == "call_function" else None
@@ -362,7 +360,14 @@ def _autocast_region_reason(site: _Site, graph: fx.Graph) -> Optional[str]:
             depth += 1 if name == "_enter_autocast" else -1
         elif depth > 0:
             inside.add(n)
-    if inside.intersection([*site.replaced, *(site.entropy.nodes if site.entropy is not None else ())]):
+    return inside
+
+
+def _autocast_region_reason(site: _Site, in_regions: set[fx.Node]) -> Optional[str]:
+    """Why not, if a node the op replaces runs inside an autocast region the graph enters and exits itself (its
+    dtype policy would have to be replayed inside the op). A region elsewhere (transformers 5.17's rotary embedding
+    turns autocast off around its cos/sin) leaves the site to the caller's autocast state (_autocast_site_reason)."""
+    if in_regions.intersection([*site.replaced, *(site.entropy.nodes if site.entropy is not None else ())]):
         return f"{site.name} runs inside an autocast region of the graph"
     return None
 
@@ -398,6 +403,9 @@ def fuse_linear_log_prob(
     if not gathers and not (entropy and any(True for _ in _entropy_alone(gm.graph))):
         return result
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    # Once: a fusion erases its chain and adds the op, never a region's ends, and the sites matched later (the
+    # entropies alone) are nodes of the graph as it is now.
+    in_regions = _in_autocast_regions(gm.graph)
 
     def fuse(name: str, site: Union[_Site, str]) -> None:
         if isinstance(site, _Site) and site.scale_node is not None:
@@ -407,7 +415,7 @@ def fuse_linear_log_prob(
             why = _entropy_reason(site, placeholders, example_inputs)
             site = site if why is None else why
         if isinstance(site, _Site):
-            why = _autocast_region_reason(site, gm.graph)
+            why = _autocast_region_reason(site, in_regions)
             site = site if why is None else why
         if isinstance(site, _Site) and any(torch.is_autocast_enabled(d) for d in ("cuda", "cpu")):
             why = _autocast_site_reason(site, placeholders, example_inputs)
