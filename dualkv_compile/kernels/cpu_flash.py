@@ -26,6 +26,14 @@ O(R * (L + R)) per batch instead of O(R). MLA head dims (v's differs from
 q's and k's): the flash kernels need one head dim, so the smaller operands
 are zero-padded to it (``head_dims``; exact), except on the softcap path,
 which takes them as they are.
+
+Windows (``window``, ``chunk``: token depth, ``layout.segments``): a root's
+causal call takes the windowed causal mask instead, and a sibling batch's
+mask is narrowed by depth (the chain's keys are depths ``0 .. L-1`` in
+root-to-parent order, a child's own token ``i`` is depth ``L + i``).
+The backward reads the saved ``out`` and ``lse`` (the flash kernels' backward
+and, on the softcap path, ``backward_with_mask(lse=...)``), so sinks compose
+(``kernels.sinks``).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from ..layout.segments import Segments
+from ..layout.segments import Segments, check_window, window_allows
 from .head_dims import common_head_dim, pad_head_dim
 from .reference import attention_with_mask, backward_with_mask
 
@@ -50,7 +58,8 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]:
+def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None, *, window: int = 0, chunk: int = 0,
+             sinks: bool = False) -> Optional[str]:
     if q.device.type != "cpu":
         return f"cpu_flash runs on CPU tensors, got {q.device.type}"
     if q.dtype not in _DTYPES:
@@ -93,7 +102,7 @@ def _repeat_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
 class _Siblings:
     """The children of one parent as a padded batch: gather/scatter between it and the packed stream."""
 
-    def __init__(self, chain: torch.Tensor, kids: list[tuple[int, int]], dtype):
+    def __init__(self, chain: torch.Tensor, kids: list[tuple[int, int]], dtype, window: int = 0, chunk: int = 0):
         self.chain, self.kids = chain, kids
         self.L = chain.numel()
         self.N = len(kids)
@@ -102,8 +111,11 @@ class _Siblings:
         i = torch.arange(self.R)
         own = (i[None, None, :] <= i[None, :, None]) & (i[None, None, :] < lens[:, None, None])  # [N, Rq, Rk]
         allowed = torch.cat([torch.ones(self.N, self.R, self.L, dtype=torch.bool), own], dim=2)
+        if window or chunk:  # depths: the chain's keys 0 .. L-1, a child's own token i at L + i
+            depth = torch.arange(self.L + self.R)
+            allowed = allowed & window_allows(depth[self.L:, None], depth[None, :], window, chunk)
         self.allowed = allowed[:, None]  # [N, 1, R, L + R]
-        self.mask = torch.zeros(self.N, 1, self.R, self.L + self.R, dtype=dtype).masked_fill(~self.allowed, float("-inf"))
+        self.mask = _additive(self.allowed, dtype)
 
     def rows(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """``[1, H, T, ...]`` -> ``[N, H, R_max, ...]``: each child's rows, padded with ``fill``."""
@@ -128,12 +140,19 @@ class _Siblings:
             dst[0, :, start : start + r] += grads[n, :, self.L : self.L + r]
 
 
-def _causal(n: int) -> torch.Tensor:
+def _causal(n: int, window: int = 0, chunk: int = 0) -> torch.Tensor:
+    """A root's mask: causal, narrowed by the windows (a root token's depth is its index)."""
     i = torch.arange(n)
-    return i[None, :] <= i[:, None]
+    mask = i[None, :] <= i[:, None]
+    return mask & window_allows(i[:, None], i[None, :], window, chunk) if window or chunk else mask
 
 
-def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0):
+def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
+
+
+def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0, window: int = 0, chunk: int = 0):
+    check_window(window, chunk)
     Dv, D = v.shape[-1], common_head_dim(q, v)
     if not softcap:
         q, k, v = (pad_head_dim(t, D) for t in (q, k, v))
@@ -144,10 +163,18 @@ def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0):
     if softcap:  # explicit capped scores, the same batches
 
         def root(sl, n):
-            return attention_with_mask(q[:, :, sl], kr[:, :, sl], vr[:, :, sl], _causal(n), scale, softcap)
+            return attention_with_mask(q[:, :, sl], kr[:, :, sl], vr[:, :, sl], _causal(n, window, chunk), scale, softcap)
 
         def siblings(g):
             return attention_with_mask(g.rows(q), g.keys(kr), g.keys(vr), g.allowed, scale, softcap)
+    elif window or chunk:
+
+        def root(sl, n):
+            mask = _additive(_causal(n, window, chunk), q.dtype)
+            return _fwd(q[:, :, sl], kr[:, :, sl], vr[:, :, sl], 0.0, False, attn_mask=mask, scale=scale)
+
+        def siblings(g):
+            return _fwd(g.rows(q), g.keys(kr), g.keys(vr), 0.0, False, attn_mask=g.mask, scale=scale)
     else:
 
         def root(sl, n):
@@ -161,14 +188,16 @@ def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0):
         sl = slice(s, s + n)
         out[:, :, sl], lse[:, :, sl] = root(sl, n)
     for chain, kids in batches:
-        g = _Siblings(chain, kids, q.dtype)
+        g = _Siblings(chain, kids, q.dtype, window, chunk)
         o, l = siblings(g)
         g.scatter_rows(out, o)
         g.scatter_rows(lse, l)
     return out[..., :Dv], lse
 
 
-def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, softcap: float = 0.0):
+def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, softcap: float = 0.0,
+             window: int = 0, chunk: int = 0):
+    check_window(window, chunk)
     Dqk, Dv, D = q.shape[-1], v.shape[-1], common_head_dim(q, v)
     if not softcap:
         q, k, v, dout, out = (pad_head_dim(t, D) for t in (q, k, v, dout, out))
@@ -182,10 +211,22 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     if softcap:  # explicit capped scores, recomputed; padded query rows carry dO = 0: they add nothing
 
         def root(sl, n):
-            return backward_with_mask(dout[:, :, sl], q[:, :, sl], kr[:, :, sl], vr[:, :, sl], _causal(n), scale, softcap)
+            return backward_with_mask(dout[:, :, sl], q[:, :, sl], kr[:, :, sl], vr[:, :, sl], _causal(n, window, chunk),
+                                      scale, softcap, lse=lse[:, :, sl])
 
         def siblings(g):
-            return backward_with_mask(g.rows(dout), g.rows(q), g.keys(kr), g.keys(vr), g.allowed, scale, softcap)
+            return backward_with_mask(g.rows(dout), g.rows(q), g.keys(kr), g.keys(vr), g.allowed, scale, softcap,
+                                      lse=g.rows(lse, float("inf")))
+    elif window or chunk:
+
+        def root(sl, n):
+            mask = _additive(_causal(n, window, chunk), q.dtype)
+            return _bwd(dout[:, :, sl], q[:, :, sl], kr[:, :, sl], vr[:, :, sl], out[:, :, sl], lse[:, :, sl], 0.0, False,
+                        attn_mask=mask, scale=scale)
+
+        def siblings(g):
+            return _bwd(g.rows(dout), g.rows(q), g.keys(kr), g.keys(vr), g.rows(out), g.rows(lse, float("inf")),
+                        0.0, False, attn_mask=g.mask, scale=scale)
     else:
 
         def root(sl, n):
@@ -205,7 +246,7 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
         dk[:, :, sl] += gk.to(acc)
         dv[:, :, sl] += gv.to(acc)
     for chain, kids in batches:
-        g = _Siblings(chain, kids, q.dtype)
+        g = _Siblings(chain, kids, q.dtype, window, chunk)
         gq, gk, gv = siblings(g)
         g.scatter_rows(dq, gq.to(acc))
         g.add_keys(dk, gk.to(acc))

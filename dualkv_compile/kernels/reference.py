@@ -18,6 +18,11 @@ shared by N) are summed in float64 by blocks of queries, so their float32 error 
 Logit softcap (Gemma 2's ``attn_logit_softcapping``): with ``softcap`` c > 0 the
 score ``s = scale * q.k`` becomes ``c * tanh(s / c)`` before the mask and the
 softmax; 0 means none. Its derivative ``1 - tanh^2`` enters dQ and dK.
+
+Windows (``window``, ``chunk``; 0: none) narrow the mask by token depth
+(``layout.segments.dense_mask``). The backward reads the saved ``lse`` for the
+probabilities, as the fast kernels' do, so a softmax with sinks
+(``kernels.sinks``: a larger lse) differentiates through it exactly.
 """
 
 from __future__ import annotations
@@ -62,24 +67,28 @@ def shared_prompt_attention(
     return reference_forward(q, k, v, layout.attention_segments, scale, softcap)
 
 
-def reference_forward(q, k, v, segs: Segments, scale: Optional[float] = None, softcap: float = 0.0):
-    """``(out, lse)`` of the packed stream described by ``segs``."""
-    return attention_with_mask(q, k, v, dense_mask(segs, q.shape[2]), scale, softcap)
+def reference_forward(q, k, v, segs: Segments, scale: Optional[float] = None, softcap: float = 0.0, window: int = 0,
+                      chunk: int = 0):
+    """``(out, lse)`` of the packed stream described by ``segs`` (under the windows)."""
+    return attention_with_mask(q, k, v, dense_mask(segs, q.shape[2], window, chunk), scale, softcap)
 
 
 def reference_backward(dout, q, k, v, out, lse, segs: Segments, scale: Optional[float] = None, deterministic: bool = False,
-                       softcap: float = 0.0):
-    """``(dq, dk, dv)`` of the reference forward, recomputed in fp32 or better.
+                       softcap: float = 0.0, window: int = 0, chunk: int = 0):
+    """``(dq, dk, dv)`` of the reference forward, recomputed in fp32 or better from the saved ``lse``.
 
-    ``out`` and ``lse`` are unused (the recomputation makes its own); the
-    arguments match the fast kernels' backward so the op treats all alike.
+    ``out`` is unused (Delta comes from the recomputed output, which the saved lse
+    makes equal to it); the arguments match the fast kernels' backward.
     """
-    return backward_with_mask(dout, q, k, v, dense_mask(segs, q.shape[2]), scale, softcap)
+    return backward_with_mask(dout, q, k, v, dense_mask(segs, q.shape[2], window, chunk), scale, softcap, lse=lse)
 
 
-def backward_with_mask(dout, q, k, v, mask: torch.Tensor, scale: Optional[float] = None, softcap: float = 0.0):
+def backward_with_mask(dout, q, k, v, mask: torch.Tensor, scale: Optional[float] = None, softcap: float = 0.0,
+                       lse: Optional[torch.Tensor] = None):
     """``(dq, dk, dv)`` of ``attention_with_mask`` (any leading batch dim; ``mask`` broadcast to the scores).
 
+    ``lse`` (the forward's, ``[.., Hq, Tq]``; None: recomputed): P = exp(S - lse) on the mask. A saved
+    lse larger than the scores' own (a sink's, ``kernels.sinks``) gives that softmax's gradient.
     With P the softmax of the (capped) scores, O = P V and Delta = rowsum(dO * O):
     dV = P^T dO, dS = P * (dO V^T - Delta), times ``1 - tanh^2(s / c)`` under a softcap c,
     dQ = scale * dS K, dK = scale * dS^T Q; for GQA, dK and dV are summed over the query
@@ -92,7 +101,7 @@ def backward_with_mask(dout, q, k, v, mask: torch.Tensor, scale: Optional[float]
     kf = k.to(acc).repeat_interleave(groups, dim=1)
     vf = v.to(acc).repeat_interleave(groups, dim=1)
     scores, tanh = _scores(qf, kf, scale, softcap)
-    p = _probs(scores, mask)
+    p = _probs(scores, mask) if lse is None else _probs_from_lse(scores, mask, lse.to(acc))
     o = p @ vf
     delta = (do * o).sum(-1, keepdim=True)
     ds = p * (do @ vf.transpose(-1, -2) - delta)
@@ -142,6 +151,13 @@ def _probs(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse))
 
 
+def _probs_from_lse(scores: torch.Tensor, mask: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``exp(scores - lse)`` on the mask; rows whose lse is -inf (no key) or +inf (padding rows) give zeros."""
+    lse = lse[..., None]
+    p = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse))
+    return p.masked_fill(~mask | torch.isinf(lse), 0.0)
+
+
 def attention_with_mask(q, k, v, mask: torch.Tensor, scale: Optional[float] = None, softcap: float = 0.0):
     """Masked attention with a ``[T, T]`` boolean mask (or any mask broadcast to the scores, with any leading
     batch dim); rows with no key give zeros and lse = -inf."""
@@ -159,7 +175,8 @@ def attention_with_mask(q, k, v, mask: torch.Tensor, scale: Optional[float] = No
 
 
 # The kernel-module protocol the op dispatches through (see ops/attention.py).
-def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]:
+def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None, *, window: int = 0, chunk: int = 0,
+             sinks: bool = False) -> Optional[str]:
     return None
 
 

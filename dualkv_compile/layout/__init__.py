@@ -12,10 +12,10 @@
 
 from .detect import detect
 from .pack import gather_valid, pack, unpack
-from .segments import Segments, dense_mask, previous_token_index, segment_ids, token_reach, tree_segments
+from .segments import Segments, dense_mask, previous_token_index, segment_ids, token_depth, token_reach, tree_segments
 from .shared_prompt import LayoutStats, Node, SequenceSpan, SharedPromptLayout
 
 __all__ = [
     "SharedPromptLayout", "Segments", "Node", "SequenceSpan", "LayoutStats", "detect", "pack", "unpack",
-    "dense_mask", "previous_token_index", "segment_ids", "token_reach", "tree_segments", "gather_valid",
+    "dense_mask", "previous_token_index", "segment_ids", "token_depth", "token_reach", "tree_segments", "gather_valid",
 ]

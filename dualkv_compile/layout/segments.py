@@ -13,7 +13,15 @@ one run ``[seg_start, subtree_end)``, and the whole mask is
     q sees kv  <=>  kv <= q < reach[kv],   reach[kv] = subtree_end of kv's segment
 
 (an ancestor precedes q and its subtree contains q; any other earlier segment's
-subtree ends before q). The readers of a segment's keys are its own tokens
+subtree ends before q).
+
+Windows (DESIGN.md, semantics 15) are rules on a token's *depth*: its index
+along its sequences from the root, ``prefix_len[seg] + (t - seg_start[seg])``,
+the same for every sequence through the token. A sliding window ``w`` keeps
+``depth(q) - depth(kv) < w``; chunks of ``c`` keep ``depth(q) // c ==
+depth(kv) // c`` (Hugging Face's ``sliding_window_overlay`` and, with its
+left-padding offset, ``chunked_overlay``, on the columns of a padded row).
+0 means no window; both may apply. The readers of a segment's keys are its own tokens
 (causally) and the run ``[seg_end, subtree_end)`` (fully): the backward's sum
 over every descendant that reads a node (semantics 4) is one range.
 
@@ -40,7 +48,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
-    "Segments", "tree_segments", "segment_ids", "token_reach", "dense_mask", "previous_token_index", "host_rows",
+    "Segments", "tree_segments", "segment_ids", "token_reach", "token_depth", "dense_mask", "window_allows",
+    "previous_token_index", "host_rows",
     "to_device", "host_twin", "register_host_twin", "derived_on_host",
 ]
 
@@ -171,11 +180,40 @@ def token_reach(segs: Segments, num_tokens: int) -> torch.Tensor:
     return segs.subtree_end.long()[segment_ids(segs, num_tokens)]
 
 
-def dense_mask(segs: Segments, num_tokens: int) -> torch.Tensor:
-    """``[T, T]`` bool: ``mask[q, kv]`` is True where packed query q attends to packed key kv."""
+def token_depth(segs: Segments, num_tokens: int) -> torch.Tensor:
+    """int64 [T]: each packed token's index along its sequences from the root (the windows' coordinate)."""
+    seg = segment_ids(segs, num_tokens)
+    t = torch.arange(num_tokens, device=seg.device)
+    return segs.prefix_len.long()[seg] + t - segs.seg_start.long()[seg]
+
+
+def window_allows(depth_q: torch.Tensor, depth_kv: torch.Tensor, window: int = 0, chunk: int = 0) -> torch.Tensor:
+    """Where a sliding ``window`` and ``chunk`` size (0: none) let depth ``depth_q`` see depth ``depth_kv``
+    (broadcast); causality and the forest are the caller's. ``ValueError`` for a negative or non-int size."""
+    check_window(window, chunk)
+    ok = torch.ones(torch.broadcast_shapes(depth_q.shape, depth_kv.shape), dtype=torch.bool, device=depth_q.device)
+    if window:
+        ok = ok & (depth_q - depth_kv < window)
+    if chunk:
+        ok = ok & (torch.div(depth_q, chunk, rounding_mode="floor") == torch.div(depth_kv, chunk, rounding_mode="floor"))
+    return ok
+
+
+def check_window(window, chunk) -> None:
+    for name, x in (("window", window), ("chunk", chunk)):
+        if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+            raise ValueError(f"{name} must be an int >= 0 (0: none), got {x!r}")
+
+
+def dense_mask(segs: Segments, num_tokens: int, window: int = 0, chunk: int = 0) -> torch.Tensor:
+    """``[T, T]`` bool: ``mask[q, kv]`` is True where packed query q attends to packed key kv (under the windows)."""
     reach = token_reach(segs, num_tokens)
     t = torch.arange(num_tokens, device=reach.device)
-    return (t[None, :] <= t[:, None]) & (t[:, None] < reach[None, :])
+    mask = (t[None, :] <= t[:, None]) & (t[:, None] < reach[None, :])
+    if window or chunk:
+        depth = token_depth(segs, num_tokens)
+        mask = mask & window_allows(depth[:, None], depth[None, :], window, chunk)
+    return mask
 
 
 def previous_token_index(segs: Segments, num_tokens: int) -> torch.Tensor:

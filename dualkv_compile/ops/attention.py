@@ -28,10 +28,20 @@ for float64 inputs, ``[1, Hq, T]``) is saved for the backward.
 s becomes ``softcap * tanh(s / softcap)`` before the mask and the softmax.
 Every backend implements it (none drops it); the lse is over the capped scores.
 
+``window`` and ``chunk`` (ints, 0 for none): a sliding window and chunked
+attention on token depth along each sequence's path from its root
+(``layout.segments.dense_mask``; DESIGN.md, semantics 15). ``sinks`` (None or
+a float tensor ``[Hq]``): gpt-oss's learnable sinks, one more logit per head
+in every row's denominator, applied around the backend's ``(out, lse)`` by
+``kernels.sinks`` for every backend whose backward reads the saved stats; the
+op's backward returns their gradient.
+
 Each backend is a module with the same three functions:
-    supports(q, v=None) -> None, or why it cannot run q (with v's head dim)
-    forward(q, k, v, segs, scale, softcap=0.0) -> (out, lse)
-    backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap=0.0) -> (dq, dk, dv)
+    supports(q, v=None, *, window=0, chunk=0, sinks=False) -> None, or why it cannot run q (with v's head dim)
+    forward(q, k, v, segs, scale, softcap=0.0, window=0, chunk=0) -> (out, lse)
+    backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap=0.0, window=0, chunk=0) -> (dq, dk, dv)
+``backward`` must take P from the saved ``lse`` and Delta from the saved ``out``
+(FlashAttention-2's backward; how sinks compose), or ``supports`` refuses sinks.
 A request for a backend that cannot run the input raises ``ValueError``;
 nothing falls back silently.
 
@@ -61,7 +71,10 @@ import torch
 from ..layout import Segments, SharedPromptLayout
 from ..kernels import reference
 from ..kernels.reference import check_qkv
+from ..kernels.sinks import check_sinks
+from ..layout.segments import check_window
 from . import eager_attention
+from .backend_calls import backward_with_stats as _backward_impl, forward_with_sinks as _forward
 
 log = logging.getLogger("dualkv_compile")
 
@@ -98,39 +111,41 @@ def _impl(backend: str):
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def resolve_backend(backend: str, q: torch.Tensor, v: Optional[torch.Tensor] = None) -> str:
-    """The concrete backend for ``backend`` on q's device, dtype and head dims (and v's); ``ValueError`` if it cannot run."""
+def resolve_backend(backend: str, q: torch.Tensor, v: Optional[torch.Tensor] = None, *, window: int = 0, chunk: int = 0,
+                    sinks: bool = False) -> str:
+    """The concrete backend for ``backend`` on q's device, dtype and head dims (and v's) with these windows and
+    sinks; ``ValueError`` if it cannot run."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    feats = dict(window=window, chunk=chunk, sinks=sinks)
     if backend == "auto":
         if q.device.type != "cuda":
             from ..kernels import cpu_flash
 
             # float64 stays on the reference, the oracle (cpu_flash runs float64 too, when asked for by name).
-            return "cpu_flash" if q.dtype != torch.float64 and cpu_flash.supports(q, v) is None else "reference"
+            return "cpu_flash" if q.dtype != torch.float64 and cpu_flash.supports(q, v, **feats) is None else "reference"
         for name in ("gluon", "triton", "flex"):
-            try:
-                why = _impl(name).supports(q, v)
-            except ValueError as e:  # the module is missing
-                why = str(e)
+            why = unsupported_reason(name, q, v, **feats)
             if why is None:
                 return name
             log.debug("backend='auto' skips %s: %s", name, why)
         return "reference"
     if backend == "reference":
         return backend
-    why = unsupported_reason(backend, q, v)
+    why = unsupported_reason(backend, q, v, **feats)
     if why is not None:
         raise ValueError(f"backend={backend!r} cannot run this input: {why}")
     return backend
 
 
-def unsupported_reason(backend: str, q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]:
-    """None if the concrete ``backend`` can run q (and v); else why not (its device first, then its dtype, then its head dims)."""
+def unsupported_reason(backend: str, q: torch.Tensor, v: Optional[torch.Tensor] = None, *, window: int = 0, chunk: int = 0,
+                       sinks: bool = False) -> Optional[str]:
+    """None if the concrete ``backend`` can run q (and v) with these windows and sinks; else why not (its device
+    first, then its dtype, then its head dims, then the windows and sinks)."""
     if backend == "auto":
         return None
     try:
-        return _impl(backend).supports(q, v)
+        return _impl(backend).supports(q, v, window=window, chunk=chunk, sinks=sinks)
     except ValueError as e:  # an unknown name, or the module is missing
         return str(e)
 
@@ -154,10 +169,12 @@ def attention_fwd(
     scale: float,
     softcap: float,
     backend: str,
+    window: int = 0,
+    chunk: int = 0,
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     segs = _segments(seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len)
-    out, lse = _impl(backend).forward(q, k, v, segs, scale, softcap=softcap)
-    return out.contiguous(), lse.to(lse_dtype(q)).contiguous()
+    return _forward(_impl(backend), q, k, v, segs, scale, softcap, window, chunk, sinks, lse_dtype(q))
 
 
 def lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -166,7 +183,8 @@ def lse_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 @attention_fwd.register_fake
-def _(q, k, v, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, scale, softcap, backend):
+def _(q, k, v, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, scale, softcap, backend,
+      window=0, chunk=0, sinks=None):
     return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=lse_dtype(q))
 
 
@@ -189,38 +207,44 @@ def attention_bwd(
     softcap: float,
     backend: str,
     deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    window: int = 0,
+    chunk: int = 0,
+    sinks: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     segs = _segments(seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len)
-    dq, dk, dv = _impl(backend).backward(dout, q, k, v, out, lse, segs, scale, deterministic=deterministic, softcap=softcap)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return _backward_impl(_impl(backend), dout, q, k, v, out, lse, segs, scale, deterministic, softcap, window, chunk, sinks)
 
 
 @attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, scale, softcap, backend,
-      deterministic):
+      deterministic, window=0, chunk=0, sinks=None):
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         torch.empty_like(k, memory_format=torch.contiguous_format),
         torch.empty_like(v, memory_format=torch.contiguous_format),
+        q.new_empty((0,)) if sinks is None else torch.empty_like(sinks, memory_format=torch.contiguous_format),
     )
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, scale, softcap, backend = inputs
+    (q, k, v, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, scale, softcap, backend,
+     window, chunk, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, seg_start, seg_len, parent, prefix_len, subtree_end)
+    ctx.save_for_backward(q, k, v, out, lse, seg_start, seg_len, parent, prefix_len, subtree_end, sinks)
     ctx.max_lens = (max_seg_len, max_prefix_len)
-    ctx.scale, ctx.softcap, ctx.backend = scale, softcap, backend
+    ctx.scale, ctx.softcap, ctx.backend, ctx.window, ctx.chunk = scale, softcap, backend, window, chunk
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, seg_start, seg_len, parent, prefix_len, subtree_end = ctx.saved_tensors
+    q, k, v, out, lse, seg_start, seg_len, parent, prefix_len, subtree_end, sinks = ctx.saved_tensors
     # lse is an internal output (saved for the backward); its gradient is never needed.
-    dq, dk, dv = attention_bwd(
+    dq, dk, dv, dsinks = attention_bwd(
         dout, q, k, v, out, lse, seg_start, seg_len, parent, prefix_len, subtree_end,
         *ctx.max_lens, ctx.scale, ctx.softcap, ctx.backend, torch.are_deterministic_algorithms_enabled(),
+        ctx.window, ctx.chunk, sinks,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, (
+        dsinks if sinks is not None else None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -234,12 +258,18 @@ def shared_prompt_attention(
     scale: Optional[float] = None,
     backend: str = "auto",
     softcap: Optional[float] = None,
+    *,
+    window: int = 0,
+    chunk: int = 0,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention over the packed stream: each token over its ancestor nodes fully and its own node causally, one softmax.
 
     ``layout`` is a ``SharedPromptLayout`` or its ``attention_segments``.
     ``softcap`` (None or 0: none) caps the scaled scores to ``softcap * tanh(s / softcap)`` (Gemma 2).
-    Returns ``[1, Hq, T, Dv]`` (v's head dim) in q's dtype. Differentiable in q, k and v.
+    ``window`` / ``chunk`` (0: none): a sliding window of that many tokens / chunks of that many, on each
+    token's depth along its sequence. ``sinks``: ``[Hq]`` logits, one more term in each head's denominators.
+    Returns ``[1, Hq, T, Dv]`` (v's head dim) in q's dtype. Differentiable in q, k, v and sinks.
     Under ``torch.use_deterministic_algorithms(True)`` the backward avoids atomics.
     """
     segs = _check_inputs(q, k, v, layout)
@@ -251,15 +281,21 @@ def shared_prompt_attention(
         softcap = 0.0
     elif not _positive(softcap):
         raise ValueError(f"softcap must be a positive finite number, 0 or None, got {softcap!r}")
+    check_window(window, chunk)
+    why = check_sinks(sinks, q)
+    if why is not None:
+        raise ValueError(why)
     scale, softcap = float(scale), float(softcap)
-    concrete = resolve_backend(backend, q, v)
-    if concrete == "flex":
+    concrete = resolve_backend(backend, q, v, window=window, chunk=chunk, sinks=sinks is not None)
+    if concrete == "flex" and not (window or chunk or sinks is not None):
         from . import flex
 
         return flex.attention(q, k, v, segs, scale, softcap)
-    if eager_attention.applies(q, k, v):  # same kernels, without the custom op's eager autograd wrapper
-        return eager_attention.EagerAttention.apply(q, k, v, segs, scale, softcap, _impl(concrete), lse_dtype(q))
-    out, _ = attention_fwd(q, k, v, *segs, scale, softcap, concrete)
+    if eager_attention.applies(q, k, v) and (sinks is None or type(sinks) in (torch.Tensor, torch.nn.Parameter)):
+        # the same kernels, without the custom op's eager autograd wrapper
+        return eager_attention.EagerAttention.apply(q, k, v, segs, scale, softcap, _impl(concrete), lse_dtype(q),
+                                                    window, chunk, sinks)
+    out, _ = attention_fwd(q, k, v, *segs, scale, softcap, concrete, window, chunk, sinks)
     return out
 
 

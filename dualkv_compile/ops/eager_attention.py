@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import Segments
+from .backend_calls import backward_with_stats, forward_with_sinks
 
 __all__ = ["EagerAttention", "applies"]
 
@@ -42,20 +43,21 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 class EagerAttention(torch.autograd.Function):
-    """``out`` of ``impl.forward(q, k, v, segs, scale, softcap)``; its backward is ``impl.backward``."""
+    """``out`` of the op's forward through ``impl`` (with windows and sinks); its backward is the op's backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, segs: Segments, scale: float, softcap: float, impl, lse_dtype: torch.dtype):
-        out, lse = impl.forward(q, k, v, segs, scale, softcap=softcap)
-        out, lse = out.contiguous(), lse.to(lse_dtype).contiguous()
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.segs, ctx.scale, ctx.softcap, ctx.impl = segs, scale, softcap, impl
+    def forward(ctx, q, k, v, segs: Segments, scale: float, softcap: float, impl, lse_dtype: torch.dtype,
+                window: int = 0, chunk: int = 0, sinks=None):
+        out, lse = forward_with_sinks(impl, q, k, v, segs, scale, softcap, window, chunk, sinks, lse_dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.segs, ctx.scale, ctx.softcap, ctx.impl, ctx.window, ctx.chunk = segs, scale, softcap, impl, window, chunk
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.impl.backward(dout, q, k, v, out, lse, ctx.segs, ctx.scale,
-                                       deterministic=torch.are_deterministic_algorithms_enabled(), softcap=ctx.softcap)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None, None, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = backward_with_stats(
+            ctx.impl, dout, q, k, v, out, lse, ctx.segs, ctx.scale, torch.are_deterministic_algorithms_enabled(),
+            ctx.softcap, ctx.window, ctx.chunk, sinks)
+        return dq, dk, dv, None, None, None, None, None, None, None, dsinks if sinks is not None else None

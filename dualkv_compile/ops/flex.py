@@ -67,7 +67,7 @@ except ImportError as e:  # pragma: no cover - depends on the torch build
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]:
+def _supports_input(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]:
     """None if the flex backend can run ``q`` (and ``v``; forward and backward), else why not."""
     if _IMPORT_ERROR is not None:
         return _IMPORT_ERROR
@@ -79,6 +79,18 @@ def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]
         D = t.shape[-1] if t is not None else None
         if D is not None and (D < 16 or D > 256 or D % 8):
             return f"{name} {D} is not supported (a multiple of 8 in [16, 256])"
+    return None
+
+def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None, *, window: int = 0, chunk: int = 0,
+             sinks: bool = False) -> Optional[str]:
+    """None if the flex backend can run q (and v) with these windows (and sinks); else the reason."""
+    why = _supports_input(q, v)
+    if why is not None:
+        return why
+    if window or chunk:
+        return f"the flex backend does not implement sliding or chunked windows yet (window={window}, chunk={chunk})"
+    if sinks:
+        return "the flex backend does not implement learnable sinks yet"
     return None
 
 

@@ -107,7 +107,7 @@ def _gluon_missing() -> Optional[str]:
     return None
 
 
-def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]:
+def _supports_input(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]:
     """None if the Gluon kernels can run q (and v); else the reason."""
     if q.device.type != "cuda":
         return f"the Gluon kernels need a CUDA GPU of compute capability 9.0 (H100, H200); this input is on {q.device.type}"
@@ -124,6 +124,16 @@ def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]
         return f"q/k head dim {D} and v head dim {v.shape[-1]} differ (MLA runs on the Triton kernels)"
     if D not in HEAD_DIMS:
         return f"head dim {D} is not supported ({', '.join(map(str, HEAD_DIMS))}; others run on the Triton kernels)"
+    return None
+
+def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None, *, window: int = 0, chunk: int = 0,
+             sinks: bool = False) -> Optional[str]:
+    """None if the Gluon kernels can run q (and v) with these windows (and sinks); else the reason."""
+    why = _supports_input(q, v)
+    if why is not None:
+        return why
+    if window or chunk:
+        return f"the Gluon kernels do not implement sliding or chunked windows yet (window={window}, chunk={chunk})"
     return None
 
 

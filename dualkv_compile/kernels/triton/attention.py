@@ -180,7 +180,7 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]:
+def _supports_input(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]:
     """None if the kernels can run q (and v); else the reason: the device first, then the dtype, then the head dim."""
     needs = "it needs a CUDA tensor or the Triton interpreter (TRITON_INTERPRET=1 before importing dualkv_compile)"
     if q.device.type == "cuda":
@@ -207,6 +207,16 @@ def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]
     if not 16 <= D <= 256:
         mla = "" if v is None or v.shape[-1] == q.shape[-1] else f" (q/k {q.shape[-1]} and v {v.shape[-1]} run at the larger)"
         return f"head dim {D} is not supported (16 to 256){mla}"
+    return None
+
+def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None, *, window: int = 0, chunk: int = 0,
+             sinks: bool = False) -> Optional[str]:
+    """None if the Triton kernels can run q (and v) with these windows (and sinks); else the reason."""
+    why = _supports_input(q, v)
+    if why is not None:
+        return why
+    if window or chunk:
+        return f"the Triton kernels do not implement sliding or chunked windows yet (window={window}, chunk={chunk})"
     return None
 
 
