@@ -79,7 +79,8 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
         if result.refusal is not None:
             raise Refusal(result.refusal)
         backend = _resolve_attention_backend(cfg.attention_backend, axes.attention)
-        packed = pack_graph(gm, axes, backend)
+        packed = pack_graph(gm, axes, backend, cfg.attention_backend)
+        report.attention_backends = list(packed.attention_backends)
         scalar_checks = result.scalar_checks
         if cfg.chunked_log_probs:
             # The entropy op's output covers every hidden row it reads, which under sequence parallelism is the

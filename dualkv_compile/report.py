@@ -34,6 +34,7 @@ class GraphReport:
     fused_entropy: int = 0  # of those (or alone), entropies computed in the same chunks
     hints: list[str] = dataclasses.field(default_factory=list)  # what the caller may change to save memory or time
     exactness_checks: list[str] = dataclasses.field(default_factory=list)  # option check_exact: each check's summary
+    attention_backends: list[str] = dataclasses.field(default_factory=list)  # the backend of each attention, in order
     local_tokens: Optional[int] = None  # under sequence parallelism: packed tokens this rank held on its last packed call
 
     def __str__(self) -> str:
@@ -43,6 +44,9 @@ class GraphReport:
                 return f"{head} - not rewritten: the dualkv backend raised an error on it (torch.compile reported it)"
             return f"{head} - REFUSED: {self.reason}"
         lines = [f"{head} - rewritten; {self.calls} calls, {self.packed_calls} packed, packed graph compiled {self.packed_compiles}x"]
+        if self.attention_backends:
+            counts = {b: self.attention_backends.count(b) for b in dict.fromkeys(self.attention_backends)}
+            lines.append("  attention backends: " + ", ".join(f"{b} x{n}" for b, n in counts.items()))
         if self.fused_log_probs:
             lines.append(f"  next-token log-probs computed from the lm_head in chunks ({self.fused_log_probs} fused)")
         if self.fused_entropy:

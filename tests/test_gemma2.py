@@ -2,11 +2,10 @@
 
 Gemma 2's attention caps the scaled scores (``c * tanh(s / c)``) before the
 mask and an fp32 softmax; the rewrite matches it and runs the shared-prompt
-kernel with the same cap. Its sliding-window layers pack only when the
-window cannot bind at the graph's sequence length (here 4096 >> 16); a
-binding window refuses the graph, which then runs unchanged, exactly, even
-when the first batch's sequences are all shorter than the window (a batch
-the mask check would pass). Checked against the unmodified model: logits at
+kernel with the same cap. Its sliding-window layers' window is read from the
+graph and runs in the kernel on each token's depth: packed and exact whether
+or not the window binds, also when the first batch's sequences are all
+shorter than the window (a batch the mask check cannot tell a window on). Checked against the unmodified model: logits at
 valid positions and every parameter gradient within 1e-5 relative.
 """
 
@@ -73,22 +72,22 @@ def test_gemma2_softcap_packs_exactly(softcap):
     assert (report.last_stats.tokens_before, report.last_stats.tokens_after) == (51, 32)
 
 
-def test_binding_sliding_window_runs_unchanged_and_exact():
-    # Every sequence of the first batch is at most 7 tokens, within the window of 8: its masks are causal, so
-    # the first call's mask check would pass; the second batch (same shape) has sequences of 12 tokens.
+def test_binding_sliding_window_packs_exactly():
+    # Every sequence of the first batch is at most 7 tokens, within the window of 8: its masks are causal, so the
+    # first call's mask check cannot see the window; the second batch (same shape) has sequences of 12 tokens,
+    # where it binds. The window is read from the graph, so both batches pack and stay exact.
     batches = [grpo_batch([(4, [3, 2]), (3, [4])], 101, left_pad=8), grpo_batch([(8, [4, 1]), (4, [2])], 101, left_pad=4)]
     assert batches[0][0].shape == batches[1][0].shape
     diffs, reports = run(gemma2(1.0, sliding_window=8), batches)
-    assert all(d <= 1e-6 for pair in diffs for d in pair), diffs
+    assert all(d <= 1e-5 for pair in diffs for d in pair), diffs
     (report,) = reports
-    assert not report.rewritten and "window of 8 tokens" in report.reason, report.reason
+    assert report.rewritten and report.packed_calls == 2, report
 
 
-def test_sliding_window_under_dynamic_shapes_recompiles_past_the_window():
-    # Packed while the (symbolic) sequence length fits the window of 20; a longer batch fails that guard,
-    # and its recompiled graph is refused. One layer: a sliding one.
+def test_sliding_window_under_dynamic_shapes_packs_past_the_window():
+    # The window of 20 binds on the second batch (S = 24) and not on the first (S = 16): one packed graph for
+    # both, with the window as a constant of its attention, not a guard on the sequence length.
     batches = [grpo_batch(GROUPS, 101), grpo_batch([(12, [8, 9]), (4, [2, 6, 1])], 101)]  # S = 16, then 24
     diffs, reports = run(gemma2(1.0, sliding_window=20, layers=1), batches, dynamic=True)
     assert all(d <= 1e-5 for pair in diffs for d in pair), diffs
-    assert reports[0].rewritten and reports[0].packed_calls == 1, reports[0].reason
-    assert reports[-1].packed_calls == 0 and "window of 20 tokens" in reports[-1].reason
+    assert sum(r.packed_calls for r in reports) == 2, [str(r) for r in reports]

@@ -16,6 +16,14 @@ Recognised forms
       (-> / c -> tanh -> * c) (+ mask) -> softmax(dim=-1) (-> .to(dtype)) (-> dropout)
       -> matmul(., v)``; the optional middle part is Gemma 2's logit softcap c
       (``AttentionMatch.softcap``, 0.0 without one).
+    * gpt-oss's eager attention with learnable sinks: the (masked) scores
+      concatenated with a per-head sink logit along the keys, less the row's
+      max, softmax, the sink column dropped (``[..., :-1]``), then as above
+      (``AttentionMatch.sinks``: the sink parameter, ``[Hq]`` values).
+Sliding windows and chunks of a mask (``analysis.mask_windows``: ``kv > q - w``,
+``(kv - o) // c == (q - o) // c``, as Hugging Face builds them) are read exactly
+into ``AttentionMatch.window`` / ``chunk``; the kernels take them on each token's
+depth along its sequence. A window this cannot read exactly is refused as below.
 An attention with dropout that can be active is reported through
 ``AttentionMatch.refusal``; so is a non-causal attention without a mask, and
 one whose mask has a window the kernels do not implement (``mask_window``: a
@@ -43,6 +51,9 @@ from typing import Optional
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+
+from .mask_windows import mask_windows
+from .sink_pattern import drops_last_column, sink_logits
 
 __all__ = ["AttentionMatch", "find_attention", "item_of_placeholder", "default_scale", "resolve_scalar_inputs", "mask_window"]
 
@@ -73,6 +84,9 @@ class AttentionMatch:
     # "dropout_p"/"scale" -> the placeholder whose .item() gives it
     scalar_inputs: dict = dataclasses.field(default_factory=dict)
     softcap: float = 0.0  # the logit softcap (Gemma 2), 0.0 for none
+    window: int = 0  # sliding window on token depth (q - kv < window), 0 for none
+    chunk: int = 0  # chunked attention on token depth (q // chunk == kv // chunk), 0 for none
+    sinks: Optional[fx.Node] = None  # gpt-oss: the node holding the [Hq] sink logits (any shape of Hq elements)
 
 
 def _arg(node: fx.Node, index: int, name: str, default=None):
@@ -104,9 +118,13 @@ def find_attention(graph: fx.Graph) -> list[AttentionMatch]:
 
 
 def _window_checked(m: AttentionMatch) -> AttentionMatch:
-    """``m``, refused if its mask has a window (sliding or chunked) that can bind at the mask's sequence length."""
+    """``m`` with its mask's windows read exactly (``mask_windows``); refused if its mask has a window (sliding or
+    chunked) that cannot be read exactly and can bind at the mask's sequence length."""
     if m.mask is None or m.refusal is not None:
         return m
+    read = mask_windows(m.mask)
+    if not read.unknown:
+        return dataclasses.replace(m, window=read.window, chunk=read.chunk)
     w = mask_window(m.mask)
     if w is None:
         return m
@@ -117,8 +135,9 @@ def _window_checked(m: AttentionMatch) -> AttentionMatch:
         return m
     length = "unknown" if S is None else S if isinstance(S, int) else f"{S}, symbolic, above {w} on this call"
     return dataclasses.replace(m, refusal=(
-        f"{m.output.name}: the attention mask has a sliding or chunked window of {w} tokens, which the kernels do not "
-        f"implement; packing is exact only while sequences fit in it, and this graph's sequence length is {length}"))
+        f"{m.output.name}: the attention mask has a sliding or chunked window of {w} tokens built by comparisons "
+        f"({', '.join(read.unknown)}) that are not the forms dualkv reads exactly; packing is exact only while "
+        f"sequences fit in it, and this graph's sequence length is {length}"))
 
 
 def mask_window(mask: fx.Node, limit: int = 2000) -> Optional[int]:
@@ -199,6 +218,7 @@ def _match_eager(softmax: fx.Node) -> Optional[AttentionMatch]:
         return None
     internal = [softmax]
     mask = None
+    sinks, x = sink_logits(x, internal)
     if x.op == "call_function" and x.target in (operator.add, torch.add):
         a, b = x.args[:2]
         internal.append(x)
@@ -242,8 +262,14 @@ def _match_eager(softmax: fx.Node) -> Optional[AttentionMatch]:
         return None
     k = kt.args[0]
     internal.append(kt)
-    # Walk forward to the matmul with v through casts and dropout.
+    # Walk forward to the matmul with v through casts and dropout (and, with sinks, the dropped sink column).
     y, refusal = softmax, None
+    if sinks is not None:
+        users = list(y.users)
+        if len(users) != 1 or not drops_last_column(users[0]):
+            return None
+        y = users[0]
+        internal.append(y)
     while True:
         users = list(y.users)
         if len(users) != 1:
@@ -272,7 +298,8 @@ def _match_eager(softmax: fx.Node) -> Optional[AttentionMatch]:
     v = u.args[1]
     if mask is None and refusal is None:
         refusal = f"{u.name}: eager attention without a mask is bidirectional, not the causal pattern the kernels implement"
-    return AttentionMatch(u, q, k, v, mask, False, scale, "eager", tuple(internal), refusal, scalar_inputs, softcap)
+    return AttentionMatch(u, q, k, v, mask, False, scale, "eager", tuple(internal), refusal, scalar_inputs, softcap,
+                          sinks=sinks)
 
 
 def _softcap(x):

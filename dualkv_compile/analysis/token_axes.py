@@ -116,6 +116,7 @@ def analyze_token_axes(
     matches = find_attention(graph) if attention is None else attention
     by_output = {m.output: m for m in matches}
     internal = {n for m in matches for n in m.nodes if n is not m.output}
+    mask_only = _mask_only(graph, matches, internal)
     info: dict[fx.Node, NodeInfo] = {}
     for node in graph.nodes:
         if node.op == "output":
@@ -130,7 +131,8 @@ def analyze_token_axes(
         except RuleFailed as e:
             info[node] = NodeInfo(Kind.ORIG, untagged(_ev(node)), cause=f"{node.name}: {e}")
         except Coupling as e:
-            refusals.append(f"{node.name}: {e}")
+            if node not in mask_only:  # a mask's own computation (Llama 4's left padding) is dropped with the mask
+                refusals.append(f"{node.name}: {e}")
             info[node] = NodeInfo(Kind.ORIG, cause=f"{node.name}: {e}")
         info[node].from_inputs = _from_inputs(node, info, token_inputs)
     for out in graph.find_nodes(op="output"):
@@ -143,6 +145,24 @@ def analyze_token_axes(
         elif info[m.output].kind is not Kind.TOKEN:
             refusals.append(f"{m.output.name}: attention cannot run on the packed stream: {info[m.output].cause}")
     return TokenAxes(B, S, info, matches, token_inputs, tuple(refusals))
+
+
+def _mask_only(graph: fx.Graph, matches, internal) -> set:
+    """The nodes whose values reach nothing but the attention masks (read by the attentions alone), which the
+    rewrite drops: the attention follows the layout instead, and the mask check reads them on a copy of the
+    original graph. An op among them that couples tokens (a cumulative sum counting left padding) is no reason
+    to refuse the graph."""
+    readers = internal | {m.output for m in matches}
+    out: set = set()
+    masks = {m.mask for m in matches if isinstance(m.mask, fx.Node)}
+    for node in reversed(graph.nodes):
+        if node.op in ("output", "placeholder") or not node.users:
+            continue
+        if node in masks and all(u in readers for u in node.users):
+            out.add(node)
+        elif node not in readers and all(u in out for u in node.users):
+            out.add(node)
+    return out
 
 
 # Inputs a value may be computed from and still count as the inputs' alone (NodeInfo.from_inputs).

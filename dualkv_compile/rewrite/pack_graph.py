@@ -60,8 +60,9 @@ PACKED_INPUTS = PackedInputs._fields
 
 
 class _Packer:
-    def __init__(self, gm: fx.GraphModule, axes: TokenAxes, backend: str):
-        self.gm, self.axes, self.backend = gm, axes, backend
+    def __init__(self, gm: fx.GraphModule, axes: TokenAxes, backend: str, requested: str):
+        self.gm, self.axes, self.backend, self.requested = gm, axes, backend, requested
+        self.backends: list[str] = []  # the concrete backend of each attention, in graph order
         self.B, self.S = axes.B, axes.S
         self.g = fx.Graph()
         self.packed: dict[fx.Node, fx.Node] = {}
@@ -297,20 +298,35 @@ class _Packer:
         kv_heads = int(_ev(_unrepeated_kv(m.k, self.axes)).shape[1])
         q, k, v = (self._in_dtype(_unrepeated_kv(x, self.axes), want) for x in (m.q, m.k, m.v))
         scale = m.scale if m.scale is not None else default_scale(m.q)
-        # The backend was resolved from q alone: v's head dim (MLA) is checked here, on this attention.
-        qv, vv = _ev(m.q), _ev(m.v)
-        why = _attention_op.unsupported_reason(
-            self.backend, *(torch.empty((1, 1, 1, int(t.shape[-1])), dtype=want, device=t.device) for t in (qv, vv)))
-        if why is not None:
-            raise Refusal(f"{m.output.name}: attention_backend={self.backend!r} cannot run this attention: {why}")
+        backend = self._backend_for(m, want)
+        sinks = None
+        if m.sinks is not None:
+            sinks = self.g.call_method("reshape", (self.packed_of(m.sinks), (-1,)))
         i = self.inp
-        res = self.g.call_function(
-            torch.ops.dualkv.attention_fwd.default,
-            (q, k, v, i["seg_start"], i["seg_len"], i["parent"], i["prefix_len"], i["subtree_end"],
-             i["max_seg_len"], i["max_prefix_len"], float(scale), float(m.softcap), self.backend),
-        )
+        args = (q, k, v, i["seg_start"], i["seg_len"], i["parent"], i["prefix_len"], i["subtree_end"],
+                i["max_seg_len"], i["max_prefix_len"], float(scale), float(m.softcap), backend)
+        if m.window or m.chunk or sinks is not None:  # the op's defaults otherwise: graphs without them read as before
+            args += (int(m.window), int(m.chunk), sinks)
+        res = self.g.call_function(torch.ops.dualkv.attention_fwd.default, args)
+        self.backends.append(backend)
         res.meta[HEADS_META] = (int(_ev(m.q).shape[1]), kv_heads)  # for rewrite.sequence_parallel
         return self.g.call_function(operator.getitem, (res, 0), name=m.output.name + "_packed")
+
+    def _backend_for(self, m: AttentionMatch, dtype: torch.dtype) -> str:
+        """The concrete backend of this attention: the graph's, or, for windows or sinks it cannot run, what
+        ``auto`` picks for them when the user asked for ``auto``; ``Refusal`` when none can."""
+        qv, vv = _ev(m.q), _ev(m.v)
+        probe_q, probe_v = (torch.empty((1, 1, 1, int(t.shape[-1])), dtype=dtype, device=t.device) for t in (qv, vv))
+        feats = dict(window=int(m.window), chunk=int(m.chunk), sinks=m.sinks is not None)
+        why = _attention_op.unsupported_reason(self.backend, probe_q, probe_v, **feats)
+        if why is None:
+            return self.backend
+        if self.requested == "auto" and (feats["window"] or feats["chunk"] or feats["sinks"]):
+            try:
+                return _attention_op.resolve_backend("auto", probe_q, probe_v, **feats)
+            except ValueError as e:
+                why = str(e)
+        raise Refusal(f"{m.output.name}: attention_backend={self.backend!r} cannot run this attention: {why}")
 
     def _in_dtype(self, n: fx.Node, dtype: torch.dtype) -> fx.Node:
         p = self.packed_of(n)
@@ -360,8 +376,16 @@ def _unrepeated_kv(x: fx.Node, axes: TokenAxes) -> fx.Node:
     return src
 
 
-def pack_graph(gm: fx.GraphModule, axes: TokenAxes, backend: str) -> fx.GraphModule:
-    """The packed ``GraphModule`` of ``gm`` (see the module docstring for its contract)."""
+def pack_graph(gm: fx.GraphModule, axes: TokenAxes, backend: str, requested: Optional[str] = None) -> fx.GraphModule:
+    """The packed ``GraphModule`` of ``gm`` (see the module docstring for its contract).
+
+    ``backend``: the graph's concrete attention backend; ``requested``: what the user asked for (``backend``
+    if None): under "auto" an attention with windows or sinks that ``backend`` cannot run takes what "auto"
+    picks for it. The packed module's ``attention_backends`` lists each attention's backend.
+    """
     if axes.refusals:
         raise Refusal("; ".join(axes.refusals))
-    return _Packer(gm, axes, backend).run()
+    packer = _Packer(gm, axes, backend, backend if requested is None else requested)
+    packed = packer.run()
+    packed.attention_backends = tuple(packer.backends)
+    return packed

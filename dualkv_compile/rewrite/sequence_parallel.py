@@ -129,6 +129,8 @@ class _Sharder:
         if any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
             raise Refusal(f"sequence_parallel: {n.name}'s log-sum-exp is read; it is not split over the group")
         q, k, v, *rest = n.args
+        if len(rest) > 12 and rest[12] is not None:
+            raise Refusal(f"sequence_parallel: {n.name} has learnable sinks, which are not yet split over the group's heads")
         emit = lambda f, *a: self.emit(n, f, a, f"{n.name}_ulysses")  # noqa: E731  (FX makes the names unique)
         out = ulysses_steps(emit, q, k, v, num_kv_heads, tuple(rest), self.sp.world, self.sp.group_name)
         for u in users:

@@ -58,6 +58,7 @@ class LayoutSource:
         self.causal_unmasked = next((m.output.name for m in self.attention if m.mask is None and m.is_causal), None)
         self.mask_gm = mask_graph(gm, analysis.axes) if masks else None
         self.mask_names = [m.output.name for m in self.attention if m.mask is not None]
+        self.mask_windows = [(m.window, m.chunk) for m in self.attention if m.mask is not None]
         self.floating_index = [self.position[n] for n in floating_carried(analysis.axes)]
         self.active: Optional[active_layout.ActiveLayout] = None
         self.source: Optional[str] = None
@@ -159,7 +160,7 @@ class FromTokenIds(LayoutSource):
             log.info("dualkv: mask check skipped for graph %d (B*S*S = %d elements)", self.report.graph_id, B * S * S)
             return None
         # The mask was made for this batch: rows of valid queries must match, padding rows are unspecified.
-        return mask_mismatch(self.masks(args), self.mask_names, layout, pin_padding=False)
+        return mask_mismatch(self.masks(args), self.mask_names, layout, pin_padding=False, windows=self.mask_windows)
 
 
 def _embedding_rows(ids: fx.Node) -> Optional[int]:
@@ -211,7 +212,7 @@ class FromCarried(LayoutSource):
             keys = [args[i] for i in self.mask_key]
             if not cur.mask_checked(keys):
                 # The layout came from elsewhere: the mask must also pin its padding (pin_padding).
-                why = mask_mismatch(self.masks(args), self.mask_names, cur.layout, pin_padding=True)
+                why = mask_mismatch(self.masks(args), self.mask_names, cur.layout, pin_padding=True, windows=self.mask_windows)
                 if why is not None:
                     return why
                 cur.mark_mask_checked(keys)
@@ -242,7 +243,7 @@ class FromCarried(LayoutSource):
         except ValueError as e:
             return f"layout: {e}"
         if masks is not None:
-            why = mask_mismatch(masks, self.mask_names, layout, pin_padding=True)
+            why = mask_mismatch(masks, self.mask_names, layout, pin_padding=True, windows=self.mask_windows)
             if why is not None:
                 return why
         self.active = active_layout.publish(layout, self.report.graph_id, "inputs")

@@ -50,13 +50,13 @@ def test_gemma2_eager_attention_with_softcap(softcap):
     assert mask_window(sliding.mask) == 4096 and mask_window(full.mask) is None
 
 
-def test_binding_sliding_window_is_refused():
+def test_binding_sliding_window_is_read_exactly():
+    """Gemma 2's ``kv > q - w`` (w = 6) is a window of 6 keys: read into the match, not refused; the full layer none."""
     sliding, full = _matches(gemma2(sliding_window=6))
-    assert full.refusal is None
-    assert "window of 6 tokens" in sliding.refusal and "sequence length is 16" in sliding.refusal
-    # A window as long as the sequences never binds: packed.
+    assert full.refusal is None and (full.window, full.chunk) == (0, 0)
+    assert sliding.refusal is None and (sliding.window, sliding.chunk) == (6, 0)
     sliding, _ = _matches(gemma2(sliding_window=16))
-    assert sliding.refusal is None
+    assert sliding.refusal is None and sliding.window == 16
 
 
 def test_no_softcap_is_zero():
