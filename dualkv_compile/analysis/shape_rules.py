@@ -4,7 +4,10 @@ view/reshape/flatten/unflatten group dimensions and may merge ``b`` and
 ``s`` into ``bs`` (or split it back); transpose, permute, unsqueeze,
 squeeze, expand, movedim and t move tags; indexing moves them and takes
 ``[:, :-1]`` / ``[:, 1:]`` along the sequence as a next-token shift; cat,
-stack, split, chunk and unbind work along feature dimensions only.
+stack, split, chunk and unbind work along feature dimensions only;
+``view_as_complex`` takes a trailing pair of reals (no token axis) into one
+complex entry and ``view_as_real`` gives it back (complex rotary: DeepSeek-V2,
+Llama 4).
 ``x.size()`` of a token value is a size of the original layout, with no
 token axes (``_size``).
 """
@@ -189,6 +192,18 @@ def _move(node, info, B, S) -> NodeInfo:
         raise RuleFailed(f"no rule for {target}")
     t = tuple(t)
     return NodeInfo(kind_of(t), t)
+
+
+@token_rule(torch.view_as_complex, torch.view_as_real)
+def _complex_view(node, info, B, S) -> NodeInfo:
+    """``view_as_complex``: ``[..., 2]`` reals -> ``[...]`` complex, the pair axis dropped (it must carry no token
+    axis); ``view_as_real``: a trailing pair axis added. Each token's entries stay its own."""
+    t = info[node.args[0]].tags
+    if node.target is torch.view_as_real:
+        return NodeInfo(kind_of(t), t + (None,))
+    if not t or t[-1] is not None:
+        raise RuleFailed("view_as_complex of a token axis")
+    return NodeInfo(kind_of(t[:-1]), t[:-1])
 
 
 @token_rule(operator.getitem)

@@ -5,10 +5,12 @@ The registry and the contract of a rule are in ``rule_registry``. The driver
 and no ORIG input, and sets a result's shift and sequence length from its
 operands where the rule leaves them unset.
 
-Here: pointwise ops broadcast tags; ``*_like`` (not random), dropout off and
+Here: pointwise ops broadcast tags (``polar`` among them: complex values are
+per-token values like any other); ``*_like`` (not random), dropout off and
 ``new_empty``-style buffers keep them; linear, embedding and matmul keep the
-token axes of their token operand; reductions, softmax and norms over feature
-dimensions drop or keep them; sums over every token axis are weighted by
+token axes of their token operand; reductions (``min``/``max`` with a dim
+or none too; with a tensor they are elementwise), softmax and norms over
+feature dimensions drop or keep them; sums over every token axis are weighted by
 multiplicity (``token_reductions``); ops that couple tokens (batch_norm,
 instance_norm, dropout in training, random draws shaped like a token value,
 cumsum along the sequence) refuse the graph. The rules that move dimensions
@@ -25,7 +27,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..normalize.graph_pass import ev as _ev
-from .node_info import Coupling, Kind, NodeInfo, RuleFailed, arg, hint, kind_of, reduced_dims, shape_of
+from .node_info import Coupling, Kind, NodeInfo, RuleFailed, arg, hint, kind_of, op_name, reduced_dims, shape_of
 from .rule_registry import token_rule
 from .token_reductions import weighted_reduction, weighted_scatter
 
@@ -43,12 +45,15 @@ POINTWISE_FUNCS = {
     F.silu, F.gelu, F.relu, F.tanh, F.sigmoid, F.softplus, F.mish, F.leaky_relu, torch._C._nn.gelu,
     torch.nn.functional.hardtanh, torch.log1p, torch.expm1, torch.sign, torch.logical_and, torch.logical_or,
     torch.logical_not, torch.nan_to_num, torch.gather,
+    torch.polar,  # complex rotary tables (DeepSeek-V2, Llama 4): polar(abs, angle), elementwise
+    torch.floor, torch.ceil, torch.round, torch.trunc,  # Llama 4's attention temperature: floor of positions
 }
 POINTWISE_METHODS = {
     "to", "float", "half", "bfloat16", "double", "type_as", "contiguous", "clone", "detach", "pow", "rsqrt",
     "sqrt", "exp", "log", "sin", "cos", "neg", "abs", "sigmoid", "tanh", "mul", "add", "sub", "div", "clamp",
     "type", "masked_fill", "requires_grad_", "__and__", "__or__", "__invert__", "long", "int", "bool",
     "log1p", "expm1", "square", "reciprocal", "float_power", "nan_to_num", "where", "fill_", "zero_", "gather",
+    "floor", "ceil", "round", "trunc",
     # Comparisons: torch 2.12's Dynamo records ``ids == x`` as ``call_method __eq__`` (2.13: ``operator.eq``).
     "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "eq", "ne", "lt", "le", "gt", "ge",
 }
@@ -225,6 +230,27 @@ def _reduce(node, info, B, S) -> NodeInfo:
     dims = reduced_dims(dim, n)
     if any(t[d] is not None for d in dims):
         return weighted_reduction(node, info, B, S)  # over tokens: a weighted sum on the packed stream, or RuleFailed
+    out = tuple(None if d in dims else tag for d, tag in enumerate(t)) if keepdim else tuple(tag for d, tag in enumerate(t) if d not in dims)
+    return NodeInfo(kind_of(out), out)
+
+
+@token_rule(torch.min, torch.max, methods=("min", "max"))
+def _min_max(node, info, B, S) -> NodeInfo:
+    """``min``/``max`` in their three forms: with a tensor ``other``, elementwise (xIELU's ``torch.min(x, eps)``,
+    as ``minimum``); with ``dim``, a reduction giving (values, indices), both with the tags of the reduced value;
+    with neither, a reduction over every dim. Over a token axis neither reduction is a sum the packed stream
+    can weight: computed in the original layout (``RuleFailed``), as ``amax`` is."""
+    second = arg(node, 1, "dim", node.kwargs.get("other"))
+    if isinstance(second, fx.Node) and isinstance(_ev(second), torch.Tensor):
+        return _broadcast(node, info, B, S)
+    if not (second is None or isinstance(second, int)) or set(node.kwargs) - {"dim", "keepdim"}:
+        raise RuleFailed(f"{op_name(node)} with arguments this rule does not read")
+    t = info[node.args[0]].tags
+    dim = arg(node, 1, "dim")
+    dims = reduced_dims(dim, len(t))
+    if any(t[d] is not None for d in dims):
+        raise RuleFailed(f"{op_name(node)} along a token axis")
+    keepdim = dim is not None and arg(node, 2, "keepdim", False)
     out = tuple(None if d in dims else tag for d, tag in enumerate(t)) if keepdim else tuple(tag for d, tag in enumerate(t) if d not in dims)
     return NodeInfo(kind_of(out), out)
 

@@ -27,8 +27,12 @@ from .shared_prompt import SharedPromptLayout
 __all__ = ["pack", "unpack", "gather_valid", "gather_valid_indexed", "gather_rows", "gather_rows_bwd", "SUM_CHUNK_BYTES"]
 
 
-# The dtype a gather's backward sums in, for each dtype it is given (both forms of ``gather_valid``).
-_WIDER = {torch.float32: torch.float64, torch.bfloat16: torch.float32, torch.float16: torch.float32}
+# The dtype a gather's backward sums in, for each dtype it is given (both forms of ``gather_valid``). Complex
+# values (a complex rotary's per-token values, should one be packed) sum their real and imaginary parts as wide.
+_WIDER = {
+    torch.float32: torch.float64, torch.bfloat16: torch.float32, torch.float16: torch.float32,
+    torch.complex64: torch.complex128, torch.complex32: torch.complex64,
+}
 
 
 def pack(x: torch.Tensor, layout: SharedPromptLayout) -> torch.Tensor:

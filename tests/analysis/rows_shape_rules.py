@@ -1,5 +1,5 @@
-"""Rule rows of analysis/shape_rules.py: slice_scatter, view, move, getitem, cat, stack, split, size (one list per
-family; ``test_token_rules.TABLES`` runs them).
+"""Rule rows of analysis/shape_rules.py: slice_scatter, view, complex views, move, getitem, cat, stack, split, size
+(one list per family; ``test_token_rules.TABLES`` runs them).
 
 Written in the row language of ``rule_rows.py``.
 """
@@ -10,7 +10,7 @@ import operator
 
 import torch
 
-from .rule_rows import B, BCAST, D, NONE, S, TOKEN, In, X0, X1, col, fails, fn, ids, mask, merged, meth, out, table, x, y
+from .rule_rows import B, BCAST, COLUMN, D, NONE, S, TOKEN, In, X0, X1, col, fails, fn, ids, mask, merged, meth, out, table, x, y
 
 
 SLICE_SCATTER = [
@@ -51,6 +51,22 @@ VIEW = [
     # A batch of one row (a remove-padding batch [1, total]): the size-1 batch axis keeps its tag.
     ("one-row-heads-back", meth("reshape", X0, 1, S, D), [In((1, S, 2, D // 2), "b s - -", TOKEN)], out("b s -", TOKEN)),
     ("one-row-merge", meth("view", X0, S, D), [In((1, S, D), "b s -", TOKEN)], out("bs -", TOKEN)),
+]
+
+def _complex(shape, spec, kind):
+    return In(shape, spec, kind, value=torch.randn(shape, dtype=torch.complex64))
+
+
+COMPLEX = [
+    # DeepSeek-V2's q_pe: [b, heads, s, d/2, 2] reals -> [b, heads, s, d/2] complex, and back after the rotation.
+    ("view_as_complex", fn(torch.view_as_complex, X0), [In((B, 2, S, 4, 2), "b - s - -", TOKEN)], out("b - s -", TOKEN)),
+    ("view_as_complex-merged", fn(torch.view_as_complex, X0), [In((B * S, 4, 2), "bs - -", TOKEN)], out("bs -", TOKEN)),
+    ("view_as_complex-column", fn(torch.view_as_complex, X0), [In((1, S, 4, 2), "- s - -", COLUMN)], out("- s -", COLUMN)),
+    ("view_as_real", fn(torch.view_as_real, X0), [_complex((B, S, 4), "b s -", TOKEN)], out("b s - -", TOKEN)),
+    ("view_as_real-column", fn(torch.view_as_real, X0), [_complex((S, 4), "s -", COLUMN)], out("s - -", COLUMN)),
+    # The pair axis is a token axis (a [.., S] value with S == 2): no per-token form.
+    ("view_as_complex-of-s", fn(torch.view_as_complex, X0), [In((D, 2), "- s", COLUMN)],
+     fails("view_as_complex of a token axis")),
 ]
 
 MOVE = [

@@ -1,5 +1,5 @@
-"""Rule rows of analysis/token_rules.py: pointwise, like, linear, embedding, matmul, reductions, scatter, new_like,
-softmax, norms, coupling, dropout, cumulative (one list per family; ``test_token_rules.TABLES`` runs them).
+"""Rule rows of analysis/token_rules.py: pointwise, like, linear, embedding, matmul, reductions, min/max, scatter,
+new_like, softmax, norms, coupling, dropout, cumulative (one list per family; ``test_token_rules.TABLES`` runs them).
 
 Written in the row language of ``rule_rows.py``.
 """
@@ -13,8 +13,12 @@ import torch.nn.functional as F
 
 from .rule_rows import (
     B, BCAST, COLUMN, D, NONE, S, TOKEN, In, Kind, X0, X1, X2, bx, by, col, couples, fails, fn, idx, ids, mask, merged,
-    meth, out, table, w, weighs, x, x_bds,
+    meth, out, table, w, weighs, x, x_bds, y,
 )
+
+
+def _complex(shape, spec, kind):
+    return In(shape, spec, kind, value=torch.randn(shape, dtype=torch.complex64))
 
 
 def _pointwise_rows():
@@ -27,7 +31,7 @@ def _pointwise_rows():
         operator.neg, operator.pos, torch.rsqrt, torch.sqrt, torch.exp, torch.log, torch.tanh, torch.sigmoid,
         torch.sin, torch.cos, torch.neg, torch.abs, torch.erf, torch.reciprocal, torch.square, F.silu, F.gelu,
         F.relu, F.tanh, F.sigmoid, F.softplus, F.mish, F.leaky_relu, torch._C._nn.gelu, F.hardtanh,
-        torch.log1p, torch.expm1, torch.sign, torch.nan_to_num,
+        torch.log1p, torch.expm1, torch.sign, torch.nan_to_num, torch.floor, torch.ceil, torch.round, torch.trunc,
     ]
     rows = [(f.__name__, fn(f, X0, X1), [x, w], out("b s -", TOKEN)) for f in binary_funcs]
     rows += [(f.__name__, fn(f, X0), [x], out("b s -", TOKEN)) for f in unary_funcs]
@@ -50,6 +54,12 @@ def _pointwise_rows():
         # A constant of size 1 along the token axes lines up after packing.
         ("size-1-constant", fn(operator.add, X0, X1), [x, In((1, 1, D), "- - -", NONE)], out("b s -", TOKEN)),
         ("column-only", fn(torch.cos, X0), [col], out("- s -", COLUMN)),
+        # Complex rotary (DeepSeek-V2, Llama 4): polar(ones_like(freqs), freqs) of a column value, times the
+        # token value's complex pairs.
+        ("polar", fn(torch.polar, X0, X1), [x, y], out("b s -", TOKEN)),
+        ("polar-column", fn(torch.polar, X0, X1), [col, col], out("- s -", COLUMN)),
+        ("complex-mul", fn(operator.mul, X0, X1),
+         [_complex((B, S, D), "b s -", TOKEN), _complex((1, S, D), "- s -", COLUMN)], out("b s -", TOKEN)),
         ("gather-token-axis", fn(torch.gather, X0, 1, X1), [x, idx], fails("gather along a token axis")),
         ("clash-b-s", fn(operator.add, X0, X1), [In((S, S), "b s", TOKEN), In((S, S), "s b", TOKEN)],
          fails("broadcasts token axis b against s")),
@@ -63,7 +73,7 @@ def _pointwise_rows():
         ("sigmoid", ()), ("tanh", ()), ("mul", (X1,)), ("add", (X1,)), ("sub", (X1,)), ("div", (X1,)),
         ("clamp", (0.0,)), ("type", (torch.float64,)), ("requires_grad_", ()), ("long", ()), ("int", ()),
         ("bool", ()), ("log1p", ()), ("expm1", ()), ("square", ()), ("reciprocal", ()), ("float_power", (2,)),
-        ("nan_to_num", ()), ("fill_", (0.0,)), ("zero_", ()),
+        ("nan_to_num", ()), ("fill_", (0.0,)), ("zero_", ()), ("floor", ()), ("ceil", ()), ("round", ()), ("trunc", ()),
         # comparisons as methods (torch 2.12's Dynamo records ``a == b`` as ``call_method __eq__``)
         ("__eq__", (X1,)), ("__ne__", (X1,)), ("__lt__", (X1,)), ("__le__", (X1,)), ("__gt__", (X1,)),
         ("__ge__", (X1,)), ("eq", (X1,)), ("ne", (X1,)), ("lt", (0.0,)), ("le", (X1,)), ("gt", (0.0,)), ("ge", (X1,)),
@@ -164,6 +174,32 @@ REDUCTIONS = [
     ("torch.norm-p-then-dim-along-s", fn(torch.norm, X0, 2, 1), [x], fails("norm along a token axis")),
     ("norm-p-then-dim", meth("norm", X0, 2, -1), [x], out("b s", TOKEN)),
     ("norm-p-dim-keepdim", meth("norm", X0, 2, -1, True), [x], out("b s -", TOKEN)),
+]
+
+_SCALAR = In((), "", NONE)  # xIELU's eps, a 0-d buffer
+MIN_MAX = [
+    # With a tensor: elementwise (Apertus' xIELU: torch.min(x, eps)).
+    ("min-tensor", fn(torch.min, X0, X1), [x, _SCALAR], out("b s -", TOKEN)),
+    ("max-tensor", fn(torch.max, X0, X1), [x, y], out("b s -", TOKEN)),
+    ("min-other-keyword", fn(torch.min, X0, other=X1), [x, w], out("b s -", TOKEN)),
+    ("min-method-tensor", meth("min", X0, X1), [x, _SCALAR], out("b s -", TOKEN)),
+    ("max-method-tensor", meth("max", X0, X1), [col, x], out("b s -", TOKEN)),
+    ("min-tensor-constant-along-s", fn(torch.min, X0, X1), [x, In((S, D), "- -", NONE)],
+     fails("combines a constant of length 4 with the s axis")),
+    # With a dim: (values, indices), both with the reduced value's tags; over a feature dim, per token.
+    ("min-dim", fn(torch.min, X0, -1), [x], out("b s", TOKEN)),
+    ("max-dim-keepdim", fn(torch.max, X0, dim=2, keepdim=True), [x], out("b s -", TOKEN)),
+    ("min-method-dim", meth("min", X0, -1), [x], out("b s", TOKEN)),
+    ("max-method-dim-keepdim", meth("max", X0, -1, True), [x], out("b s -", TOKEN)),
+    ("min-column-features", fn(torch.min, X0, 2), [col], out("- s", COLUMN)),
+    # Over a token axis, or over every dim (a reduction across tokens, as amax): the original layout.
+    ("min-along-s", fn(torch.min, X0, 1), [x], fails("min along a token axis")),
+    ("max-method-along-b", meth("max", X0, dim=0), [x], fails("max along a token axis")),
+    ("max-merged", meth("max", X0, 0), [merged], fails("max along a token axis")),
+    ("min-all", fn(torch.min, X0), [x], fails("min along a token axis")),
+    ("max-method-all", meth("max", X0), [x], fails("max along a token axis")),
+    ("min-method-all-column", meth("min", X0), [col], fails("min along a token axis")),
+    ("max-unknown-keyword", fn(torch.max, X0, -1, keepdim=False, out=None), [x], fails("max with arguments this rule")),
 ]
 
 # Expert counts: a constant ``zeros(E)`` gathers each token's entries (top-k ids, a mask repeated k times).

@@ -22,9 +22,9 @@ from dualkv_compile.analysis.token_axes import analyze_token_axes
 from dualkv_compile.analysis.token_inputs import Role, TokenInput, TokenInputs
 from dualkv_compile.analysis.rule_registry import RULES, rule_for
 
-from .rows_shape_rules import CAT, GETITEM, MOVE, SIZE, SLICE_SCATTER, SPLIT, STACK, VIEW
+from .rows_shape_rules import CAT, COMPLEX, GETITEM, MOVE, SIZE, SLICE_SCATTER, SPLIT, STACK, VIEW
 from .rows_token_rules import (
-    COUPLING, CUMULATIVE, DROPOUT, EMBEDDING, LIKE, LINEAR, MATMUL, NEW_LIKE, NORMS, REDUCTIONS, SCATTER, SOFTMAX,
+    COUPLING, CUMULATIVE, DROPOUT, EMBEDDING, LIKE, LINEAR, MATMUL, MIN_MAX, NEW_LIKE, NORMS, REDUCTIONS, SCATTER, SOFTMAX,
     _pointwise_rows,
 )
 from .rule_rows import NONE, B, S, Fails, Weighs, apply_rule, tags
@@ -37,6 +37,7 @@ TABLES = {
     "embedding": EMBEDDING,
     "matmul": MATMUL,
     "reductions": REDUCTIONS,
+    "min_max": MIN_MAX,
     "scatter": SCATTER,
     "new_like": NEW_LIKE,
     "slice_scatter": SLICE_SCATTER,
@@ -46,6 +47,7 @@ TABLES = {
     "dropout": DROPOUT,
     "cumulative": CUMULATIVE,
     "view": VIEW,
+    "complex": COMPLEX,
     "move": MOVE,
     "getitem": GETITEM,
     "cat": CAT,

@@ -188,6 +188,23 @@ def test_indexed_form_sums_many_copies_in_a_wider_dtype(dtype, wide):
     assert torch.equal(grad[1], torch.zeros(8, dtype=dtype))
 
 
+@pytest.mark.parametrize("form", ["cpu", "indexed"])
+def test_complex64_sum_of_many_copies_is_rounded_once(form):
+    """A complex64 row read by 4,096 positions (a complex rotary value shared by 4,096 responses): its gradient is
+    the complex128 sum rounded once, in both forms, as float32's is the float64 sum (before: a complex64 running
+    sum, off by hundreds of ulps)."""
+    from dualkv_compile.layout.pack import gather_valid_indexed
+
+    gather = gather_valid if form == "cpu" else gather_valid_indexed
+    x = torch.zeros(2, 8, dtype=torch.complex64, requires_grad=True)
+    index, keep = torch.zeros(4096, dtype=torch.long), torch.ones(4096, dtype=torch.bool)
+    g = torch.complex(torch.full((4096, 8), 0.1) + torch.linspace(0, 1e-3, 8), torch.full((4096, 8), -0.3))
+    (grad,) = torch.autograd.grad(gather(x, index, keep), x, g)
+    assert grad.dtype == torch.complex64
+    assert torch.equal(grad[0], g.to(torch.complex128).sum(0).to(torch.complex64))
+    assert torch.equal(grad[1], torch.zeros(8, dtype=torch.complex64))
+
+
 # The CPU form's ops, dualkv::gather_rows and dualkv::gather_rows_bwd (issue 35, defect 6): the backward widens one
 # column chunk of the gradient at a time. SUM_CHUNK_BYTES = 1 makes every chunk the 16-column minimum, so 40 columns
 # run as 16 + 16 + a ragged 8 (ATen's sorted kernel for the first two, its generic in-order loop for the last).
