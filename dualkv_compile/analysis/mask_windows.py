@@ -183,6 +183,8 @@ def mask_windows(mask: fx.Node, limit: int = 2000) -> MaskWindows:
         op, a, b = cmp
         if _mentions_both(a) | _mentions_both(b) != {"q", "kv"}:
             continue  # not a comparison of a query with a key (a padding mask, a position check)
+        if op == "==" and _same_lookup(a, b):
+            continue  # ids[b, q] == ids[b, kv]: sequences packed into a row, which the layout's sequences are
         c = _chunk(op, a, b)
         if c is not None:
             chunks.append(c)
@@ -203,6 +205,21 @@ def mask_windows(mask: fx.Node, limit: int = 2000) -> MaskWindows:
     if len(set(chunks)) > 1:
         unknown.append(f"chunks of {sorted(set(chunks))}")
     return MaskWindows(min(windows, default=0), chunks[0] if len(set(chunks)) == 1 else 0, tuple(unknown))
+
+
+def _same_lookup(a, b) -> bool:
+    """``a`` and ``b`` read one tensor at the query and at the key index (``ids[b, q]`` and ``ids[b, kv]``): a group
+    rule (Hugging Face's ``packed_sequence_mask`` of position-id restarts) on data, not on lengths; the mask check
+    compares it with the layout's sequences."""
+    def lookup(x):
+        if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target is operator.getitem and len(x.args) == 2):
+            return None
+        idx = x.args[1] if isinstance(x.args[1], tuple) else (x.args[1],)
+        roles = [_role(i) if isinstance(i, fx.Node) else None for i in idx]
+        return x.args[0], tuple(r for r in roles if r), tuple(_key(i) for i, r in zip(idx, roles) if r is None)
+
+    la, lb = lookup(a), lookup(b)
+    return la is not None and lb is not None and la[0] is lb[0] and la[2] == lb[2] and {la[1], lb[1]} == {("q",), ("kv",)}
 
 
 def _abs_bound(op: str, a, b) -> Optional[tuple[str, int]]:

@@ -103,3 +103,24 @@ def test_several_windows_intersect():
     node, _ = _graph(lambda g, q, kv, lp: g.call_function(operator.and_, (
         g.call_function(operator.gt, (kv, _sub(g, q, 6))), g.call_function(operator.lt, (_sub(g, q, kv), 3)))))
     assert mask_windows(node).window == 3
+
+
+def test_sequence_ids_read_at_q_and_kv_are_no_window():
+    """Hugging Face's packed_sequence_mask (``ids[b, q] == ids[b, kv]``) is a group rule the layout's sequences
+    hold, not a window: read as none, nothing unknown; the same lookup against another tensor stays unknown."""
+    def build(other):
+        def f(g, q, kv, lp):
+            ids = g.placeholder("ids")
+            ids2 = g.placeholder("ids2") if other else ids
+            a = g.call_function(operator.getitem, (ids, (0, q)))
+            b = g.call_function(operator.getitem, (ids2, (0, kv)))
+            return g.call_function(operator.eq, (a, b))
+        return f
+
+    for other, unknown in ((False, ()), (True, ("eq",))):
+        g = fx.Graph()
+        q, kv, lp = g.placeholder("q"), g.placeholder("kv"), g.placeholder("lp")
+        out = build(other)(g, q, kv, lp)
+        for n, v in ((q, torch.zeros(1, 1, S, 1, dtype=torch.long)), (kv, torch.zeros(1, 1, 1, S, dtype=torch.long))):
+            n.meta["example_value"] = v
+        assert mask_windows(out).unknown == unknown
