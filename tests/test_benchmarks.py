@@ -417,3 +417,16 @@ def test_cpu_thread_profile_compare_ranks_ops_by_self_time_at_more_threads(tmp_p
     assert lines[4] == "| `aten::mm` | 87 | 200.0 | 100.0 | 2.00x | 66.9% | +0.0 |"
     assert lines[5] == "| `aten::_index_put_impl_` | 1 | 8.0 | 48.0 | 0.17x | 32.1% | +44.0 |"
     assert lines[6] == "| all other ops |  | 2.0 | 1.5 | 1.33x | 1.0% | +0.5 |"
+
+
+def test_window_attention_pair_counts():
+    """window_attention.py's useful-FLOP count: the forest's window-visible pairs, by brute force over dense_mask."""
+    import window_attention
+
+    from dualkv_compile.layout import tree_segments
+    from dualkv_compile.layout.segments import dense_mask
+
+    for P, Rs, w in [(7, [3, 5], 4), (3, [6, 1, 2], 5), (5, [2], 100)]:
+        segs = tree_segments([P] + Rs, [-1] + [0] * len(Rs))
+        assert window_attention.packed_pairs(P, Rs, w) == int(dense_mask(segs, P + sum(Rs), window=w).sum())
+        assert window_attention.window_pairs(P + Rs[0], w) == sum(min(i + 1, w) for i in range(P + Rs[0]))
