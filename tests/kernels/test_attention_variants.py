@@ -20,24 +20,12 @@ import torch
 from dualkv_compile.kernels import cpu_flash, reference
 from dualkv_compile.kernels.head_dims import common_head_dim, pad_head_dim
 from segments import forest_segments, random_forest  # tests/kernels is on sys.path
+from window_oracle import paths as _paths
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # (q/k head dim, v head dim, softcap): softcaps that bind (1.0, scores of a few units) and Gemma 2's 50.
 VARIANTS = [(16, 16, 1.0), (16, 16, 50.0), (24, 16, 0.0), (24, 16, 2.0), (16, 24, 0.0)]
-
-
-def _paths(lens, parents):
-    starts = [sum(lens[:i]) for i in range(len(lens))]
-    leaves = set(range(len(lens))) - {p for p in parents if p >= 0}
-    paths = []
-    for leaf in sorted(leaves):
-        chain, i = [], leaf
-        while i != -1:
-            chain.append(i)
-            i = parents[i]
-        paths.append([t for j in reversed(chain) for t in range(starts[j], starts[j] + lens[j])])
-    return [p for p in paths if p]
 
 
 def oracle(q, k, v, dout, lens, parents, scale, softcap):
