@@ -14,8 +14,9 @@ valid positions and every parameter gradient are within 1e-5 of the unmodified m
 (``helpers.check_model``), the call is packed, and its packed token count is the forest's, counted here
 from the rows by a trie.
 
-Llama 4's MoE layers are left out: their dispatch (``hidden.repeat(num_experts, 1)``, every token copied once
-per expert, expert-major) has no token-axis rule yet (``no token-axis rule for repeat``).
+Llama 4 with MoE layers (``llama4_text_moe``): its dispatch copies every token once per expert, expert-major
+(``hidden.repeat(num_experts, 1)``, the router's sigmoid scores transposed to the same order, a ``bmm`` per
+expert, the copies summed back; analysis/moe_copies.py), and packs exactly as well.
 """
 
 from __future__ import annotations
@@ -83,6 +84,16 @@ def llama4_text():
     ), transformers.Llama4ForCausalLM
 
 
+def llama4_text_moe():
+    """Two MoE layers (3 experts, top-1 by sigmoid score, a shared expert): every token copied once per expert,
+    expert-major, and the copies summed back. The second layer's attention reads the first's dispatch, so the
+    call packs only if the dispatch does (it is not computed in the original layout)."""
+    return transformers.Llama4TextConfig(
+        **_COMMON, num_key_value_heads=2, head_dim=16, intermediate_size_mlp=96, max_position_embeddings=128,
+        attention_chunk_size=1024, moe_layers=[0, 1], num_local_experts=3, num_experts_per_tok=1,
+    ), transformers.Llama4ForCausalLM
+
+
 def _model(build):
     cfg, model_cls = build()
     cfg._attn_implementation = "sdpa"
@@ -105,7 +116,9 @@ def test_forest_batch_is_a_depth_three_forest():
     assert "depth=3" in str(layout) and layout.num_tokens == forest_tokens(ids, mask) < int(mask.sum())
 
 
-@pytest.mark.parametrize("build", [deepseek_v2, llama4_text, apertus], ids=["deepseek_v2", "llama4_text", "apertus"])
+@pytest.mark.parametrize(
+    "build", [deepseek_v2, llama4_text, llama4_text_moe, apertus], ids=["deepseek_v2", "llama4_text", "llama4_text_moe", "apertus"]
+)
 def test_packs_exactly(build):
     reports = _check(build)
     (whole,) = reports

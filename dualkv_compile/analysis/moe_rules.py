@@ -1,4 +1,4 @@
-"""Token-axis rules of MoE routing and expert dispatch, as Hugging Face writes them (Qwen2/3-MoE, Mixtral).
+"""Token-axis rules of MoE routing and expert dispatch, as Hugging Face writes them (Qwen2/3-MoE, Mixtral, Llama 4).
 
 Routing is per token: the router's logits, their softmax, ``topk`` over the
 experts, and the expert outputs weighted and summed over the top-k are each a
@@ -27,9 +27,15 @@ exactly. Registered here (see ``token_rules`` for the registry):
   reduction or view along the sorted axis, indices or counts used as data,
   two sorts mixed) couples tokens: the graph is refused.
 
+Llama 4's dispatch (every token copied once per expert, expert-major:
+``hidden.repeat(E, 1)``) is ``moe_copies``': its values are ROUTED too
+(``Route.what == "copies"``), and ``routed_rule`` hands every node that reads
+one to ``moe_copies.copies_rule``. A random draw shaped like a ROUTED value
+(``rand_like``) refuses the graph, as one shaped like a token value does.
+
 Capacity-limited routing (tokens dropped when an expert is full) needs a
 cumulative count along the token axis, which ``_cumulative`` refuses; none of
-the three families has one in transformers 5.24.
+the four families has one in transformers 5.24.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import torch.nn.functional as F
 
 from ..normalize.graph_pass import ev as _ev
 from .node_info import Coupling, Kind, NodeInfo, Route, RuleFailed, arg, hint, kind_of, op_name, shape_of
+from .moe_copies import copies_rule
 from .rule_registry import rule_for, token_rule
 from .token_reductions import weighted_histc_rule
 
@@ -130,6 +137,7 @@ def _repeat_interleave(node, info, B, S) -> NodeInfo:
 _CASTS = {"to", "float", "int", "long", "double", "half", "bfloat16", "type"}
 _GROUPED_MM = {torch._grouped_mm, getattr(F, "grouped_mm", torch._grouped_mm)}
 _GROUPED_MM_OPS = {"transformers::grouped_mm_fallback"}
+_RANDOM_LIKE = {torch.rand_like, torch.randn_like, torch.randint_like}
 
 
 def routed_rule(node: fx.Node, info, B, S) -> NodeInfo:
@@ -138,6 +146,11 @@ def routed_rule(node: fx.Node, info, B, S) -> NodeInfo:
     name = op_name(node)
     if any(i.kind is Kind.ORIG for i in ins):
         raise Coupling(f"{name} combines MoE routing values with a value computed in the original layout")
+    if node.target in _RANDOM_LIKE:
+        # The original draws for every copy of a shared prompt's entries, the packed stream once for all of them.
+        raise Coupling(f"{name} draws different values for the copies of a shared prompt")
+    if any(i.kind is Kind.ROUTED and i.route.what == "copies" for i in ins):
+        return copies_rule(node, info, B, S)  # Llama 4's expert-major copies (moe_copies)
     orders = {i.route.order for i in ins if i.kind is Kind.ROUTED}
     if len(orders) > 1:
         raise Coupling(f"{name} combines the values of two expert sorts")

@@ -5,9 +5,12 @@ kinds, and names the ``NodeInfo`` its rule gives, or the failure it raises
 (``RuleFailed``: computed in the original layout; ``Coupling``: the graph is
 refused) with a substring of the message. ``apply_rule`` builds the one-op FX
 graph, runs the op on real tensors for the node's ``example_value`` and calls
-the rule ``rule_for`` finds for the node. Tags are written as a string, one
-word per dimension: ``b``, ``s``, ``bs`` or ``-`` (no token axis). Also the
-common inputs the tables share (hidden states, a parameter, masks, ids, ...).
+the rule ``rule_for`` finds for the node (or the one it is given: the MoE
+dispatch's ``routed_rule``). Tags are written as a string, one word per
+dimension: ``b``, ``s``, ``bs``, ``r`` (an MoE dispatch's axis) or ``-`` (no
+token axis); a ROUTED input names its ``Route`` as ``(what, factor)``, its
+order the input itself. Also the common inputs the tables share (hidden
+states, a parameter, masks, ids, ...).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_aggregate
 
-from dualkv_compile.analysis.node_info import Coupling, Kind, NodeInfo, RuleFailed
+from dualkv_compile.analysis.node_info import Coupling, Kind, NodeInfo, Route, RuleFailed
 import dualkv_compile.analysis.token_axes  # noqa: F401  (the driver loads every rule module)
 from dualkv_compile.analysis.rule_registry import rule_for
 
@@ -42,6 +45,7 @@ class In:
     shift: int = 0
     slen: Optional[int] = None
     from_inputs: bool = False
+    route: Optional[tuple[str, int]] = None  # ROUTED inputs: (what, factor)
 
     def example(self):
         if self.value is None:
@@ -109,14 +113,16 @@ def weighs(spec: str, op: str, operand: int = 0) -> Weighs:
     return Weighs(spec, op, operand)
 
 
-def apply_rule(op: Op, inputs: list[In]):
-    """Build ``op`` over placeholders of ``inputs``, set its example value, and run its registered rule."""
+def apply_rule(op: Op, inputs: list[In], rule=None):
+    """Build ``op`` over placeholders of ``inputs``, set its example value, and run ``rule`` (its registered one
+    unless given)."""
     graph = fx.Graph()
     nodes, values, info = [], [], {}
     for k, x in enumerate(inputs):
         node = graph.placeholder(f"x{k}")
         node.meta["example_value"] = x.example()
-        info[node] = NodeInfo(x.kind, tags(x.tags), shift=x.shift, slen=x.slen, from_inputs=x.from_inputs)
+        route = Route(node, *x.route) if x.route is not None else None
+        info[node] = NodeInfo(x.kind, tags(x.tags), shift=x.shift, slen=x.slen, from_inputs=x.from_inputs, route=route)
         nodes.append(node)
         values.append(node.meta["example_value"])
 
@@ -130,7 +136,7 @@ def apply_rule(op: Op, inputs: list[In]):
         node.meta["example_value"] = op.target(*vargs, **vkwargs)
     else:
         node.meta["example_value"] = getattr(vargs[0], op.target)(*vargs[1:], **vkwargs)
-    rule = rule_for(node)
+    rule = rule or rule_for(node)
     assert rule is not None, f"no rule registered for {op.target}"
     return rule(node, info, B, S)
 

@@ -2,7 +2,7 @@
 
 Each row of ``TABLES`` (the rows live in ``rows_token_rules.py`` and
 ``rows_shape_rules.py``, written in the row language of ``rule_rows.py``;
-the MoE rows in ``test_moe_rules.py``) applies one op to placeholders and
+the MoE rows in ``test_moe_rules.py`` and ``test_moe_copies.py``) applies one op to placeholders and
 names the ``NodeInfo`` its rule gives or the failure it raises. Every
 registered rule key has a row and every row targets a registered rule. The
 ``test_driver_*`` tests run ``analyze_token_axes`` on small graphs.
@@ -17,10 +17,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from dualkv_compile.analysis.node_info import Kind, NodeInfo
+from dualkv_compile.analysis.node_info import Kind, NodeInfo, RuleFailed
 from dualkv_compile.analysis.token_axes import analyze_token_axes
 from dualkv_compile.analysis.token_inputs import Role, TokenInput, TokenInputs
-from dualkv_compile.analysis.rule_registry import RULES, rule_for
+from dualkv_compile.analysis.rule_registry import REFINEMENTS, RULES, refine_rule, rule_for
 
 from .rows_shape_rules import CAT, COMPLEX, GETITEM, MOVE, SIZE, SLICE_SCATTER, SPLIT, STACK, VIEW
 from .rows_token_rules import (
@@ -84,9 +84,10 @@ def test_rule(op, inputs, expected):
 
 
 def _all_rows():
+    from .test_moe_copies import COPIES_TABLES  # Llama 4's expert-major copies (analysis/moe_copies.py)
     from .test_moe_rules import MOE_TABLES  # the MoE routing rules' rows (analysis/moe_rules.py)
 
-    return [row for tables in (TABLES, MOE_TABLES) for rows in tables.values() for row in rows]
+    return [row for tables in (TABLES, MOE_TABLES, COPIES_TABLES) for rows in tables.values() for row in rows]
 
 
 def test_every_rule_key_has_a_row():
@@ -108,6 +109,27 @@ def test_rule_for_unregistered():
     assert rule_for(graph.call_method("flip", (a,))) is None
     assert rule_for(graph.call_module("linear", (a,))) is None  # a module named like a method
     assert rule_for(graph.call_method("view", (a, 1))) is not None
+
+
+def test_refinement_tried_before_the_rule():
+    """``refine_rule``: a refinement's result where it applies (not None), else the target's rule; a target with a
+    refinement and no rule fails as one without a rule does (computed in the original layout)."""
+    graph = fx.Graph()
+    a = graph.placeholder("a")
+    flip, view = graph.call_function(torch.flip, (a, 1)), graph.call_method("view", (a, 1))
+    mine, info = NodeInfo(Kind.NONE), {a: NodeInfo(Kind.NONE, ())}
+    refinement = refine_rule(torch.flip, methods=("view",))(lambda node, info, B, S: mine if node.args[1:] == (1,) else None)
+    try:
+        assert rule_for(view)(view, info, B, S) is mine
+        assert rule_for(flip)(flip, info, B, S) is mine
+        flip.args = (a, (0,))
+        with pytest.raises(RuleFailed, match="no token-axis rule for flip"):
+            rule_for(flip)(flip, info, B, S)
+    finally:
+        for key in (("call_function", torch.flip), ("call_method", "view")):
+            REFINEMENTS[key].remove(refinement)
+            if not REFINEMENTS[key]:
+                del REFINEMENTS[key]
 
 
 def _analyze(build):
