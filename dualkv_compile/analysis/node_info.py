@@ -45,7 +45,8 @@ class Route:
     token axis of ``factor`` entries per token); "empty" (an uninitialised buffer shaped like the sort);
     "inverse" (each token-axis entry's position in the sorted order: tag "bs", ``factor`` per token);
     "counts" (entries per expert); "offsets" (their cumulative sums: the expert groups); "mutation" (the
-    in-place op that writes "inverse").
+    in-place op that writes "inverse"); "copies" (``factor`` expert-major copies of each token, entry
+    ``e * N + t``: Llama 4's ``hidden.repeat(E, 1)`` dispatch, ``analysis.moe_copies``).
     """
 
     order: fx.Node
