@@ -323,9 +323,16 @@ class _Packer:
             return self.backend
         if self.requested == "auto" and (feats["window"] or feats["chunk"] or feats["sinks"]):
             try:
-                return _attention_op.resolve_backend("auto", probe_q, probe_v, **feats)
+                picked = _attention_op.resolve_backend("auto", probe_q, probe_v, **feats)
             except ValueError as e:
                 why = str(e)
+            else:
+                if picked != "reference" or probe_q.device.type != "cuda":
+                    return picked
+                # The dense reference holds [Hq, T, T] scores: on a GPU at training lengths that is out of memory,
+                # where the unchanged program runs; the user may still ask for it by name.
+                why = (f"no GPU kernel runs this attention's window={feats['window']}, chunk={feats['chunk']}, "
+                       f"sinks={feats['sinks']} ({why}); attention_backend='reference' would, densely")
         raise Refusal(f"{m.output.name}: attention_backend={self.backend!r} cannot run this attention: {why}")
 
     def _in_dtype(self, n: fx.Node, dtype: torch.dtype) -> fx.Node:
