@@ -287,10 +287,10 @@ def shared_prompt_attention(
         raise ValueError(why)
     scale, softcap = float(scale), float(softcap)
     concrete = resolve_backend(backend, q, v, window=window, chunk=chunk, sinks=sinks is not None)
-    if concrete == "flex" and not (window or chunk or sinks is not None):
+    if concrete == "flex":
         from . import flex
 
-        return flex.attention(q, k, v, segs, scale, softcap)
+        return flex.attention(q, k, v, segs, scale, softcap, window=window, chunk=chunk, sinks=sinks)
     if eager_attention.applies(q, k, v) and (sinks is None or type(sinks) in (torch.Tensor, torch.nn.Parameter)):
         # the same kernels, without the custom op's eager autograd wrapper
         return eager_attention.EagerAttention.apply(q, k, v, segs, scale, softcap, _impl(concrete), lse_dtype(q),

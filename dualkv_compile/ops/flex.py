@@ -1,7 +1,7 @@
 """FlexAttention backend: the packed stream's prefix-forest mask as a BlockMask.
 
 The mask's math lives in ``kernels/flex`` (the segment table, the torch and
-Triton block-table builders, the tree ``mask_mod``); this module is the
+Triton block-table builders, the ``mask_mod``s); this module is the
 op and backend level on top of it: the opaque custom op
 ``dualkv::flex_block_tables`` with its fake implementation, ``block_mask``
 (the ``BlockMask`` of a packed stream, built straight from the ``Segments``
@@ -22,15 +22,40 @@ recomputes the forward, so it costs one extra forward.
 Variants. A logit softcap (Gemma 2) is a ``score_mod``,
 ``softcap * tanh(score / softcap)`` on the scaled score, so FlexAttention's
 own backward differentiates it; v's head dim may differ from q's and k's
-(MLA), which FlexAttention takes as it is.
+(MLA), which FlexAttention takes as it is. Sliding and chunked windows on
+token depth (``layout.segments``) are in the BlockMask: blocks wholly
+outside the window are skipped, blocks the window cuts are partial, and the
+``mask_mod`` adds ``depth[q] < limit[kv]`` (``kernels/flex/block_tables``);
+the window sizes are data (the limit tensor, the builder's runtime
+arguments), so a new size recompiles nothing. Learnable sinks
+(``kernels/sinks``): ``attention`` applies them to FlexAttention's
+``(out, lse)`` under autograd, so the gradient flows through the lse
+(FlexAttention's Triton backward takes an lse gradient on torch 2.11 and
+2.13; its FLASH backend would refuse one, and is not asked for).
+
+Sinks behind the opaque op. The op applies the sinks around ``forward``'s
+``(out, lse)`` and hands ``backward`` the sink-aware ``(out', lse')``
+(``ops/backend_calls``). With the recomputed sink-free ``(o, lse)``,
+``out' = o * w`` where ``w = exp(lse - lse')`` and ``lse' = logaddexp(lse,
+sink)``, so ``d out' = w do + (1 - w) out' dlse``: ``backward`` takes the
+vector-Jacobian product of ``(o, lse)`` with ``(w dO, (1 - w) rowsum(dO *
+out'))``, exact (on the scores it is ``P' (dP - rowsum(dO * out'))``, the
+sink-aware FlashAttention backward). Without sinks ``w`` is 1 up to the
+recomputation's rounding, and the lse term vanishes. (Differentiating ``o *
+exp(lse - lse')`` with ``lse'`` held constant would drop the
+``-P' rowsum(dO * out')`` term: ``lse'`` moves with the scores.)
 
 Compilation. FlexAttention only runs fused kernels when compiled; the compiled
 flex callable (dynamic shapes) is made once per process and cached at module
 level. The block tables come from one opaque custom op,
-``dualkv::flex_block_tables``: four small Triton kernels on CUDA (a whole
-``block_mask`` in about 0.2 ms at T = 51K on an H200, lengths not
-specialised), eager torch ops on CPU. Layout changes
-(T, number of segments, lengths) recompile nothing.
+``dualkv::flex_block_tables``: four small Triton kernels on CUDA, five with
+a window (a whole ``block_mask`` without one in about 0.2 ms at T = 51K on an
+H200; lengths and window sizes not specialised), eager torch ops on CPU.
+Layout changes (T, number of segments, lengths) and new window sizes
+recompile nothing; the windowed mask_mod, the plain one, and asking for the
+lse (sinks) are separate compiled variants of the flex callable (Dynamo's
+recompile limit, 8 per code object, bounds how many one process keeps:
+past it Dynamo runs FlexAttention eagerly, unfused).
 """
 
 from __future__ import annotations
@@ -43,8 +68,9 @@ from typing import Optional
 import torch
 
 from ..kernels.flex.block_tables import BLOCK, block_tables, segment_table
-from ..kernels.flex.mask_mod import tree_mask_mod
+from ..kernels.flex.mask_mod import tree_mask_mod, windowed_mask_mod
 from ..kernels.flex.triton_block_tables import triton_block_tables, triton_kernels
+from ..kernels.sinks import apply_sinks
 from ..layout.segments import Segments
 
 log = logging.getLogger("dualkv_compile")
@@ -83,15 +109,8 @@ def _supports_input(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Option
 
 def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None, *, window: int = 0, chunk: int = 0,
              sinks: bool = False) -> Optional[str]:
-    """None if the flex backend can run q (and v) with these windows (and sinks); else the reason."""
-    why = _supports_input(q, v)
-    if why is not None:
-        return why
-    if window or chunk:
-        return f"the flex backend does not implement sliding or chunked windows yet (window={window}, chunk={chunk})"
-    if sinks:
-        return "the flex backend does not implement learnable sinks yet"
-    return None
+    """None if the flex backend can run q (and v); windows and sinks are all supported."""
+    return _supports_input(q, v)
 
 
 _compiled: dict[str, object] = {}
@@ -113,27 +132,31 @@ FORCE_TRITON_BUILDER = False  # tests: run the Triton builder on CPU tensors (un
 # under torch.compile with dynamic shapes without Inductor having to lower the
 # builder, and it never recompiles: the kernels do not specialise on lengths.
 @torch.library.custom_op("dualkv::flex_block_tables", mutates_args=())
-def block_tables_op(table: torch.Tensor, num_tokens: int, max_seg_len: int) -> list[torch.Tensor]:
+def block_tables_op(table: torch.Tensor, num_tokens: int, max_seg_len: int, window: int = 0,
+                    chunk: int = 0) -> list[torch.Tensor]:
     if (table.device.type == "cuda" or FORCE_TRITON_BUILDER) and triton_kernels() is not None:
-        return list(triton_block_tables(table, num_tokens, max_seg_len))
-    return list(block_tables(table, num_tokens))
+        return list(triton_block_tables(table, num_tokens, max_seg_len, window, chunk))
+    return list(block_tables(table, num_tokens, window=window, chunk=chunk))
 
 
 @block_tables_op.register_fake
-def _(table, num_tokens, max_seg_len):
+def _(table, num_tokens, max_seg_len, window=0, chunk=0):
     nb = (num_tokens + BLOCK - 1) // BLOCK
     i32 = dict(dtype=torch.int32)
     nums = [table.new_empty((1, 1, nb), **i32) for _ in range(4)]
     idxs = [table.new_empty((1, 1, nb, nb), **i32) for _ in range(4)]
-    reach = table.new_empty((num_tokens,), **i32)
-    return [nums[0], idxs[0], nums[1], idxs[1], nums[2], idxs[2], nums[3], idxs[3], reach]
+    per_token = [table.new_empty((num_tokens,), **i32) for _ in range(3)]  # reach, depth, limit
+    return [nums[0], idxs[0], nums[1], idxs[1], nums[2], idxs[2], nums[3], idxs[3], *per_token]
 
 
-def block_mask(segs: Segments, num_tokens: int, *, builder: str = "op") -> "BlockMask":
+def block_mask(segs: Segments, num_tokens: int, *, builder: str = "op", window: int = 0,
+               chunk: int = 0) -> "BlockMask":
     """The prefix-forest ``BlockMask`` of a packed stream of ``num_tokens`` tokens (no device sync).
 
-    ``builder="op"`` (default) runs ``dualkv::flex_block_tables`` (Triton on
-    CUDA); ``builder="torch"`` runs ``block_tables`` with eager torch ops.
+    ``window`` / ``chunk`` (0: none): the sliding window and chunk size on
+    token depth. ``builder="op"`` (default) runs ``dualkv::flex_block_tables``
+    (Triton on CUDA); ``builder="torch"`` runs ``block_tables`` with eager
+    torch ops.
     """
     if _IMPORT_ERROR is not None:
         raise RuntimeError(_IMPORT_ERROR)
@@ -141,10 +164,12 @@ def block_mask(segs: Segments, num_tokens: int, *, builder: str = "op") -> "Bloc
         raise ValueError(f"builder must be 'op' or 'torch', got {builder!r}")
     table = segment_table(segs, num_tokens)
     if builder == "op":
-        tables = block_tables_op(table, num_tokens, segs.max_seg_len)
+        tables = block_tables_op(table, num_tokens, segs.max_seg_len, window, chunk)
     else:
-        tables = block_tables(table, num_tokens)
-    kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx, reach = tables
+        tables = block_tables(table, num_tokens, window=window, chunk=chunk)
+    kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx, reach, depth, limit = tables
+    # Without a window the plain mask_mod: no depth gathers in the partial blocks.
+    mask_mod = windowed_mask_mod(reach, depth, limit) if window or chunk else tree_mask_mod(reach)
     return BlockMask(
         seq_lengths=(num_tokens, num_tokens),
         kv_num_blocks=kv_num,
@@ -156,7 +181,7 @@ def block_mask(segs: Segments, num_tokens: int, *, builder: str = "op") -> "Bloc
         full_q_num_blocks=fq_num,
         full_q_indices=fq_idx,
         BLOCK_SIZE=(BLOCK, BLOCK),
-        mask_mod=tree_mask_mod(reach),
+        mask_mod=mask_mod,
     )
 
 
@@ -188,20 +213,29 @@ def _flex(q, k, v, bm, scale: float, return_lse: bool, softcap: Optional[float] 
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs: Segments, scale: Optional[float] = None,
-              softcap: Optional[float] = None) -> torch.Tensor:
+              softcap: Optional[float] = None, window: int = 0, chunk: int = 0,
+              sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Differentiable prefix-forest attention through FlexAttention; returns ``[1, Hq, T, Dv]``.
 
-    The backward is FlexAttention's fused backward (no recomputed forward).
+    ``window`` / ``chunk`` (0: none) narrow the mask on token depth; ``sinks``
+    (None or ``[Hq]``) adds each head's sink logit to every row's denominator
+    (``kernels.sinks.apply_sinks`` on FlexAttention's ``(out, lse)``), its
+    gradient included. The backward is FlexAttention's fused backward (no
+    recomputed forward), taking the lse's gradient where sinks are set.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    bm = block_mask(segs, q.shape[2])
-    out, _ = _flex(q, k, v, bm, scale, return_lse=False, softcap=softcap)
+    bm = block_mask(segs, q.shape[2], window=window, chunk=chunk)
+    if sinks is None:
+        out, _ = _flex(q, k, v, bm, scale, return_lse=False, softcap=softcap)
+        return out
+    out, lse = _flex(q, k, v, bm, scale, return_lse=True, softcap=softcap)
+    out, _ = apply_sinks(out, lse, sinks)
     return out
 
 
-def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0):
+def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0, window: int = 0, chunk: int = 0):
     """Module protocol: ``(out, lse)``, lse float32 ``[1, Hq, T]`` in natural log."""
-    bm = block_mask(segs, q.shape[2])
+    bm = block_mask(segs, q.shape[2], window=window, chunk=chunk)
     with torch.no_grad():
         out, lse = _flex(q, k, v, bm, scale, return_lse=True, softcap=softcap)
     return out, lse.float()
@@ -219,18 +253,26 @@ def _autograd_reentered():
         yield
 
 
-def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, softcap: float = 0.0):
-    """Module protocol: ``(dq, dk, dv)`` by recomputing the forward under autograd.
+def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, softcap: float = 0.0,
+             window: int = 0, chunk: int = 0):
+    """Module protocol: ``(dq, dk, dv)`` of the attention whose saved stats are ``out``, ``lse``, by recomputing.
 
     FlexAttention's backward is reachable only through autograd, and the opaque
     op keeps no autograd graph between its forward and backward, so this path
-    costs one extra forward; ``attention`` (the default path of
-    ``shared_prompt_attention``) avoids it. ``out`` and ``lse`` are unused.
-    FlexAttention's Triton backward uses no atomics, so it is deterministic.
+    recomputes the sink-free ``(o, lse)`` under autograd (one extra forward;
+    ``attention``, the default path of ``shared_prompt_attention``, avoids
+    it) and takes its vector-Jacobian product at the saved, possibly
+    sink-aware ``out`` and ``lse`` (the module docstring). FlexAttention's
+    Triton backward uses no atomics, so it is deterministic.
     """
-    bm = block_mask(segs, q.shape[2])
+    bm = block_mask(segs, q.shape[2], window=window, chunk=chunk)
     with _autograd_reentered():
         qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
-        o, _ = _flex(qg, kg, vg, bm, scale, return_lse=False, softcap=softcap)
-        dq, dk, dv = torch.autograd.grad(o, (qg, kg, vg), dout)
+        o, lse_now = _flex(qg, kg, vg, bm, scale, return_lse=True, softcap=softcap)
+        gap = lse_now.detach().float() - lse.float()  # log w: 0 without sinks, < 0 with them
+        w = torch.exp(gap)
+        delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * out'), out' the saved output
+        d_o = (dout.float() * w[..., None]).to(o.dtype)
+        d_lse = (-torch.expm1(gap) * delta).to(lse_now.dtype)  # (1 - w) rowsum(dO * out'), no cancellation near w = 1
+        dq, dk, dv = torch.autograd.grad((o, lse_now), (qg, kg, vg), (d_o, d_lse))
     return dq, dk, dv

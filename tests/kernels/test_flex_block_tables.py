@@ -4,8 +4,11 @@ The BlockMask tables built from the Segments against the dense mask (every
 needed block present, FULL blocks only where the whole tile is visible, the
 transposed tables the exact transpose), the tree mask_mod against the dense
 mask, on two-level groups, hand-written prefix forests and random forests
-(depth 1 to 3, several roots, one-token and empty nodes), and the Triton
-builder against the torch builder under the Triton interpreter. The op-level
+(depth 1 to 3, several roots, one-token and empty nodes); the same with
+sliding and chunked windows on token depth (``dense_mask(segs, T, window,
+chunk)``: every block empty, partial or FULL exactly as the dense mask says,
+the windowed mask_mod equal to it); and the Triton builder against the torch
+builder under the Triton interpreter, with and without windows. The op-level
 tests (the custom op, tracing, the CUDA runs) are in tests/ops/test_flex.py.
 """
 
@@ -19,7 +22,7 @@ import torch
 pytest.register_assert_rewrite("flex_layouts")
 
 from dualkv_compile.kernels import flex  # noqa: E402
-from dualkv_compile.layout.segments import dense_mask, token_reach  # noqa: E402
+from dualkv_compile.layout.segments import dense_mask, token_depth, token_reach  # noqa: E402
 from flex_layouts import FIXED_FORESTS, FIXED_LAYOUTS, random_forest_layouts, random_groups  # noqa: E402  (on sys.path)
 from segments import forest_segments, make_segments  # noqa: E402  tests/kernels is on sys.path
 
@@ -58,17 +61,24 @@ def _all_forests():
     return [pytest.param(forest_segments(*f), id=f"forest{i}") for i, f in enumerate(forests)]
 
 
-def _check_tables(segs, T):
-    tables = flex.block_tables(flex.segment_table(segs, T), T)
-    assert len(tables) == 9
-    kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx, reach = tables
+# (window, chunk) against blocks of 128: windows inside a block, one block, across blocks; chunks likewise;
+# both; chunks of one token (each token sees only itself).
+WINDOWS = [(2, 0), (100, 0), (128, 0), (300, 0), (0, 1), (0, 128), (0, 200), (300, 200), (129, 64)]
+
+
+def _check_tables(segs, T, window=0, chunk=0):
+    tables = flex.block_tables(flex.segment_table(segs, T), T, window=window, chunk=chunk)
+    assert len(tables) == 11
+    kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx, reach, depth, limit = tables
     nb = (T + flex.BLOCK - 1) // flex.BLOCK
-    assert kv_idx.shape == (1, 1, nb, nb) and kv_num.shape == (1, 1, nb) and reach.shape == (T,)
+    assert kv_idx.shape == (1, 1, nb, nb) and kv_num.shape == (1, 1, nb)
+    assert reach.shape == depth.shape == limit.shape == (T,)
     assert all(t.dtype == torch.int32 and t.is_contiguous() for t in tables)  # the kernels assume unit strides
     assert torch.equal(reach.long(), token_reach(segs, T))
+    assert torch.equal(depth.long(), token_depth(segs, T))
     partial = _dense_from_ordered(kv_num, kv_idx, nb)
     full = _dense_from_ordered(fkv_num, fkv_idx, nb)
-    mask = dense_mask(segs, T)
+    mask = dense_mask(segs, T, window, chunk)
     any_, all_ = _block_truth(mask, T, flex.BLOCK)
     assert not (partial & full).any()
     assert torch.equal(partial | full, any_), "needed blocks must be exactly the blocks with a visible pair"
@@ -85,10 +95,11 @@ def _check_tables(segs, T):
     if nb:
         assert int(kv_idx.min()) >= 0 and int(kv_idx.max()) < nb
     # The mask_mod reproduces the dense mask on every pair.
-    mm = flex.tree_mask_mod(reach)
+    mm = flex.windowed_mask_mod(reach, depth, limit) if window or chunk else flex.tree_mask_mod(reach)
     qi = torch.arange(T)[:, None]
     ki = torch.arange(T)[None, :]
     assert torch.equal(mm(0, 0, qi, ki), mask)
+    return partial, full
 
 
 @pytest.mark.parametrize("segs_T", _all_layouts())
@@ -104,33 +115,48 @@ def test_block_tables_match_dense_mask_forest(segs_T):
 def test_block_tables_small_streams():
     """Streams shorter than a block, a single token, and the empty stream."""
     for lens, parents in (([1], [-1]), ([3, 1, 2], [-1, 0, 0]), ([5, 0], [-1, 0]), ([], [])):
-        _check_tables(*forest_segments(lens, parents))
+        for window, chunk in [(0, 0)] + WINDOWS[:2] + WINDOWS[4:6]:
+            _check_tables(*forest_segments(lens, parents), window, chunk)
 
 
-def test_deep_chain_blocks():
-    """On a chain every earlier block is FULL below the diagonal; across roots nothing is needed."""
-    segs, T = forest_segments([256, 128, 1, 127, 256], [-1, 0, 1, 2, -1])
-    kv_num, kv_idx, fkv_num, fkv_idx, *_ = flex.block_tables(flex.segment_table(segs, T), T)
-    full = _dense_from_ordered(fkv_num, fkv_idx, 6)
-    partial = _dense_from_ordered(kv_num, kv_idx, 6)
-    for qb in range(4):  # the chain: one causal sequence of 512 tokens
-        assert full[qb, :qb].all() and partial[qb, qb] and not (full | partial)[qb, qb + 1 :].any()
-    assert not (full | partial)[4:, :4].any()  # the second root sees nothing of the first tree
-    assert full[5, 4] and partial[5, 5]
+def _window_layouts():
+    rng = random.Random(99)
+    specs = [make_segments(g) for g in FIXED_LAYOUTS] + [forest_segments(*f) for f in FIXED_FORESTS]
+    specs += [forest_segments(*f) for f in random_forest_layouts(rng, 3, max_len=200)]
+    return [pytest.param(s, id=f"layout{i}") for i, s in enumerate(specs)]
 
 
-def test_prompt_blocks_are_full():
-    """Prompt-region blocks fully inside the prefix are FULL for every response's query blocks."""
-    P, N, R = 1024, 3, 512
-    segs, T = make_segments([(P, [R] * N)])
-    kv_num, kv_idx, fkv_num, fkv_idx, *_ = flex.block_tables(flex.segment_table(segs, T), T)
-    nb = T // 128
-    full = _dense_from_ordered(fkv_num, fkv_idx, nb)
-    for qb in range(P // 128, nb):
-        assert full[qb, : P // 128].all()
-    # Prompt rows: strictly-below-diagonal blocks are FULL, the diagonal is partial.
-    assert full[7, :7].all() and not full[7, 7]
-    assert int(kv_num[0, 0, 7]) == 1
+@pytest.mark.parametrize("segs_T", _window_layouts())
+def test_windowed_block_tables_match_dense_mask(segs_T):
+    """Every (query block, kv block) empty, partial or FULL exactly as the windowed dense mask says."""
+    for window, chunk in WINDOWS:
+        _check_tables(*segs_T, window, chunk)
+
+
+def test_sliding_window_skips_blocks_behind_it():
+    """A prompt of 1024 with a window of 256: each prompt row block reads its diagonal, one FULL block and one
+    partial one, nothing older; a response's first block (depths 1024..1151) reads the prompt's block 7 in full
+    (depths 896..1023), block 6 in part, and nothing of the other response."""
+    segs, T = make_segments([(1024, [256, 256])])
+    partial, full = _check_tables(segs, T, 256, 0)
+    for qb in range(2, 8):
+        assert partial[qb, qb] and full[qb, qb - 1] and partial[qb, qb - 2], qb
+        assert not (partial | full)[qb, : qb - 2].any(), qb
+    for qb in (8, 10):
+        assert (partial | full)[qb].nonzero().flatten().tolist() == [6, 7, qb], qb
+        assert full[qb, 7] and partial[qb, 6] and partial[qb, qb], qb
+
+
+def test_chunks_cut_at_depth_not_position():
+    """Chunks of 256 on a prompt of 300, two responses of 400. The first response's rows 384..511 (depths
+    384..511) share the chunk [256, 512) with every key of block 2 (prompt depths 256..299, then their own
+    response), so block 2 is FULL across the prompt's end and blocks 0 and 1 are skipped. The second
+    response's rows 768..895 (depths 368..495) read only the prompt's last 44 keys of block 2, their own
+    response's start in block 5, and their diagonal: all three partial."""
+    segs, T = make_segments([(300, [400, 400])])
+    partial, full = _check_tables(segs, T, 0, 256)
+    assert (partial | full)[3].nonzero().flatten().tolist() == [2, 3] and full[3, 2] and partial[3, 3]
+    assert partial[6].nonzero().flatten().tolist() == [2, 5, 6] and not full[6].any()
 
 
 _INTERPRET_CHECK = """
@@ -162,13 +188,21 @@ from dualkv_compile.ops import flex as flex_op
 rng = random.Random(7)
 layouts = [make_segments(g) for g in FIXED_LAYOUTS + [random_groups(rng) for _ in range(4)]]
 layouts += [forest_segments(*f) for f in FIXED_FORESTS + random_forest_layouts(rng, 6)]
-for segs, T in layouts:
+windows = [(0, 0)] + [(2, 0), (300, 0), (0, 200), (129, 64)] * (len(layouts) // 4 + 1)
+for i, (segs, T) in enumerate(layouts):
     table = flex.segment_table(segs, T)
-    want = flex.block_tables(table, T)
-    _same_tables(want, flex.triton_block_tables(table, T, segs.max_seg_len))
-    flex_op.FORCE_TRITON_BUILDER = True  # through the custom op (outputs must not alias)
-    _same_tables(want, flex_op.block_tables_op(table, T, segs.max_seg_len))
-    flex_op.FORCE_TRITON_BUILDER = False
+    # every layout plain and with one of the windows (the windows round-robin over the layouts)
+    for window, chunk in ((0, 0), windows[i + 1]):
+        want = flex.block_tables(table, T, window=window, chunk=chunk)
+        _same_tables(want, flex.triton_block_tables(table, T, segs.max_seg_len, window, chunk))
+        flex_op.FORCE_TRITON_BUILDER = True  # through the custom op (outputs must not alias)
+        _same_tables(want, flex_op.block_tables_op(table, T, segs.max_seg_len, window, chunk))
+        flex_op.FORCE_TRITON_BUILDER = False
+# A huge window or chunk is clamped for the kernels' int32 arguments: the same limits as none.
+segs, T = layouts[0]
+table = flex.segment_table(segs, T)
+_same_tables(flex.block_tables(table, T, window=1 << 40, chunk=1 << 35),
+             flex.triton_block_tables(table, T, segs.max_seg_len, 1 << 40, 1 << 35))
 print("OK")
 """
 

@@ -1,20 +1,21 @@
 """The math of the FlexAttention backend's prefix-forest mask, with no op or dispatch.
 
-    block_tables.py          segment_table, block_tables (eager torch), BLOCK, SENTINEL
+    block_tables.py          segment_table, block_tables (eager torch), depth_limit, BLOCK, SENTINEL
     triton_block_tables.py   triton_kernels, triton_block_tables (the CUDA builder)
-    mask_mod.py              tree_mask_mod (the mask of the partial blocks)
+    mask_mod.py              tree_mask_mod, windowed_mask_mod (the mask of the partial blocks)
 
 Assumes ``layout.segments.Segments`` as the layout type and nothing from
 ``dualkv_compile.ops``: the custom op ``dualkv::flex_block_tables``, the
 ``BlockMask`` and the FlexAttention calls live in ``ops/flex.py``, which
 builds on this package. Guarantees: both builders return the same tables
-(see their modules) with no device sync, and ``tree_mask_mod`` agrees
-with the FULL/partial classification they make.
+(see their modules) with no device sync, with or without sliding and chunked
+windows, and the mask_mods agree with the FULL/partial classification they
+make.
 """
 
-from .block_tables import BLOCK, SENTINEL, block_tables, segment_table
-from .mask_mod import tree_mask_mod
+from .block_tables import BLOCK, SENTINEL, block_tables, depth_limit, segment_table
+from .mask_mod import tree_mask_mod, windowed_mask_mod
 from .triton_block_tables import triton_block_tables, triton_kernels
 
-__all__ = ["BLOCK", "SENTINEL", "block_tables", "segment_table", "tree_mask_mod", "triton_block_tables",
-           "triton_kernels"]
+__all__ = ["BLOCK", "SENTINEL", "block_tables", "depth_limit", "segment_table", "tree_mask_mod", "windowed_mask_mod",
+           "triton_block_tables", "triton_kernels"]
