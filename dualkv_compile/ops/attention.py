@@ -124,7 +124,10 @@ def resolve_backend(backend: str, q: torch.Tensor, v: Optional[torch.Tensor] = N
 
             # float64 stays on the reference, the oracle (cpu_flash runs float64 too, when asked for by name).
             return "cpu_flash" if q.dtype != torch.float64 and cpu_flash.supports(q, v, **feats) is None else "reference"
-        for name in ("gluon", "triton", "flex"):
+        # Windows: flex first, the window kernel run on an H200 (tests/ops/test_flex.py); Triton's windows are
+        # checked on the interpreter only so far, so it takes them by name or where flex cannot.
+        order = ("gluon", "flex", "triton") if window or chunk else ("gluon", "triton", "flex")
+        for name in order:
             why = unsupported_reason(name, q, v, **feats)
             if why is None:
                 return name
