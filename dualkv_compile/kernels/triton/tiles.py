@@ -12,9 +12,6 @@ kernel sums apart before adding them to a key tile's total (0: one running sum).
 from ``exp2`` (and, for float32 inputs, a short odd polynomial near 0):
 libdevice's tanh has no interpreter implementation, and ``tanh.approx``
 (about 2^-11 relative) is too coarse once multiplied by the cap.
-``lowest_depth`` and ``last_reader`` are ``windows.py``'s window bounds on
-depths in the kernels; ``walk_down`` steps the windowed ancestor walk of the
-query kernels one full block down (``fwd.py``).
 
 Assumes
     * ``ptrs`` (and ``A`` / ``B`` with their token and dim strides) address
@@ -77,35 +74,6 @@ def softcap_tanh(s, qk_scale, SOFTCAP: tl.constexpr, POLY: tl.constexpr, OUT: tl
                                                                                         + x2 * 0.021869488536155203))))
         t = tl.where(tl.abs(x) < 0.25, poly * OUT, t)
     return t
-
-
-@triton.jit
-def lowest_depth(d, window, chunk):
-    """The lowest key depth a query at depth ``d`` sees (``windows.lowest_depth``; none is 2**30, so no branch)."""
-    return tl.maximum(d - window + 1, (d // chunk) * chunk)
-
-
-@triton.jit
-def last_reader(d, window, chunk):
-    """The deepest query that sees a key at depth ``d`` (``windows.last_reader``)."""
-    return tl.minimum(d + window - 1, (d // chunk + 1) * chunk - 1)
-
-
-@triton.jit
-def walk_down(WALK, SEG_START, SEG_LEN, PREFIX_LEN, anc, a_start, start_n, BLOCK_N: tl.constexpr):
-    """One full block down the windowed ancestor walk: ``(anc, a_start, start_n, koff)`` of the next block.
-
-    Inside an ancestor the blocks go from its last full one down to its first; past that, to the last full
-    block of the next ancestor with one (``WALK``'s third column), so the depth of the keys only descends.
-    ``koff`` turns the block's key indices into depths. Selects, not branches (``fwd.py`` says why); a -1
-    ancestor (the walk is over) reads segment 0, in bounds and unused.
-    """
-    start_n -= BLOCK_N
-    moved = start_n < a_start
-    anc = tl.where(moved, tl.maximum(tl.load(WALK + anc * 4 + 2), 0), anc)
-    a_start = tl.load(SEG_START + anc)
-    start_n = tl.where(moved, a_start + (tl.load(SEG_LEN + anc) // BLOCK_N - 1) * BLOCK_N, start_n)
-    return anc, a_start, start_n, tl.load(PREFIX_LEN + anc) - a_start
 
 
 @triton.jit
