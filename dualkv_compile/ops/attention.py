@@ -176,6 +176,8 @@ def attention_fwd(
     chunk: int = 0,
     sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # The kernels index k and v by q's head count and v's head dim: shapes that disagree would read out of bounds.
+    check_qkv(q, k, v, q.shape[2])
     segs = _segments(seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len)
     return _forward(_impl(backend), q, k, v, segs, scale, softcap, window, chunk, sinks, lse_dtype(q))
 
@@ -188,6 +190,7 @@ def lse_dtype(q: torch.Tensor) -> torch.dtype:
 @attention_fwd.register_fake
 def _(q, k, v, seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len, scale, softcap, backend,
       window=0, chunk=0, sinks=None):
+    check_qkv(q, k, v, q.shape[2])
     return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=lse_dtype(q))
 
 
@@ -214,6 +217,7 @@ def attention_bwd(
     chunk: int = 0,
     sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_qkv(q, k, v, q.shape[2])
     segs = _segments(seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len)
     return _backward_impl(_impl(backend), dout, q, k, v, out, lse, segs, scale, deterministic, softcap, window, chunk, sinks)
 

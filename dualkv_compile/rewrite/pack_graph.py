@@ -295,8 +295,11 @@ class _Packer:
         # casts its inputs to the autocast dtype (HF's fp32 RMSNorm and rotary leave q, k in float32
         # and v in bfloat16), which an opaque op does not do; so the cast is made here, in the graph.
         want = _ev(m.output).dtype
-        kv_heads = int(_ev(_unrepeated_kv(m.k, self.axes)).shape[1])
-        q, k, v = (self._in_dtype(_unrepeated_kv(x, self.axes), want) for x in (m.q, m.k, m.v))
+        k, v = _unrepeated_kv(m.k, self.axes), _unrepeated_kv(m.v, self.axes)
+        if _ev(k).shape[1] != _ev(v).shape[1]:
+            k, v = m.k, m.v  # one of them un-repeated alone: the op takes both repeated (its check refuses a mix)
+        kv_heads = int(_ev(k).shape[1])
+        q, k, v = (self._in_dtype(x, want) for x in (m.q, k, v))
         scale = m.scale if m.scale is not None else default_scale(m.q)
         backend = self._backend_for(m, want)
         sinks = None
@@ -363,24 +366,40 @@ def _unrepeated_kv(x: fx.Node, axes: TokenAxes) -> fx.Node:
     """The K/V before Hugging Face's ``repeat_kv`` (``[:, :, None]`` -> expand -> reshape), if ``x`` is its result.
 
     The attention op does GQA itself, so it reads each KV head once instead
-    of a copy per query head (and its backward sums dK/dV per KV head).
+    of a copy per query head (and its backward sums dK/dV per KV head). Dtype casts after the repeat
+    (``key_states.float()``) are looked through: the op casts its inputs to the output's dtype itself.
     """
+    repeated = x
+    while _is_dtype_cast(x):
+        x = x.args[0]
     if not (x.op == "call_method" and x.target == "reshape"):
-        return x
+        return repeated
     e = x.args[0]
     if not (isinstance(e, fx.Node) and e.op == "call_method" and e.target == "expand"):
-        return x
+        return repeated
     g = e.args[0]
     if not (isinstance(g, fx.Node) and g.op == "call_function" and g.target is operator.getitem):
-        return x
+        return repeated
     src, idx = g.args
     full = slice(None, None, None)
     if idx != (full, full, None, full, full) or axes.info[src].tags != ("b", None, "s", None):
-        return x
+        return repeated
     src_shape, out_shape = shape_of(src), shape_of(x)
     if len(out_shape) != 4 or out_shape[1] % src_shape[1] or [out_shape[i] for i in (0, 2, 3)] != [src_shape[i] for i in (0, 2, 3)]:
-        return x
+        return repeated
     return src
+
+
+def _is_dtype_cast(x) -> bool:
+    """``x.float()``, ``x.half()``, ``x.bfloat16()``, ``x.to(dtype)``: a cast that changes nothing but the dtype."""
+    if not (isinstance(x, fx.Node) and x.op == "call_method" and isinstance(x.args[0], fx.Node)):
+        return False
+    if x.target in ("float", "half", "bfloat16", "double"):
+        return len(x.args) == 1 and not x.kwargs
+    if x.target == "to":
+        rest = list(x.args[1:]) + [v for k, v in x.kwargs.items() if k == "dtype"]
+        return len(rest) == 1 and isinstance(rest[0], torch.dtype) and set(x.kwargs) <= {"dtype"}
+    return False
 
 
 def pack_graph(gm: fx.GraphModule, axes: TokenAxes, backend: str, requested: Optional[str] = None) -> fx.GraphModule:
