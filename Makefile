@@ -33,7 +33,7 @@ demo: $(STAMP)
 	$(PY) examples/grpo_tiny.py --steps 3
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) tests
+	$(PY) -m pytest -q $(XDIST) --durations=25 tests
 
 # The slow tests (pyproject's addopts leave them out of `make test`): the 1,000-example fuzz.
 test-slow: $(STAMP)
