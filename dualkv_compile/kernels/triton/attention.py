@@ -1,11 +1,11 @@
 """The hand-written Triton kernels of shared-prompt attention, behind the op's backend protocol.
 
-    supports(q, v=None) -> None, or why the kernels cannot run q (with v's head dim)
-    forward(q, k, v, segs, scale, softcap=0.0) -> (out, lse)
-    backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap=0.0) -> (dq, dk, dv)
+    supports(q, v=None, *, window=0, chunk=0, sinks=False) -> None, or why the kernels cannot run q
+    forward(q, k, v, segs, scale, softcap=0.0, window=0, chunk=0) -> (out, lse)
+    backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap=0.0, window=0, chunk=0) -> (dq, dk, dv)
 
-The launcher module of the package: the tuning tables (``Config``,
-``KernelConfig``, ``config_for``) and the launches. The kernels (``fwd.py``,
+The launcher module of the package: the launches, and the tuning tables
+(``Config``, ``KernelConfig``, ``config_for``: ``configs.py``) re-exported. The kernels (``fwd.py``,
 ``bwd.py``, with the tile loads they share in ``tiles.py``) take the layout
 only as int32 tensors; ``schedule.py`` turns ``Segments`` into per-launch
 tile schedules and ancestor walks with a few small device ops (no host
@@ -57,6 +57,17 @@ zero-padded operands (``head_dims``: the smaller ones padded to the larger
 dim; exact), so the kernels keep one head dim: a padded copy, the wider
 tiles and the tuning-table entry of the larger dim (performance unmeasured).
 
+Windows: a sliding ``window`` and ``chunk`` size on token depth (0: none;
+``layout.segments``, DESIGN.md semantics 15) run with the kernels' windowed
+walks (``windows.py`` has the rule and the host plans; ``fwd.py``,
+``bwd.py``, ``bwd_dq.py`` the walks): key blocks no row of a query tile sees,
+and query blocks that see no key of a key tile, are never computed, in the
+forward and in both backward passes. The sizes reach the kernels as runtime
+ints (no variant per size; one compiled variant with the walk, one without);
+the schedules are built from the layout like the others. Sinks are applied
+around the kernels (``ops/backend_calls.py``): the backward reads P from the
+saved lse and Delta from the saved out, which is all they need.
+
 Runs on CUDA (compute capability 8.0+; tuned for Hopper) and, for tests, on
 CPU under ``TRITON_INTERPRET=1``, which must be set before this package's
 kernel modules are first imported.
@@ -64,19 +75,22 @@ kernel modules are first imported.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from typing import Optional
 
 import torch
 
-from ...layout.segments import Segments
+from ...layout.segments import Segments, check_window
 from ..device import capability
 from ..head_dims import common_head_dim, pad_head_dim
+from .configs import (  # the tuning tables, re-exported here where they lived first
+    _FP32_CUDA_CONFIG, _GENERIC_CONFIGS, _INTERPRET_CONFIG, DQ_MODES, HOPPER_CONFIGS, Config, KernelConfig, config_for,
+)
 from .launch import LAUNCH_OPTIONS
 from .schedule import ancestor_walk, tile_schedule
 from .tma import block_d, descriptors, interpreting, row_stats_descriptor
+from .windows import NONE, subtree_next, window_args, window_schedule
 
 log = logging.getLogger("dualkv_compile")
 
@@ -84,93 +98,6 @@ __all__ = ["supports", "forward", "backward", "backward_dkdv", "row_statistics",
            "HOPPER_CONFIGS"]
 
 LOG2E = 1.4426950408889634
-
-
-DQ_MODES = ("recompute", "atomic")
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-    """Tiles and pipelining of one kernel.
-
-    ``tma``: load the full blocks of the streamed operands through tensor
-    descriptors (Hopper's copy engine) where the device and the operands'
-    strides allow it, else through pointers. ``stats_tma`` (dK/dV kernel, with
-    ``tma``): its per-row lse and Delta too, from a packed copy the backward's
-    preprocess kernel writes.
-    """
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    tma: bool = False
-    stats_tma: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Launch parameters of the three kernels for one head dim.
-
-    ``fwd`` and ``dq`` tile query rows by ``block_m`` and walk keys by
-    ``block_n``; ``dkdv`` tiles keys by ``block_n`` and walks query rows by
-    ``block_m``. ``head_split`` and ``dq_mode`` apply to the default
-    (non-deterministic) backward only. ``dq_mode``: "recompute" (the Q-major
-    dQ kernel recomputes S and dP) or "atomic" (the dK/dV kernel adds dS K
-    into a float32 buffer with atomics; slower on the H200 so far, and TMA
-    bulk reductions instead of per-element atomics did not fit its tiles:
-    benchmarks/results/triton_tuning.md).
-    """
-
-    fwd: KernelConfig
-    dkdv: KernelConfig
-    dq: KernelConfig
-    head_split: int = 1
-    dq_mode: str = "recompute"
-
-    def __post_init__(self):
-        if self.dq_mode not in DQ_MODES:
-            raise ValueError(f"Config.dq_mode: expected one of {DQ_MODES}, got {self.dq_mode!r}")
-        if self.head_split < 1:
-            raise ValueError(f"Config.head_split: expected a positive int, got {self.head_split}")
-
-
-# Hopper (H100 / H200), bf16/fp16, measured with benchmarks/triton_tune.py
-# (see benchmarks/results/triton_tuning.md). Keyed by the padded head dim.
-# D=128 and D=64 are measured (run 5, H200): tensor-descriptor loads; the dK/dV kernel
-# in one warpgroup on 64 keys (two programs per SM; 32 query rows at D=128, where 64
-# rows spill registers, 64 at D=64) with all query heads of a kv head in one program
-# and the row statistics packed for the copy engine. D=256 is untuned beyond the
-# correctness checks and keeps pointer loads.
-HOPPER_CONFIGS: dict[int, Config] = {
-    64: Config(
-        fwd=KernelConfig(128, 64, 8, 3, tma=True),
-        dkdv=KernelConfig(64, 64, 4, 3, tma=True, stats_tma=True),
-        dq=KernelConfig(128, 64, 8, 3),
-    ),
-    128: Config(
-        fwd=KernelConfig(128, 128, 8, 3, tma=True),
-        dkdv=KernelConfig(32, 64, 4, 3, tma=True, stats_tma=True),
-        dq=KernelConfig(128, 64, 8, 3),
-    ),
-    256: Config(
-        fwd=KernelConfig(64, 64, 4, 2),
-        dkdv=KernelConfig(32, 64, 8, 1),
-        dq=KernelConfig(64, 32, 8, 1),
-    ),
-}
-# Other CUDA GPUs: conservative tiles that fit 100 KB of shared memory (untuned).
-_GENERIC_CONFIGS: dict[int, Config] = {
-    64: Config(KernelConfig(128, 64, 4, 2), KernelConfig(64, 64, 4, 2), KernelConfig(64, 64, 4, 2)),
-    128: Config(KernelConfig(64, 64, 4, 2), KernelConfig(64, 64, 8, 1), KernelConfig(64, 64, 8, 1)),
-    256: Config(KernelConfig(64, 32, 4, 1), KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 1)),
-}
-# float32 inputs on GPU (a correctness path, not a fast one): "tf32x3" products, whose
-# split operands need small tiles to fit shared memory.
-_FP32_CUDA_CONFIG = Config(KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 1))
-# The interpreter runs programs one by one in numpy: small tiles keep tests quick
-# and still exercise many blocks, ragged edges and diagonals.
-_INTERPRET_CONFIG = Config(KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1))
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -209,26 +136,13 @@ def _supports_input(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Option
         return f"head dim {D} is not supported (16 to 256){mla}"
     return None
 
+
 def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None, *, window: int = 0, chunk: int = 0,
              sinks: bool = False) -> Optional[str]:
     """None if the Triton kernels can run q (and v) with these windows (and sinks); else the reason."""
-    why = _supports_input(q, v)
-    if why is not None:
-        return why
-    if window or chunk:
-        return f"the Triton kernels do not implement sliding or chunked windows yet (window={window}, chunk={chunk})"
-    return None
-
-
-def config_for(q: torch.Tensor) -> Config:
-    """The tuning-table entry for q's device and head dim (the padded common one for MLA)."""
-    if q.device.type != "cuda":
-        return _INTERPRET_CONFIG
-    if q.dtype == torch.float32:
-        return _FP32_CUDA_CONFIG
-    bd = max(64, block_d(q.shape[-1]))
-    table = HOPPER_CONFIGS if capability(q.device)[0] == 9 else _GENERIC_CONFIGS
-    return table[bd]
+    # Windows of any size run (windows.py); sinks apply around the kernels (ops/backend_calls.py), whose
+    # backward reads the saved out and lse as sinks need.
+    return _supports_input(q, v)
 
 
 # --------------------------------------------------------------------------- launches
@@ -261,15 +175,36 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(1), t.stride(2), t.stride(3)
 
 
-def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0, *, config: Optional[Config] = None):
-    """``(out [1, Hq, T, Dv] in q's dtype, lse [1, Hq, T] float32, float64 for float64 inputs)``."""
+def _query_tiles(segs: Segments, T: int, c: KernelConfig, window: int, chunk: int) -> tuple[torch.Tensor, tuple, dict]:
+    """The forward's and dQ kernel's schedule, their window arguments (PREFIX_LEN, window, chunk) and flag.
+
+    Under windows the schedule carries the ancestor blocks each tile reaches (``windows.window_schedule``)
+    and the sizes go in as runtime ints; without, the kernels compile without the windowed walk, as before.
+    """
+    if not (window or chunk):
+        return tile_schedule(segs, T, c.block_m, "q"), (segs.prefix_len, 0, 0), dict(WINDOW=False)
+    tiles = window_schedule(segs, T, c.block_m, c.block_n, window, chunk)
+    return tiles, (segs.prefix_len, *window_args(window, chunk)), dict(WINDOW=True)
+
+
+def _check_window(window: int, chunk: int, T: int) -> None:
+    check_window(window, chunk)
+    if (window or chunk) and T >= NONE:
+        raise ValueError(f"triton attention: windows need T < {NONE}, got T={T}")
+
+
+def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0, window: int = 0, chunk: int = 0, *,
+            config: Optional[Config] = None):
+    """``(out [1, Hq, T, Dv] in q's dtype, lse [1, Hq, T] float32, float64 for float64 inputs)``; ``window`` and
+    ``chunk`` (0: none) on token depth (``layout.segments``)."""
     Dv, D = v.shape[-1], common_head_dim(q, v)
     if Dv != q.shape[-1]:  # MLA: one head dim for the kernels, zero-padded (exact)
-        out, lse = forward(*(pad_head_dim(t, D) for t in (q, k, v)), segs, scale, softcap, config=config)
+        out, lse = forward(*(pad_head_dim(t, D) for t in (q, k, v)), segs, scale, softcap, window, chunk, config=config)
         return out[..., :Dv], lse
     from .fwd import shared_prompt_fwd_kernel
 
     _check(q, k, segs)
+    _check_window(window, chunk, q.shape[2])
     _, Hq, T, D = q.shape
     Hkv = k.shape[1]
     cfg = (config or config_for(q)).fwd
@@ -277,49 +212,50 @@ def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0, *, conf
     lse = torch.empty((1, Hq, T), dtype=_acc(q.dtype), device=q.device)
     if T == 0 or Hq == 0:
         return out, lse
-    tiles = tile_schedule(segs, T, cfg.block_m, "q")
+    tiles, win_args, win_flag = _query_tiles(segs, T, cfg, window, chunk)
     descs, tma = descriptors(cfg, cfg.block_n, k, v)
     shared_prompt_fwd_kernel[(Hq, tiles.shape[1])](
         q, k, v, out, lse, tiles, tiles.shape[1], *descs,
         segs.seg_start, segs.seg_len, ancestor_walk(segs, cfg.block_n),
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), lse.stride(1),
-        Hq // Hkv, scale * LOG2E,
+        Hq // Hkv, scale * LOG2E, *win_args,
         HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        **_dot_flags(q), TMA=tma, SOFTCAP=float(softcap), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **LAUNCH_OPTIONS,
+        **_dot_flags(q), TMA=tma, SOFTCAP=float(softcap), **win_flag, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **LAUNCH_OPTIONS,
     )
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, softcap: float = 0.0, *,
-             config: Optional[Config] = None):
-    """``(dq, dk, dv)``; dk and dv per kv head (summed over the query heads that share it)."""
+def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False, softcap: float = 0.0,
+             window: int = 0, chunk: int = 0, *, config: Optional[Config] = None):
+    """``(dq, dk, dv)``; dk and dv per kv head (summed over the query heads that share it). P comes from the
+    saved ``lse`` and Delta from the saved ``out`` (so sinks compose: ``kernels.sinks``)."""
     Dqk, Dv, D = q.shape[-1], v.shape[-1], common_head_dim(q, v)
     if Dv != Dqk:  # MLA: zero-padded, as in the forward
         padded = (pad_head_dim(t, D) for t in (dout, q, k, v, out))
-        dq, dk, dv = backward(*padded, lse, segs, scale, deterministic, softcap, config=config)
+        dq, dk, dv = backward(*padded, lse, segs, scale, deterministic, softcap, window, chunk, config=config)
         return dq[..., :Dqk], dk[..., :Dqk], dv[..., :Dv]
-    from .bwd import bwd_dq_kernel
+    from .bwd_dq import bwd_dq_kernel
 
     full = config or config_for(q)
     atomic_dq = not deterministic and full.dq_mode == "atomic"
-    dq, dk, dv, delta, lse = backward_dkdv(dout, q, k, v, out, lse, segs, scale, deterministic, softcap, config=full,
-                                           atomic_dq=atomic_dq)
+    dq, dk, dv, delta, lse = backward_dkdv(dout, q, k, v, out, lse, segs, scale, deterministic, softcap, window, chunk,
+                                           config=full, atomic_dq=atomic_dq)
     _, Hq, T, D = q.shape
     if not atomic_dq:  # the Q-major dQ pass
         dq = torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
     if not atomic_dq and T and Hq:
         c = full.dq
-        tiles = tile_schedule(segs, T, c.block_m, "q")
+        tiles, win_args, win_flag = _query_tiles(segs, T, c, window, chunk)
         descs, tma = descriptors(c, c.block_n, k, v)
         bwd_dq_kernel[(Hq, tiles.shape[1])](
             q, k, v, dout, lse, delta, dq, tiles, tiles.shape[1], *descs,
             segs.seg_start, segs.seg_len, ancestor_walk(segs, c.block_n),
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-            lse.stride(1), Hq // k.shape[1], scale * LOG2E, scale,
+            lse.stride(1), Hq // k.shape[1], scale * LOG2E, scale, *win_args,
             HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-            **_dot_flags(q), TMA=tma, SOFTCAP=float(softcap), num_warps=c.num_warps, num_stages=c.num_stages,
-            **LAUNCH_OPTIONS,
+            **_dot_flags(q), TMA=tma, SOFTCAP=float(softcap), **win_flag, num_warps=c.num_warps,
+            num_stages=c.num_stages, **LAUNCH_OPTIONS,
         )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -344,7 +280,8 @@ def row_statistics(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, pac
 
 
 def backward_dkdv(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False,
-                  softcap: float = 0.0, *, config: Optional[Config] = None, atomic_dq: bool = False):
+                  softcap: float = 0.0, window: int = 0, chunk: int = 0, *, config: Optional[Config] = None,
+                  atomic_dq: bool = False):
     """The backward without its Q-major dQ pass: ``(dq, dk, dv, delta, lse)``.
 
     dq is None unless ``atomic_dq`` (then the dK/dV kernel added dS K into it, float32); ``delta``
@@ -356,6 +293,7 @@ def backward_dkdv(dout, q, k, v, out, lse, segs: Segments, scale: float, determi
 
     _check(q, k, segs)
     _, Hq, T, D = q.shape
+    _check_window(window, chunk, T)
     Hkv = k.shape[1]
     G = Hq // Hkv
     full = config or config_for(q)
@@ -376,7 +314,12 @@ def backward_dkdv(dout, q, k, v, out, lse, segs: Segments, scale: float, determi
     stats_tma = tma and c.stats_tma
     delta, stats = row_statistics(out, dout, lse, pack=stats_tma)
 
-    tiles = tile_schedule(segs, T, c.block_n, "kv")
+    tiles = tile_schedule(segs, T, c.block_n, "kv", window, chunk)
+    # Under windows the kernel walks a key tile's readers segment by segment (subtree_next skips the
+    # subtrees the window does not reach); without, the arguments stand in unused.
+    windowed = bool(window or chunk)
+    win_args = (segs.prefix_len, subtree_next(segs), *window_args(window, chunk)) if windowed else (
+        segs.prefix_len, segs.subtree_end, 0, 0)
     bwd_dkdv_kernel[(Hkv * head_split, tiles.shape[1])](
         # Without atomic dQ the kernel's dQ pointer is never written: q stands in (same dtype, as before).
         q, k, v, dout, lse, delta, dk, dv, dq if atomic_dq else q, tiles, tiles.shape[1], *descs,
@@ -384,9 +327,9 @@ def backward_dkdv(dout, q, k, v, out, lse, segs: Segments, scale: float, determi
         segs.seg_start, segs.seg_len, segs.subtree_end,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
         *_strides(dq if atomic_dq else q),
-        lse.stride(1), G, scale * LOG2E, scale,
+        lse.stride(1), G, scale * LOG2E, scale, *win_args,
         HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_SPLIT=head_split,
-        ATOMIC_DQ=atomic_dq, **flags, TMA=tma, STATS_TMA=stats_tma, SOFTCAP=float(softcap),
+        ATOMIC_DQ=atomic_dq, **flags, TMA=tma, STATS_TMA=stats_tma, SOFTCAP=float(softcap), WINDOW=windowed,
         num_warps=c.num_warps, num_stages=c.num_stages, **LAUNCH_OPTIONS,
     )
     return dq, dk, dv, delta, lse

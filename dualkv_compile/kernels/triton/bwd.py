@@ -1,4 +1,4 @@
-"""Backward Triton kernels of shared-prompt attention on the packed stream.
+"""Backward Triton kernels of shared-prompt attention on the packed stream: the preprocess and dK/dV kernels.
 
 With P the softmax (recomputed from q, k and the saved log-sum-exp),
 Delta = rowsum(dO * O):  dV = P^T dO,  dS = P * (dO V^T - Delta),
@@ -32,10 +32,17 @@ dQ = scale * dS K,  dK = scale * dS^T Q.  Three kernels:
     program also adds dS K into a float32 dQ buffer with atomics, saving the
     Q-major kernel's recomputation (not bitwise reproducible).
 
-``bwd_dq_kernel`` (Q-major)
-    One program per query tile and query head walks the same regions as the
-    forward (every ancestor's blocks, through the same ``WALK`` table for its
-    ``BLOCK_N``; own blocks causal) and writes dQ once.
+``bwd_dq_kernel`` (Q-major) lives in ``bwd_dq.py`` (importable from here).
+
+Windows (``WINDOW``; ``windows.py``): the dK/dV program of a key tile at
+depths klo..khi reads only the query rows of depth <= ``last_reader(khi)``:
+its diagonal, its own later rows up to that depth, and, when the window
+reaches past the segment's end, the first rows of each descendant segment
+(a walk over the subtree in pre-order that jumps over the subtree of a
+segment the window does not reach, ``SUBTREE_NEXT``). Rows up to
+``last_reader(klo)`` see the whole tile and get no window mask; the rest do.
+The float32 two-level sum counts its blocks across all of these ranges.
+``window`` and ``chunk`` are runtime ints, never compile-time.
 
 Logit softcap (``SOFTCAP``, a compile-time float; 0.0: none, and then the
 kernels are the ones without it): P comes from the capped scores and dS gets
@@ -66,7 +73,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import acc_dtype, key_sum_chunk, load_pair, load_tile, softcap_tanh
+from .bwd_dq import bwd_dq_kernel  # noqa: F401  (the dQ kernel's module; importable from here as before)
+from .tiles import acc_dtype, key_sum_chunk, last_reader, load_pair, load_tile, softcap_tanh
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -108,7 +116,9 @@ def _dkdv_q_block(
     BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, ROW_MASK: tl.constexpr,
     EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     STATS_TMA: tl.constexpr, SOFTCAP: tl.constexpr,
+    WIN: tl.constexpr = False, qoff=0, last_q=0,
 ):
+    # WIN: the window mask, key i is read by the query rows r of depth r + qoff <= last_q[i] (its last reader's).
     rows = start_m + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     # descs: (q descriptor, this head's row and column in it, the same for dO,
@@ -139,6 +149,8 @@ def _dkdv_q_block(
         p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
     if CAUSAL:
         p_t = tl.where(offs_n[:, None] <= rows[None, :], p_t, 0.0)
+    if WIN:
+        p_t = tl.where((rows + qoff)[None, :] <= last_q[:, None], p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC, out_dtype=dv.dtype)
     ds_t = p_t * (dp_t - delta[None, :])
     if SOFTCAP != 0.0:
@@ -190,7 +202,65 @@ def _dkdv_rows(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["num_tiles", "q_row_h", "q_col_h", "do_row_h", "do_col_h", "stats_row_h", "stride_lh"])
+@triton.jit
+def _dkdv_win_block(
+    dk, dv, pk, pv, cnt, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
+    stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale, qoff, last_q,
+    BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, ROW_MASK: tl.constexpr, WIN: tl.constexpr, EVEN_D: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    STATS_TMA: tl.constexpr, SOFTCAP: tl.constexpr, CHUNK: tl.constexpr,
+):
+    # One query block under the windows. With CHUNK (float32: tiles.key_sum_chunk) it goes into the partial
+    # sums pk, pv, added to dk, dv every CHUNK blocks as counted over all of the tile's row ranges (cnt): the
+    # two-level sum's error bound however many readers' segments the blocks come from.
+    if CHUNK == 0:
+        dk, dv = _dkdv_q_block(
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
+            stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
+            BLOCK_M, CAUSAL, ROW_MASK, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP,
+            WIN, qoff, last_q)
+    else:
+        pk, pv = _dkdv_q_block(
+            pk, pv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, start_m, row_end, offs_n, col_ok, offs_d, d_ok,
+            stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
+            BLOCK_M, CAUSAL, ROW_MASK, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP,
+            WIN, qoff, last_q)
+        cnt += 1
+        flush = cnt % CHUNK == 0  # selects, not a branch around the accumulators
+        dk = tl.where(flush, dk + pk, dk)
+        dv = tl.where(flush, dv + pv, dv)
+        pk = tl.where(flush, 0.0, pk)
+        pv = tl.where(flush, 0.0, pv)
+    return dk, dv, pk, pv, cnt
+
+
+@triton.jit
+def _dkdv_win_rows(
+    dk, dv, pk, pv, cnt, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, row_start, row_end, offs_n, col_ok, offs_d, d_ok,
+    stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale, qoff, last_q,
+    BLOCK_M: tl.constexpr, WIN: tl.constexpr, EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr, TMA: tl.constexpr, STATS_TMA: tl.constexpr, SOFTCAP: tl.constexpr, CHUNK: tl.constexpr,
+):
+    # Query rows [row_start, row_end) of one segment, after the tile's diagonal: full blocks (unmasked loads,
+    # the copy engine's), then the ragged tail with row masks.
+    full_end = row_start + ((row_end - row_start) // BLOCK_M) * BLOCK_M
+    for start_m in range(row_start, full_end, BLOCK_M):
+        dk, dv, pk, pv, cnt = _dkdv_win_block(
+            dk, dv, pk, pv, cnt, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, start_m, row_end, offs_n, col_ok, offs_d,
+            d_ok, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale, qoff,
+            last_q, BLOCK_M, False, False, WIN, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP,
+            CHUNK)
+    if full_end < row_end:
+        dk, dv, pk, pv, cnt = _dkdv_win_block(
+            dk, dv, pk, pv, cnt, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, full_end, row_end, offs_n, col_ok, offs_d,
+            d_ok, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale, qoff,
+            last_q, BLOCK_M, False, True, WIN, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP,
+            CHUNK)
+    return dk, dv, pk, pv, cnt
+
+
+@triton.jit(do_not_specialize=["num_tiles", "q_row_h", "q_col_h", "do_row_h", "do_col_h", "stats_row_h", "stride_lh",
+                               "window", "chunk"])
 def bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ, TILES, num_tiles,
     Q_DESC, DO_DESC, q_row_h, q_col_h, do_row_h, do_col_h, STATS_DESC, stats_row_h,
@@ -204,10 +274,11 @@ def bwd_dkdv_kernel(
     stride_dqh, stride_dqt, stride_dqd,
     stride_lh,
     heads_per_kv, qk_scale, sm_scale,
+    PREFIX_LEN, SUBTREE_NEXT, window, chunk,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_SPLIT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-    STATS_TMA: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
+    STATS_TMA: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, WINDOW: tl.constexpr = False,
 ):
     pid_h = tl.program_id(0)
     t = tl.program_id(1)
@@ -243,6 +314,27 @@ def bwd_dkdv_kernel(
     n_diag = tl.cdiv(tl.minimum(BLOCK_N, seg_end - n0), BLOCK_M)
     after_diag = tl.minimum(n0 + n_diag * BLOCK_M, seg_end)
     heads_per_prog = heads_per_kv // HEAD_SPLIT
+    CHUNK: tl.constexpr = key_sum_chunk(Q.dtype.element_ty)
+    if WINDOW:
+        # Sliding / chunked windows (windows.py): the tile's keys (depths klo..khi) are read by the queries
+        # of depth <= last_reader(khi), and whole by those of depth <= last_reader(klo); the rest get the
+        # window mask, the deeper ones are never loaded. Own rows by index; the subtree's readers are a run
+        # per descendant segment (its first rows), walked in pre-order, a segment the window does not
+        # reach skipped with all its descendants (SUBTREE_NEXT; windows.subtree_next).
+        koff = tl.load(PREFIX_LEN + seg) - seg_start  # own token index -> depth
+        last_q = last_reader(offs_n + koff, window, chunk)  # per key: the deepest query that sees it
+        whole_to = last_reader(n0 + koff, window, chunk)
+        seen_to = last_reader(tl.minimum(n0 + BLOCK_N, seg_end) - 1 + koff, window, chunk)
+        # The readers' walk: the own rows after the diagonal, then (when the window reaches the children,
+        # which start at depth seg_end + koff) the subtree's segments.
+        stop = tl.where(seg_end + koff <= seen_to, tl.load(SUBTREE_NEXT + seg), seg + 1)
+        if CHUNK == 0:  # no partial sums: stand-ins that stay untouched
+            pk = tl.zeros([1, 1], ACC)
+            pv = tl.zeros([1, 1], ACC)
+        else:
+            pk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
+            pv = tl.zeros([BLOCK_N, BLOCK_D], ACC)
+        cnt = n0 * 0
     for i in range(0, heads_per_prog):
         head = kv_head * heads_per_kv + split * heads_per_prog + i
         Qh = Q + head.to(tl.int64) * stride_qh
@@ -252,15 +344,48 @@ def bwd_dkdv_kernel(
         DQh = DQ + head.to(tl.int64) * stride_dqh
         descs = (Q_DESC, head * q_row_h, head * q_col_h, DO_DESC, head * do_row_h, head * do_col_h,
                  STATS_DESC, head * stats_row_h)
-        for j in range(0, n_diag):
-            dk, dv = _dkdv_q_block(
-                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, n0 + j * BLOCK_M, seg_end, offs_n, col_ok, offs_d,
-                d_ok, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
-                BLOCK_M, True, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP)
-        dk, dv = _dkdv_rows(
-            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, after_diag, subtree_end, offs_n, col_ok, offs_d, d_ok,
-            stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
-            BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP, key_sum_chunk(Q.dtype.element_ty))
+        if WINDOW:
+            for j in range(0, n_diag):
+                dk, dv, pk, pv, cnt = _dkdv_win_block(
+                    dk, dv, pk, pv, cnt, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, n0 + j * BLOCK_M, seg_end, offs_n,
+                    col_ok, offs_d, d_ok, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd,
+                    qk_scale, sm_scale, koff, last_q, BLOCK_M, True, True, True, EVEN_D, ATOMIC_DQ,
+                    DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP, CHUNK)
+            reader = seg
+            while reader < stop:
+                own = reader == seg
+                r0 = tl.where(own, after_diag, tl.load(SEG_START + reader))
+                d0 = tl.where(own, after_diag + koff, tl.load(PREFIX_LEN + reader))  # the depth of row r0
+                n = tl.where(own, seg_end - after_diag, tl.load(SEG_LEN + reader))
+                r_whole = r0 + tl.minimum(tl.maximum(whole_to - d0 + 1, 0), n)
+                r_seen = r0 + tl.minimum(tl.maximum(seen_to - d0 + 1, 0), n)
+                dk, dv, pk, pv, cnt = _dkdv_win_rows(
+                    dk, dv, pk, pv, cnt, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, r0, r_whole, offs_n, col_ok,
+                    offs_d, d_ok, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale,
+                    sm_scale, d0 - r0, last_q, BLOCK_M, False, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA,
+                    STATS_TMA, SOFTCAP, CHUNK)
+                dk, dv, pk, pv, cnt = _dkdv_win_rows(
+                    dk, dv, pk, pv, cnt, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, r_whole, r_seen, offs_n, col_ok,
+                    offs_d, d_ok, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale,
+                    sm_scale, d0 - r0, last_q, BLOCK_M, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA,
+                    STATS_TMA, SOFTCAP, CHUNK)
+                # Reached (or the own rows): on to the next segment, its first child if it has one; else past
+                # its whole subtree, which lies deeper still.
+                reader = tl.where(own | (d0 <= seen_to), reader + 1, tl.load(SUBTREE_NEXT + reader))
+        else:
+            for j in range(0, n_diag):
+                dk, dv = _dkdv_q_block(
+                    dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, n0 + j * BLOCK_M, seg_end, offs_n, col_ok, offs_d,
+                    d_ok, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
+                    BLOCK_M, True, True, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP)
+            dk, dv = _dkdv_rows(
+                dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, descs, after_diag, subtree_end, offs_n, col_ok, offs_d, d_ok,
+                stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt, stride_dqd, qk_scale, sm_scale,
+                BLOCK_M, EVEN_D, ATOMIC_DQ, DOT_PREC, UPCAST, TMA, STATS_TMA, SOFTCAP, CHUNK)
+    if WINDOW:
+        if CHUNK != 0:
+            dk += pk
+            dv += pv
 
     dk = dk * sm_scale
     dk_ptrs = DK + kv_head.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :] * stride_dkd
@@ -272,120 +397,3 @@ def bwd_dkdv_kernel(
     else:
         tl.atomic_add(dk_ptrs, dk, mask=mask, sem="relaxed")
         tl.atomic_add(dv_ptrs, dv, mask=mask, sem="relaxed")
-
-
-@triton.jit
-def _dq_kv_block(
-    dq, q, do, lse2, delta, Kh, Vh, descs, start_n, col_end, rows, offs_n, offs_d, d_ok,
-    stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
-    MASK: tl.constexpr,  # 0: full block, 1: ragged columns (zero-loaded), 2: causal diagonal
-    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr,
-):
-    cols = start_n + offs_n
-    col_ok = cols < col_end
-    k, v = load_pair(Kh, Vh, descs, start_n, cols, col_ok, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd,
-                     MASK != 0, EVEN_D, UPCAST, TMA)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-    if SOFTCAP != 0.0:
-        tanh = softcap_tanh(s, qk_scale, SOFTCAP, q.dtype == tl.float32, 1.0)
-        p = tl.math.exp2(tanh * (SOFTCAP * LOG2E) - lse2[:, None])
-    else:
-        p = tl.math.exp2(s * qk_scale - lse2[:, None])
-    if MASK == 1:
-        # k = 0 past the ancestor's end, but p = exp2(0 - lse) can overflow there (and inf * 0 is NaN).
-        p = tl.where(col_ok[None, :], p, 0.0)
-    if MASK == 2:
-        p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-    ds = p * (dp - delta[:, None])
-    if SOFTCAP != 0.0:
-        ds = ds * (1.0 - tanh * tanh)
-    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC, out_dtype=dq.dtype)
-    return dq
-
-
-@triton.jit(do_not_specialize=["num_tiles", "k_row_h", "k_col_h", "v_row_h", "v_col_h", "stride_lh"])
-def bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, TILES, num_tiles,
-    K_DESC, V_DESC, k_row_h, k_col_h, v_row_h, v_col_h,
-    SEG_START, SEG_LEN, WALK,
-    stride_qh, stride_qt, stride_qd,
-    stride_kh, stride_kt, stride_kd,
-    stride_vh, stride_vt, stride_vd,
-    stride_doh, stride_dot, stride_dod,
-    stride_dqh, stride_dqt, stride_dqd,
-    stride_lh,
-    heads_per_kv, qk_scale, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    TMA: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
-):
-    head = tl.program_id(0)
-    t = tl.program_id(1)
-    seg = tl.load(TILES + t)
-    if seg < 0:
-        return
-    tile = tl.load(TILES + num_tiles + t)
-    seg_start = tl.load(SEG_START + seg)
-    seg_end = seg_start + tl.load(SEG_LEN + seg)
-
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    ACC: tl.constexpr = acc_dtype(Q.dtype.element_ty)
-    m0 = seg_start + tile * BLOCK_M
-    rows = m0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < seg_end
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    kv_head = head // heads_per_kv
-    Kh = K + kv_head.to(tl.int64) * stride_kh
-    Vh = V + kv_head.to(tl.int64) * stride_vh
-    descs = (K_DESC, kv_head * k_row_h, kv_head * k_col_h, V_DESC, kv_head * v_row_h, kv_head * v_col_h)
-    q = load_tile(Q + head.to(tl.int64) * stride_qh + rows[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                  row_ok, d_ok, True, EVEN_D, UPCAST)
-    do = load_tile(DO + head.to(tl.int64) * stride_doh + rows[:, None] * stride_dot + offs_d[None, :] * stride_dod,
-                   row_ok, d_ok, True, EVEN_D, UPCAST)
-    # Rows past the segment load q = dO = 0 and lse = Delta = 0: finite, never stored.
-    lse2 = tl.load(LSE + head.to(tl.int64) * stride_lh + rows, mask=row_ok, other=0.0) * LOG2E
-    delta = tl.load(DELTA + head.to(tl.int64) * stride_lh + rows, mask=row_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
-
-    # The ancestors as in the forward (all their full blocks, nearest first, then each ragged last
-    # block; two flat loops, no branch: see fwd.py), then the own tokens, causal. No running
-    # maximum here: the saved lse normalises every block.
-    walk = WALK + seg * 4
-    anc = tl.maximum(tl.load(walk + 2), 0)
-    start_n = tl.load(SEG_START + anc)
-    full_end = start_n + (tl.load(SEG_LEN + anc) // BLOCK_N) * BLOCK_N
-    for _ in range(0, tl.load(walk)):
-        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, start_n, full_end, rows, offs_n, offs_d, d_ok,
-                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA,
-                          SOFTCAP)
-        start_n += BLOCK_N
-        moved = start_n >= full_end
-        anc = tl.where(moved, tl.maximum(tl.load(WALK + anc * 4 + 2), 0), anc)
-        a_start = tl.load(SEG_START + anc)
-        start_n = tl.where(moved, a_start, start_n)
-        full_end = tl.where(moved, a_start + (tl.load(SEG_LEN + anc) // BLOCK_N) * BLOCK_N, full_end)
-    anc = tl.maximum(tl.load(walk + 3), 0)
-    for _ in tl.range(0, tl.load(walk + 1), num_stages=1):  # one block per ancestor: no pipeline
-        a_start = tl.load(SEG_START + anc)
-        a_end = a_start + tl.load(SEG_LEN + anc)
-        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, a_start + ((a_end - a_start) // BLOCK_N) * BLOCK_N,
-                          a_end, rows, offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 1,
-                          EVEN_D, DOT_PREC, UPCAST, TMA, SOFTCAP)
-        anc = tl.maximum(tl.load(WALK + anc * 4 + 3), 0)
-    diag_start = seg_start + ((m0 - seg_start) // BLOCK_N) * BLOCK_N
-    for start_n in range(seg_start, diag_start, BLOCK_N):
-        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, start_n, seg_end, rows, offs_n, offs_d, d_ok,
-                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA,
-                          SOFTCAP)
-    diag_end = tl.minimum(m0 + BLOCK_M, seg_end)
-    for start_n in range(diag_start, diag_end, BLOCK_N):
-        dq = _dq_kv_block(dq, q, do, lse2, delta, Kh, Vh, descs, start_n, seg_end, rows, offs_n, offs_d, d_ok,
-                          stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 2, EVEN_D, DOT_PREC, UPCAST, TMA,
-                          SOFTCAP)
-
-    dq = dq * sm_scale
-    dq_ptrs = DQ + head.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

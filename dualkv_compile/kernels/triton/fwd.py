@@ -10,6 +10,18 @@ query head. It walks two kinds of key/value regions with ONE online softmax:
     2. the segment's own tokens up to the tile: blocks strictly left of the
        tile's diagonal are full; the diagonal blocks get the causal mask.
 
+With ``WINDOW`` (a sliding window and / or chunks on token depth:
+``windows.py``; ``window`` and ``chunk`` runtime ints, the flag the only
+compile-time part) the same regions shrink to what the tile's rows see:
+each ancestor's full blocks are walked from its last one down, nearest
+ancestor first, so depth only descends, and ``TILES`` (then
+``windows.window_schedule``'s) says how many of them every row sees whole
+(no mask) and how many any row sees (the band after them, masked per
+element); the walk stops there, and the chain below is never loaded. Each
+ragged block any row sees follows (masked anyway); then the own tokens from
+the block of the first row's lowest key, the band masked, full blocks up to
+the diagonal, the diagonal with both masks.
+
 It writes the output and the log-sum-exp (natural log of the sum of
 ``exp(scale * q.k)``), which the backward reuses. With ``SOFTCAP`` (a
 compile-time float, 0.0 for none) the scaled score s is capped to
@@ -31,7 +43,8 @@ Assumes
       last block, nearest ancestor with a full block, nearest with a ragged
       one; -1: none). Lengths and the forest's shape only ever reach the
       kernel through tensors (trip counts are data): a new layout, deeper or
-      wider, never triggers a recompilation.
+      wider, never triggers a recompilation. ``PREFIX_LEN`` (the column of
+      the same name) is read only with ``WINDOW``, to turn indices into depths.
     * With ``TMA``, ``K_DESC`` / ``V_DESC`` are Hopper tensor descriptors over
       the same memory as K / V (built by ``tma.tma_view``): the
       ``BLOCK_N`` rows of kv head ``h`` from token ``t`` are
@@ -52,7 +65,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import acc_dtype, load_pair, load_tile, softcap_tanh
+from .tiles import acc_dtype, load_pair, load_tile, lowest_depth, own_band, softcap_tanh, walk_down
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -60,9 +73,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _fwd_kv_block(
-    acc, l_i, m_i, q, K, V, descs, start_n, col_end, rows,
+    acc, l_i, m_i, q, K, V, descs, start_n, col_end, rows, lo_cols,
     offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale,
     MASK: tl.constexpr,  # 0: full block, 1: ragged columns (>= col_end hidden), 2: causal diagonal
+    WIN: tl.constexpr,  # the window mask: row i sees the columns >= lo_cols[i] (its lowest depth, as an index)
     EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
@@ -79,17 +93,26 @@ def _fwd_kv_block(
     if MASK == 2:
         # Columns past the segment end only pass for rows past it too (never stored).
         s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
-    # Every row has seen a finite score before any all-masked block, so m_new is finite and no
-    # NaN appears: the walk's first block is an ancestor's full block, else (no ancestor has
-    # one) an ancestor's ragged block, at least one column of it visible, else (no ancestor
-    # has a token) the segment's own first block, whose column seg_start every row sees.
+    if WIN:
+        s = tl.where(cols[None, :] >= lo_cols[:, None], s, float("-inf"))
+    # Without a window every row has seen a finite score before any all-masked block, so m_new is
+    # finite and no NaN appears: the walk's first block is an ancestor's full block, else (no ancestor
+    # has one) an ancestor's ragged block, at least one column of it visible, else (no ancestor has a
+    # token) the segment's own first block, whose column seg_start every row sees. A window can hide a
+    # whole block from a row that has seen nothing yet: its maximum stays -inf, and the exponentials
+    # subtract 0 instead (p = exp2(-inf) = 0, alpha = 0), so its sums stay 0 until its first visible key.
     if SOFTCAP != 0.0:
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+    m_sub = m_new
+    if WIN:
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if SOFTCAP != 0.0:
+        p = tl.math.exp2(s - m_sub[:, None])
+    else:
+        p = tl.math.exp2(s * qk_scale - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC, out_dtype=acc.dtype)
@@ -97,8 +120,9 @@ def _fwd_kv_block(
 
 
 # Arguments that follow T (the tile count, the lse head stride, the descriptors' row and column offsets)
-# get no value specialisation (divisible by 16 or not), so a new length never compiles a second variant.
-@triton.jit(do_not_specialize=["num_tiles", "k_row_h", "k_col_h", "v_row_h", "v_col_h", "stride_lh"])
+# get no value specialisation (divisible by 16 or not), so a new length never compiles a second variant;
+# nor do the window and chunk sizes (a runtime int each: one compiled variant for every window).
+@triton.jit(do_not_specialize=["num_tiles", "k_row_h", "k_col_h", "v_row_h", "v_col_h", "stride_lh", "window", "chunk"])
 def shared_prompt_fwd_kernel(
     Q, K, V, O, LSE, TILES, num_tiles,
     K_DESC, V_DESC, k_row_h, k_col_h, v_row_h, v_col_h,
@@ -109,9 +133,10 @@ def shared_prompt_fwd_kernel(
     stride_oh, stride_ot, stride_od,
     stride_lh,
     heads_per_kv, qk_scale,
+    PREFIX_LEN, window, chunk,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    TMA: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
+    TMA: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, WINDOW: tl.constexpr = False,
 ):
     # Heads vary fastest so the query heads of one kv head (and of one tile) run
     # side by side and share the k/v blocks in L2.
@@ -152,45 +177,100 @@ def shared_prompt_fwd_kernel(
     # Ancestor ids are clamped to 0: a -1 only appears once no block is left, and then the
     # loads of segment 0 are in bounds and unused.
     walk = WALK + seg * 4
-    anc = tl.maximum(tl.load(walk + 2), 0)
-    start_n = tl.load(SEG_START + anc)
-    full_end = start_n + (tl.load(SEG_LEN + anc) // BLOCK_N) * BLOCK_N
-    for _ in range(0, tl.load(walk)):
-        acc, l_i, m_i = _fwd_kv_block(
-            acc, l_i, m_i, q, Kh, Vh, descs, start_n, full_end, rows, offs_n, offs_d, d_ok,
-            stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA, SOFTCAP)
-        start_n += BLOCK_N
-        # Past this ancestor's full blocks: on to the next ancestor that has some.
-        moved = start_n >= full_end
-        anc = tl.where(moved, tl.maximum(tl.load(WALK + anc * 4 + 2), 0), anc)
-        a_start = tl.load(SEG_START + anc)
-        start_n = tl.where(moved, a_start, start_n)
-        full_end = tl.where(moved, a_start + (tl.load(SEG_LEN + anc) // BLOCK_N) * BLOCK_N, full_end)
-    anc = tl.maximum(tl.load(walk + 3), 0)
-    # At most one block per ancestor: not worth the shared memory and registers of a pipeline.
-    for _ in tl.range(0, tl.load(walk + 1), num_stages=1):
-        a_start = tl.load(SEG_START + anc)
-        a_end = a_start + tl.load(SEG_LEN + anc)
-        acc, l_i, m_i = _fwd_kv_block(
-            acc, l_i, m_i, q, Kh, Vh, descs, a_start + ((a_end - a_start) // BLOCK_N) * BLOCK_N, a_end, rows,
-            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 1, EVEN_D, DOT_PREC, UPCAST,
-            TMA, SOFTCAP)
-        anc = tl.maximum(tl.load(WALK + anc * 4 + 3), 0)
-
-    # Region 2: the segment's own tokens, causal. Blocks ending at or before the
-    # tile's first row are full; the rest straddle the diagonal.
     diag_start = seg_start + ((m0 - seg_start) // BLOCK_N) * BLOCK_N
-    for start_n in range(seg_start, diag_start, BLOCK_N):
-        acc, l_i, m_i = _fwd_kv_block(
-            acc, l_i, m_i, q, Kh, Vh, descs, start_n, seg_end, rows,
-            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, EVEN_D, DOT_PREC, UPCAST, TMA,
-            SOFTCAP)
     diag_end = tl.minimum(m0 + BLOCK_M, seg_end)
-    for start_n in range(diag_start, diag_end, BLOCK_N):
-        acc, l_i, m_i = _fwd_kv_block(
-            acc, l_i, m_i, q, Kh, Vh, descs, start_n, seg_end, rows,
-            offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 2, EVEN_D, DOT_PREC, UPCAST, TMA,
-            SOFTCAP)
+    if WINDOW:
+        # Sliding / chunked windows (windows.py): row i sees the keys of depth >= its lowest, lo_rows[i]
+        # (rows past the segment take the last row's: never stored, and never without a visible key).
+        # The walk takes each ancestor's full blocks from its last down, so depth only descends:
+        # TILES' row 2 counts the blocks every row sees whole, row 3 those any row sees (the rest of
+        # the chain, below every row's window, is never loaded); row 4 the ragged blocks any row sees.
+        qoff = tl.load(PREFIX_LEN + seg) - seg_start  # own token index -> depth
+        lo_rows = lowest_depth(tl.minimum(rows, seg_end - 1) + qoff, window, chunk)
+        n_whole = tl.load(TILES + 2 * num_tiles + t)
+        # Leaving the segment itself, as if from its first block, lands on the nearest ancestor's last one.
+        anc, a_start, start_n, koff = walk_down(WALK, SEG_START, SEG_LEN, PREFIX_LEN, seg, seg_start, seg_start,
+                                                BLOCK_N)
+        for _ in range(0, n_whole):
+            acc, l_i, m_i = _fwd_kv_block(
+                acc, l_i, m_i, q, Kh, Vh, descs, start_n, seg_end, rows, lo_rows, offs_n, offs_d, d_ok,
+                stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, False, EVEN_D, DOT_PREC, UPCAST, TMA,
+                SOFTCAP)
+            anc, a_start, start_n, koff = walk_down(WALK, SEG_START, SEG_LEN, PREFIX_LEN, anc, a_start, start_n,
+                                                    BLOCK_N)
+        for _ in range(n_whole, tl.load(TILES + 3 * num_tiles + t)):
+            acc, l_i, m_i = _fwd_kv_block(
+                acc, l_i, m_i, q, Kh, Vh, descs, start_n, seg_end, rows, lo_rows - koff, offs_n, offs_d, d_ok,
+                stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, True, EVEN_D, DOT_PREC, UPCAST, TMA,
+                SOFTCAP)
+            anc, a_start, start_n, koff = walk_down(WALK, SEG_START, SEG_LEN, PREFIX_LEN, anc, a_start, start_n,
+                                                    BLOCK_N)
+        anc = tl.maximum(tl.load(walk + 3), 0)
+        for _ in tl.range(0, tl.load(TILES + 4 * num_tiles + t), num_stages=1):
+            a_start = tl.load(SEG_START + anc)
+            a_end = a_start + tl.load(SEG_LEN + anc)
+            acc, l_i, m_i = _fwd_kv_block(
+                acc, l_i, m_i, q, Kh, Vh, descs, a_start + ((a_end - a_start) // BLOCK_N) * BLOCK_N, a_end, rows,
+                lo_rows - (tl.load(PREFIX_LEN + anc) - a_start), offs_n, offs_d, d_ok, stride_kt, stride_kd,
+                stride_vt, stride_vd, qk_scale, 1, True, EVEN_D, DOT_PREC, UPCAST, TMA, SOFTCAP)
+            anc = tl.maximum(tl.load(WALK + anc * 4 + 3), 0)
+        # Own tokens: from the block of the first row's lowest key; the blocks below the last row's lowest
+        # key (the band) masked, then full ones up to the diagonal, whose blocks get both masks.
+        first, band_end = own_band(m0, qoff, seg_start, diag_start, diag_end, window, chunk, BLOCK_N)
+        for start_n in range(first, band_end, BLOCK_N):
+            acc, l_i, m_i = _fwd_kv_block(
+                acc, l_i, m_i, q, Kh, Vh, descs, start_n, seg_end, rows, lo_rows - qoff, offs_n, offs_d, d_ok,
+                stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, True, EVEN_D, DOT_PREC, UPCAST, TMA,
+                SOFTCAP)
+        for start_n in range(band_end, diag_start, BLOCK_N):
+            acc, l_i, m_i = _fwd_kv_block(
+                acc, l_i, m_i, q, Kh, Vh, descs, start_n, seg_end, rows, lo_rows, offs_n, offs_d, d_ok,
+                stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, False, EVEN_D, DOT_PREC, UPCAST, TMA,
+                SOFTCAP)
+        for start_n in range(diag_start, diag_end, BLOCK_N):
+            acc, l_i, m_i = _fwd_kv_block(
+                acc, l_i, m_i, q, Kh, Vh, descs, start_n, seg_end, rows, lo_rows - qoff, offs_n, offs_d, d_ok,
+                stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 2, True, EVEN_D, DOT_PREC, UPCAST, TMA,
+                SOFTCAP)
+    else:
+        anc = tl.maximum(tl.load(walk + 2), 0)
+        start_n = tl.load(SEG_START + anc)
+        full_end = start_n + (tl.load(SEG_LEN + anc) // BLOCK_N) * BLOCK_N
+        for _ in range(0, tl.load(walk)):
+            acc, l_i, m_i = _fwd_kv_block(
+                acc, l_i, m_i, q, Kh, Vh, descs, start_n, full_end, rows, rows, offs_n, offs_d, d_ok,
+                stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, False, EVEN_D, DOT_PREC, UPCAST, TMA,
+                SOFTCAP)
+            start_n += BLOCK_N
+            # Past this ancestor's full blocks: on to the next ancestor that has some.
+            moved = start_n >= full_end
+            anc = tl.where(moved, tl.maximum(tl.load(WALK + anc * 4 + 2), 0), anc)
+            a_start = tl.load(SEG_START + anc)
+            start_n = tl.where(moved, a_start, start_n)
+            full_end = tl.where(moved, a_start + (tl.load(SEG_LEN + anc) // BLOCK_N) * BLOCK_N, full_end)
+        anc = tl.maximum(tl.load(walk + 3), 0)
+        # At most one block per ancestor: not worth the shared memory and registers of a pipeline.
+        for _ in tl.range(0, tl.load(walk + 1), num_stages=1):
+            a_start = tl.load(SEG_START + anc)
+            a_end = a_start + tl.load(SEG_LEN + anc)
+            acc, l_i, m_i = _fwd_kv_block(
+                acc, l_i, m_i, q, Kh, Vh, descs, a_start + ((a_end - a_start) // BLOCK_N) * BLOCK_N, a_end, rows,
+                rows, offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 1, False, EVEN_D,
+                DOT_PREC, UPCAST, TMA, SOFTCAP)
+            anc = tl.maximum(tl.load(WALK + anc * 4 + 3), 0)
+
+        # Region 2: the segment's own tokens, causal. Blocks ending at or before the
+        # tile's first row are full; the rest straddle the diagonal.
+        for start_n in range(seg_start, diag_start, BLOCK_N):
+            acc, l_i, m_i = _fwd_kv_block(
+                acc, l_i, m_i, q, Kh, Vh, descs, start_n, seg_end, rows, rows,
+                offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 0, False, EVEN_D, DOT_PREC,
+                UPCAST, TMA, SOFTCAP)
+        for start_n in range(diag_start, diag_end, BLOCK_N):
+            acc, l_i, m_i = _fwd_kv_block(
+                acc, l_i, m_i, q, Kh, Vh, descs, start_n, seg_end, rows, rows,
+                offs_n, offs_d, d_ok, stride_kt, stride_kd, stride_vt, stride_vd, qk_scale, 2, False, EVEN_D, DOT_PREC,
+                UPCAST, TMA, SOFTCAP)
 
     out = acc / l_i[:, None]
     Oh = O + head.to(tl.int64) * stride_oh

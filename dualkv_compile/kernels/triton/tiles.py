@@ -12,6 +12,10 @@ kernel sums apart before adding them to a key tile's total (0: one running sum).
 from ``exp2`` (and, for float32 inputs, a short odd polynomial near 0):
 libdevice's tanh has no interpreter implementation, and ``tanh.approx``
 (about 2^-11 relative) is too coarse once multiplied by the cap.
+``lowest_depth`` and ``last_reader`` are ``window_rule.py``'s window bounds on
+depths in the kernels; ``walk_down`` steps the windowed ancestor walk of the
+query kernels one full block down and ``own_band`` bounds their walk over the
+tile's own segment (``fwd.py``, ``bwd_dq.py``).
 
 Assumes
     * ``ptrs`` (and ``A`` / ``B`` with their token and dim strides) address
@@ -74,6 +78,50 @@ def softcap_tanh(s, qk_scale, SOFTCAP: tl.constexpr, POLY: tl.constexpr, OUT: tl
                                                                                         + x2 * 0.021869488536155203))))
         t = tl.where(tl.abs(x) < 0.25, poly * OUT, t)
     return t
+
+
+@triton.jit
+def lowest_depth(d, window, chunk):
+    """The lowest key depth a query at depth ``d`` sees (``window_rule.lowest_depth``; none is 2**30, so no branch)."""
+    return tl.maximum(d - window + 1, (d // chunk) * chunk)
+
+
+@triton.jit
+def last_reader(d, window, chunk):
+    """The deepest query that sees a key at depth ``d`` (``window_rule.last_reader``)."""
+    return tl.minimum(d + window - 1, (d // chunk + 1) * chunk - 1)
+
+
+@triton.jit
+def walk_down(WALK, SEG_START, SEG_LEN, PREFIX_LEN, anc, a_start, start_n, BLOCK_N: tl.constexpr):
+    """One full block down the windowed ancestor walk: ``(anc, a_start, start_n, koff)`` of the next block.
+
+    Inside an ancestor the blocks go from its last full one down to its first; past that, to the last full
+    block of the next ancestor with one (``WALK``'s third column), so the depth of the keys only descends.
+    ``koff`` turns the block's key indices into depths. Selects, not branches (``fwd.py`` says why); a -1
+    ancestor (the walk is over) reads segment 0, in bounds and unused.
+    """
+    start_n -= BLOCK_N
+    moved = start_n < a_start
+    anc = tl.where(moved, tl.maximum(tl.load(WALK + anc * 4 + 2), 0), anc)
+    a_start = tl.load(SEG_START + anc)
+    start_n = tl.where(moved, a_start + (tl.load(SEG_LEN + anc) // BLOCK_N - 1) * BLOCK_N, start_n)
+    return anc, a_start, start_n, tl.load(PREFIX_LEN + anc) - a_start
+
+
+@triton.jit
+def own_band(m0, qoff, seg_start, diag_start, diag_end, window, chunk, BLOCK_N: tl.constexpr):
+    """``(first, band_end)``: the own key blocks a query tile (rows ``m0 .. diag_end - 1``) walks under the windows.
+
+    Blocks start at ``seg_start`` plus multiples of ``BLOCK_N``. ``first`` is the block of the first row's lowest
+    key (blocks before it no row sees); ``[first, band_end)`` the band, below the last row's lowest key, masked
+    per element; ``[band_end, diag_start)`` full blocks every row sees; the diagonal blocks follow. ``qoff`` turns
+    a token index of the segment into a depth.
+    """
+    lo_own = tl.maximum(lowest_depth(m0 + qoff, window, chunk) - qoff, seg_start)
+    first = seg_start + ((lo_own - seg_start) // BLOCK_N) * BLOCK_N
+    hi_own = tl.maximum(lowest_depth(diag_end - 1 + qoff, window, chunk) - qoff - seg_start, 0)
+    return first, tl.maximum(tl.minimum(seg_start + tl.cdiv(hi_own, BLOCK_N) * BLOCK_N, diag_start), first)
 
 
 @triton.jit
