@@ -61,12 +61,21 @@ def tiny_model(family: str, layers: int = 2):
         cfg = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
                                           decoder_sparse_step=1, norm_topk_prob=True, output_router_logits=True)
         cls = transformers.Qwen3MoeForCausalLM
+    elif family == "gpt_oss":  # learnable sinks, split over the group's heads; a binding window of 4 on layer 0
+        cfg = transformers.GptOssConfig(**common, sliding_window=4, num_local_experts=2, num_experts_per_tok=1,
+                                        layer_types=["sliding_attention", "full_attention"][:layers])
+        cls = transformers.GptOssForCausalLM
     else:
         cfg = transformers.Qwen3Config(**common)
         cls = transformers.Qwen3ForCausalLM
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = "eager" if family == "gpt_oss" else "sdpa"  # gpt-oss has no sdpa path
     torch.manual_seed(0)
-    return cls(cfg).train()
+    model = cls(cfg).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_()  # sinks of the scores' size, so that they and their gradient matter
+    return model
 
 
 def grpo_loss(model, input_ids, attention_mask, position_ids, advantages):
@@ -273,7 +282,7 @@ def _sp_rank(rank, world, sp):
     mesh = init_device_mesh("cpu", (world // sp, sp), mesh_dim_names=("dp", "sp"))
     # 4 ranks share 2 cores in CI: one layer there (the 2-rank run covers a layer's output feeding the next).
     layers = 2 if world == 2 else 1
-    for family in ("qwen3", "qwen3_moe"):
+    for family in ("qwen3", "qwen3_moe", "gpt_oss") if world == 2 else ("qwen3", "qwen3_moe"):
         _check_family(family, mesh, sp, layers)
         torch._dynamo.reset()
     if world == 2:

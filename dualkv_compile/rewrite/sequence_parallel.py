@@ -45,6 +45,7 @@ from ..layout.packed_ops import (
     gather_columns, gather_previous, gather_unpacked, pack_tokens, previous_tokens, token_weights, unpack_merged, unpack_tokens,
 )
 from ..normalize.graph_copy import copy_graph_module
+from ..normalize.functionalize import eliminate_dead_code
 from ..normalize.graph_pass import Refusal, ev
 from ..normalize.inline_checkpoint import RECOMPUTE_META
 from ..ops import linear_log_prob as _linear_log_prob  # noqa: F401  (registers torch.ops.dualkv.linear_log_prob*)
@@ -129,9 +130,13 @@ class _Sharder:
         if any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
             raise Refusal(f"sequence_parallel: {n.name}'s log-sum-exp is read; it is not split over the group")
         q, k, v, *rest = n.args
-        if len(rest) > 12 and rest[12] is not None:
-            raise Refusal(f"sequence_parallel: {n.name} has learnable sinks, which are not yet split over the group's heads")
         emit = lambda f, *a: self.emit(n, f, a, f"{n.name}_ulysses")  # noqa: E731  (FX makes the names unique)
+        if len(rest) > 12 and rest[12] is not None:
+            # Learnable sinks, one per query head: after the exchange this rank holds query heads
+            # [rank * Hl, (rank + 1) * Hl), so it takes their sinks. Their gradient here is ``world`` times that
+            # chunk's (its dout is), zero elsewhere: the group's mean is the whole gradient, as for any parameter.
+            local = n.meta[HEADS_META][0] // self.sp.world
+            rest[12] = emit(torch.narrow, rest[12], 0, self.sp.rank * local, local)
         out = ulysses_steps(emit, q, k, v, num_kv_heads, tuple(rest), self.sp.world, self.sp.group_name)
         for u in users:
             u.replace_all_uses_with(out)
@@ -207,7 +212,7 @@ class _Sharder:
                     raise Refusal(f"sequence_parallel: {n.name} reads a per-column value with a gradient ({x.name})")
         for n in self.dropped:  # getitems first, then the attention they read
             self.g.erase_node(n)
-        self.g.eliminate_dead_code()  # the replaced size of pack_index
+        eliminate_dead_code(self.g)  # the replaced size of pack_index (in-place ops stay)
         self.g.lint()
         self.gm.recompile()
         return self.gm
