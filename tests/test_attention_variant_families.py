@@ -3,7 +3,7 @@
 * gpt-oss: learnable sinks (eager attention), every other layer a sliding window;
 * Gemma 2 (softcap) and Gemma 3, Mistral: sliding windows; Llama 4 (text, dense layers): chunked attention
   (its mask counts left padding with a cumulative sum) on alternate layers;
-every window *binding*: shorter than the prompts and the sequences (DESIGN.md, semantics 15), on a prefix
+every window *binding*: shorter than the prompts and the sequences (docs/design.md, semantics 15), on a prefix
 forest of depth 3 (a system prompt shared by two groups, their prompts, the responses), rows left-padded and
 shuffled, and on one packed row with restarting position ids (veRL's remove-padding, TRL's padding-free).
 Logits at every valid position and every parameter gradient (the sinks' too) within 1e-5 of the

@@ -1,4 +1,4 @@
-"""Random prefix forests through detect, pack and every attention backend that runs on a CPU (DESIGN.md, semantics 10-11).
+"""Random prefix forests through detect, pack and every attention backend that runs on a CPU (docs/design.md, semantics 10-11).
 
 A random forest of depth 1 to 3 (one-token nodes likely) is turned into
 sequences: every leaf's root path, plus some internal nodes' paths (a

@@ -3,7 +3,7 @@
 A token's place in its expert's queue is a running count over the tokens before it in the batch
 (``cumsum`` of the one-hot routing along the flattened token axis); tokens past the capacity are dropped.
 Packing removes the shared copies of a prompt from that count, so whether a token is dropped would
-change: the graph is refused (DESIGN.md semantics 7) and the original program runs. The same decoder
+change: the graph is refused (docs/design.md, semantics 7) and the original program runs. The same decoder
 without the capacity packs, so the refusal is the capacity's.
 """
 

@@ -1,4 +1,4 @@
-"""Unmodified Hugging Face models on the layouts trainers feed (DESIGN.md, semantics 10-11): exact and packed.
+"""Unmodified Hugging Face models on the layouts trainers feed (docs/design.md, semantics 10-11): exact and packed.
 
 * shuffled rows (TRL's GRPOTrainer shuffles a batch; veRL rebalances rows):
   the same rho as the unshuffled batch;

@@ -14,7 +14,7 @@ Assumes ``Segments`` in pre-order (``layout.segments``). The chain's keys
 are gathered in root-to-parent order; any order gives the same softmax.
 The backward sums each ancestor token's dK/dV over every sibling batch that
 reads it (its own segment's queries, its children's, its grandchildren's,
-...) in float32, float64 for float64 inputs (DESIGN.md, semantics 4); for
+...) in float32, float64 for float64 inputs (docs/design.md, semantics 4); for
 GQA, over the query heads sharing a KV head. The log-sum-exp is float32
 too (float64 for float64 inputs): PyTorch's CPU flash kernels take float64
 and compute in it, so float64 inputs stay in float64 throughout.

@@ -1,7 +1,7 @@
 """Learnable attention sinks (gpt-oss) around any backend's ``(out, lse)``: exact, one softmax.
 
 A sink is one more logit ``s_h`` per query head in every row's softmax
-denominator, with no value (DESIGN.md, semantics 15). Given a backend's
+denominator, with no value (docs/design.md, semantics 15). Given a backend's
 sink-free ``out`` and ``lse`` (natural log, over the masked scaled scores):
 
     lse' = logaddexp(lse, s_h)          out' = out * exp(lse - lse')

@@ -1,4 +1,4 @@
-"""The packed layout: how a micro-batch maps onto the packed stream (DESIGN.md, "Module layout": the bottom layer).
+"""The packed layout: how a micro-batch maps onto the packed stream (docs/design.md, "Module layout": the bottom layer).
 
 ``segments``       the kernels' ABI (``Segments``: a prefix forest in pre-order) and its dense index maps
 ``sequences``      the sequences of a batch (valid runs, packed rows) read to the host in one transfer

@@ -1,4 +1,4 @@
-"""The prefix forest of a set of sequences, built on the host (DESIGN.md, semantics 11).
+"""The prefix forest of a set of sequences, built on the host (docs/design.md, semantics 11).
 
     build_forest(batch, min_shared) -> (nodes, leaf of each sequence)
 

@@ -1,6 +1,6 @@
 """Segments: the attention structure of a packed stream, the one thing every attention kernel takes.
 
-The packed stream holds a *prefix forest* (DESIGN.md, semantics 11): each
+The packed stream holds a *prefix forest* (docs/design.md, semantics 11): each
 tree node is a run of packed tokens, a *segment*. A token attends causally to
 the tokens of its own segment and fully to every token of every ancestor
 segment, one softmax over all of them.
@@ -15,7 +15,7 @@ one run ``[seg_start, subtree_end)``, and the whole mask is
 (an ancestor precedes q and its subtree contains q; any other earlier segment's
 subtree ends before q).
 
-Windows (DESIGN.md, semantics 15) are rules on a token's *depth*: its index
+Windows (docs/design.md, semantics 15) are rules on a token's *depth*: its index
 along its sequences from the root, ``prefix_len[seg] + (t - seg_start[seg])``,
 the same for every sequence through the token. A sliding window ``w`` keeps
 ``depth(q) - depth(kv) < w``; chunks of ``c`` keep ``depth(q) // c ==
@@ -221,7 +221,7 @@ def previous_token_index(segs: Segments, num_tokens: int) -> torch.Tensor:
 
     Inside a segment that is ``t - 1``; for the first token of a segment with a
     parent it is the parent's last token (read by every sequence through the
-    node: DESIGN.md, semantics 5); the first token of a root has no
+    node: docs/design.md, semantics 5); the first token of a root has no
     predecessor and maps to itself.
     """
     seg = segment_ids(segs, num_tokens)

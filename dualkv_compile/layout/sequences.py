@@ -1,4 +1,4 @@
-"""The sequences of a ``[B, S]`` batch, read to the host in one transfer (DESIGN.md, semantics 10).
+"""The sequences of a ``[B, S]`` batch, read to the host in one transfer (docs/design.md, semantics 10).
 
 A sequence is a row's valid run in a padded batch, or one of the sequences
 packed into a row: a new one starts wherever the position ids do not continue

@@ -3,7 +3,7 @@
 The batch holds *sequences* (a padded row's valid run, or one of several
 sequences packed into a row: ``sequences``). Sequences that start with the
 same tokens share a prefix, and sharing nests: a system prompt shared by
-several groups, each group's prompt, then its responses (DESIGN.md,
+several groups, each group's prompt, then its responses (docs/design.md,
 semantics 10-11). The packed stream holds each node of that prefix forest
 once, in pre-order::
 
@@ -204,7 +204,7 @@ class SharedPromptLayout:
         return self._cache["sequence_ids_host"]
 
     def token_multiplicity(self) -> torch.Tensor:
-        """int64 ``[T]``: how many sequences each packed token stands for (DESIGN.md, semantics 12)."""
+        """int64 ``[T]``: how many sequences each packed token stands for (docs/design.md, semantics 12)."""
         if "multiplicity" not in self._cache:
             counts = torch.tensor([n.count for n in self.nodes], dtype=torch.long)
             lens = torch.tensor([n.length for n in self.nodes], dtype=torch.long)

@@ -30,7 +30,7 @@ Every backend implements it (none drops it); the lse is over the capped scores.
 
 ``window`` and ``chunk`` (ints, 0 for none): a sliding window and chunked
 attention on token depth along each sequence's path from its root
-(``layout.segments.dense_mask``; DESIGN.md, semantics 15). ``sinks`` (None or
+(``layout.segments.dense_mask``; docs/design.md, semantics 15). ``sinks`` (None or
 a float tensor ``[Hq]``): gpt-oss's learnable sinks, one more logit per head
 in every row's denominator, applied around the backend's ``(out, lse)`` by
 ``kernels.sinks`` for every backend whose backward reads the saved stats; the

@@ -1,6 +1,6 @@
 """The collectives of Ulysses sequence parallelism, as ``dualkv::`` ops with fake implementations and autograd.
 
-Under sequence parallelism (DESIGN.md, semantics 13) every rank of a group
+Under sequence parallelism (docs/design.md, semantics 13) every rank of a group
 holds one contiguous chunk of the packed stream: rank ``r`` of ``world`` the
 tokens ``[r * Tl, (r + 1) * Tl)``. These ops move values between that
 sharded form and the whole stream; they are opaque to Inductor (a blocking

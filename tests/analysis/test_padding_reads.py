@@ -1,4 +1,4 @@
-"""Reading a position packing does not compute (DESIGN.md semantics 8): exact, unpacked where no mask zeroes it."""
+"""Reading a position packing does not compute (docs/design.md, semantics 8): exact, unpacked where no mask zeroes it."""
 
 from __future__ import annotations
 

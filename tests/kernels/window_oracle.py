@@ -1,7 +1,7 @@
 """The per-sequence oracle of windowed attention with sinks, shared by the kernel tests of every backend.
 
 Every root-to-leaf path of a prefix forest is one sequence, attended on its own in float64 under autograd,
-written from the definitions (DESIGN.md, semantics 15) and nothing of the package: query i of a path sees key
+written from the definitions (docs/design.md, semantics 15) and nothing of the package: query i of a path sees key
 j <= i with i - j < window (0: any) and i // chunk == j // chunk (0: any); a sink is one more logit per head
 concatenated to every row's scores, its column dropped after the softmax (gpt-oss's eager attention). A
 token shared by several paths takes its output from the first and its dO once (the packed loss).

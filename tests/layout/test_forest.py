@@ -1,4 +1,4 @@
-"""Tests of the prefix forest (DESIGN.md, semantics 10-12): sharing between sequences in any order, nested.
+"""Tests of the prefix forest (docs/design.md, semantics 10-12): sharing between sequences in any order, nested.
 
 Hand-written expectations (nothing expected is computed with the code under
 test) in the notation of ``layout_cases.py``:

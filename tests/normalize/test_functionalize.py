@@ -1,4 +1,4 @@
-"""In-place ops are part of the program (DESIGN.md semantics 9): made out-of-place and packed, or refused; never dropped."""
+"""In-place ops are part of the program (docs/design.md, semantics 9): made out-of-place and packed, or refused; never dropped."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sums over every token axis, weighted by multiplicity on the packed stream (DESIGN.md semantics 12).
+"""Sums over every token axis, weighted by multiplicity on the packed stream (docs/design.md, semantics 12).
 
 ``token_weights`` is checked against the layout's own multiplicities and as the adjoint of ``unpack``
 (the sum of an unpacked value equals the weighted sum of the packed one), ``weighted_histc`` against

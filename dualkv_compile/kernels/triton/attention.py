@@ -58,7 +58,7 @@ dim; exact), so the kernels keep one head dim: a padded copy, the wider
 tiles and the tuning-table entry of the larger dim (performance unmeasured).
 
 Windows: a sliding ``window`` and ``chunk`` size on token depth (0: none;
-``layout.segments``, DESIGN.md semantics 15) run with the kernels' windowed
+``layout.segments``, docs/design.md, semantics 15) run with the kernels' windowed
 walks (``windows.py`` has the rule and the host plans; ``fwd.py``,
 ``bwd.py``, ``bwd_dq.py`` the walks): key blocks no row of a query tile sees,
 and query blocks that see no key of a key tile, are never computed, in the

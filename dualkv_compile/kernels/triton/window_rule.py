@@ -6,7 +6,7 @@
     last_reader(d, w, c)                 -> the deepest query depth that sees a key at depth d
     windowed_work(segs, seg, tile, ...)  -> the work of each tile under the windows (``schedule_table``'s order)
 
-The rule (``layout.segments``; DESIGN.md, semantics 15): a query at depth dq
+The rule (``layout.segments``; docs/design.md, semantics 15): a query at depth dq
 sees a key at depth dk <= dq (on its path) iff dk >= lowest(dq) =
 max(dq - w + 1, (dq // c) * c) (a window w: dq - dk < w; chunks of c: the
 same chunk, the upper end being causal). ``lowest`` and ``last_reader`` are
