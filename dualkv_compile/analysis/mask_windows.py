@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from ..graph.meta import ev as _ev
 from .node_info import hint
 
 __all__ = ["MaskWindows", "mask_windows"]
@@ -55,7 +56,7 @@ def _const(x) -> Optional[int]:
 
 def _role(n: fx.Node) -> Optional[str]:
     """"q" for an integer index laid out ``[..., S, 1]``, "kv" for ``[..., 1, S]`` (S > 1), else None."""
-    ev = n.meta.get("example_value")
+    ev = _ev(n)
     if not isinstance(ev, torch.Tensor) or ev.dim() < 2 or ev.dtype.is_floating_point or ev.dtype == torch.bool:
         return None
     rows, cols = hint(ev.shape[-2]), hint(ev.shape[-1])
@@ -66,43 +67,91 @@ def _role(n: fx.Node) -> Optional[str]:
     return None
 
 
-def _key(n) -> object:
-    """A hashable structural key: two nodes computing the same op of the same operands (``lp[b]`` written twice)
-    match."""
-    if isinstance(n, (list, tuple)):
-        return (type(n).__name__, *(_key(a) for a in n))
-    if isinstance(n, slice):
-        return ("slice", _key(n.start), _key(n.stop), _key(n.step))
-    if not isinstance(n, fx.Node):
+class _Keys:
+    """Structural keys, memoised for one ``mask_windows`` call: two nodes computing the same op of the same operands
+    (``lp[b]`` written twice) get the same key.
+
+    A node's key is the first node met with its structure (op, target, and its operands' keys), a placeholder's or
+    get_attr's the node itself; so a key hashes and compares in constant time, and each node is keyed once, in
+    topological order (an explicit stack, no recursion). A nested tuple of the operands' keys, built recursively, is
+    the same equivalence but costs time exponential in the depth of shared subexpressions (``x = f(x, x)`` chains,
+    such as DeepSeek-V4's hyper-connections' Sinkhorn iterations), to build and to hash."""
+
+    def __init__(self):
+        self._memo: dict[fx.Node, fx.Node] = {}
+        self._classes: dict[tuple, fx.Node] = {}
+
+    def __call__(self, n) -> object:
+        if isinstance(n, fx.Node):
+            if n not in self._memo:
+                self._visit(n)
+            return self._memo[n]
+        if isinstance(n, (list, tuple)):
+            return (type(n).__name__, *(self(a) for a in n))
+        if isinstance(n, slice):
+            return ("slice", self(n.start), self(n.stop), self(n.step))
         try:
             hash(n)
             return n
         except TypeError:
             return ("unhashable", repr(n))
-    if n.op in ("placeholder", "get_attr"):
-        return n
-    return (n.op, n.target, _key(n.args), tuple(sorted((k, _key(v)) for k, v in n.kwargs.items())))
+
+    def _visit(self, root: fx.Node) -> None:
+        stack = [root]
+        while stack:
+            n = stack[-1]
+            if n in self._memo:
+                stack.pop()
+                continue
+            if n.op in ("placeholder", "get_attr"):
+                self._memo[n] = n
+                stack.pop()
+                continue
+            missing = [a for a in n.all_input_nodes if a not in self._memo]
+            if missing:
+                stack.extend(missing)
+                continue
+            stack.pop()
+            struct = (n.op, n.target, self(n.args), tuple(sorted((k, self(v)) for k, v in n.kwargs.items())))
+            self._memo[n] = self._classes.setdefault(struct, n)
 
 
-def _affine(x, depth: int = 0) -> Optional[tuple[dict, int]]:
+class _Memo:
+    """What one ``mask_windows`` call memoises: structural keys, and ``_affine``'s and ``_mentions_both``'s results
+    by (node, depth) (each a pure function of those; the depth caps their walks, so it is part of the answer)."""
+
+    def __init__(self):
+        self.key = _Keys()
+        self.affine: dict[tuple[fx.Node, int], Optional[tuple[dict, int]]] = {}
+        self.mentions: dict[tuple[fx.Node, int], frozenset] = {}
+
+
+def _affine(x, memo: _Memo, depth: int = 0) -> Optional[tuple[dict, int]]:
     """``x`` as ``(terms, const)``: a sum of coefficient-weighted terms (the index roles "q"/"kv", or any other
-    node by its structural key) plus an integer constant; None if it is not such a sum."""
+    node by its structural key) plus an integer constant; None if it is not such a sum. Callers must not modify
+    the returned dict (memoised, shared)."""
     c = _const(x)
     if c is not None:
         return {}, c
     if not isinstance(x, fx.Node) or depth > 8:
         return None
+    if (x, depth) in memo.affine:
+        return memo.affine[x, depth]
     if x.op == "call_function" and (x.target in _ADD or x.target in _SUB) and len(x.args) == 2 and not x.kwargs:
-        a, b = _affine(x.args[0], depth + 1), _affine(x.args[1], depth + 1)
+        a, b = _affine(x.args[0], memo, depth + 1), _affine(x.args[1], memo, depth + 1)
         if a is None or b is None:
-            return None
-        sign = -1 if x.target in _SUB else 1
-        terms = dict(a[0])
-        for k, v in b[0].items():
-            terms[k] = terms.get(k, 0) + sign * v
-        return {k: v for k, v in terms.items() if v}, a[1] + sign * b[1]
-    role = _role(x)
-    return ({role: 1} if role is not None else {_key(x): 1}), 0
+            out = None
+        else:
+            sign = -1 if x.target in _SUB else 1
+            terms = dict(a[0])
+            for k, v in b[0].items():
+                terms[k] = terms.get(k, 0) + sign * v
+            out = {k: v for k, v in terms.items() if v}, a[1] + sign * b[1]
+    else:
+        role = _role(x)
+        out = ({role: 1} if role is not None else {memo.key(x): 1}), 0
+    memo.affine[x, depth] = out
+    return out
 
 
 def _compare(n: fx.Node) -> Optional[tuple[str, object, object]]:
@@ -113,10 +162,10 @@ def _compare(n: fx.Node) -> Optional[tuple[str, object, object]]:
     return None
 
 
-def _distance_bound(op: str, a, b) -> Optional[tuple[str, int]]:
+def _distance_bound(op: str, a, b, memo: _Memo) -> Optional[tuple[str, int]]:
     """``("<", w)`` or ``("<=", w)``... for ``q - kv op w`` if ``a op b`` is such a comparison of a query and a key
     index (both roles, coefficients +1/-1, nothing else); the causal ``q - kv >= 0`` comes back as ``(">=", 0)``."""
-    fa, fb = _affine(a), _affine(b)
+    fa, fb = _affine(a, memo), _affine(b, memo)
     if fa is None or fb is None:
         return None
     terms = dict(fa[0])
@@ -131,7 +180,7 @@ def _distance_bound(op: str, a, b) -> Optional[tuple[str, int]]:
     return op, -gamma  # q - kv op -gamma
 
 
-def _chunk(op: str, a, b) -> Optional[int]:
+def _chunk(op: str, a, b, memo: _Memo) -> Optional[int]:
     """c if ``a op b`` is ``(kv - o) // c == (q - o) // c`` (either side, the same offset o or none), else None."""
     if op != "==":
         return None
@@ -140,7 +189,7 @@ def _chunk(op: str, a, b) -> Optional[int]:
         if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target in _FLOORDIV and len(x.args) == 2):
             return None
         c = _const(x.args[1])
-        f = _affine(x.args[0])
+        f = _affine(x.args[0], memo)
         if c is None or c <= 0 or f is None:
             return None
         sides.append((c, f))
@@ -155,22 +204,25 @@ def _chunk(op: str, a, b) -> Optional[int]:
     return c0
 
 
-def _mentions_both(x, depth: int = 0) -> set:
+def _mentions_both(x, memo: _Memo, depth: int = 0) -> frozenset:
+    """The index roles ("q", "kv") ``x`` reads within 8 steps back."""
     if not isinstance(x, fx.Node) or depth > 8:
-        return set()
-    role = _role(x)
-    if role is not None:
-        return {role}
-    out = set()
-    for a in x.all_input_nodes:
-        out |= _mentions_both(a, depth + 1)
-    return out
+        return frozenset()
+    if (x, depth) not in memo.mentions:
+        role = _role(x)
+        if role is not None:
+            out = frozenset({role})
+        else:
+            out = frozenset().union(*(_mentions_both(a, memo, depth + 1) for a in x.all_input_nodes))
+        memo.mentions[x, depth] = out
+    return memo.mentions[x, depth]
 
 
 def mask_windows(mask: fx.Node, limit: int = 2000) -> MaskWindows:
     """The windows ``mask``'s computation applies (see the module docstring). Walks at most ``limit`` nodes back."""
     seen, stack = set(), [mask]
     windows, chunks, unknown = [], [], []
+    memo = _Memo()
     while stack and len(seen) < limit:
         n = stack.pop()
         if not isinstance(n, fx.Node) or n in seen:
@@ -181,15 +233,15 @@ def mask_windows(mask: fx.Node, limit: int = 2000) -> MaskWindows:
         if cmp is None:
             continue
         op, a, b = cmp
-        if _mentions_both(a) | _mentions_both(b) != {"q", "kv"}:
+        if _mentions_both(a, memo) | _mentions_both(b, memo) != {"q", "kv"}:
             continue  # not a comparison of a query with a key (a padding mask, a position check)
-        if op == "==" and _same_lookup(a, b):
+        if op == "==" and _same_lookup(a, b, memo):
             continue  # ids[b, q] == ids[b, kv]: sequences packed into a row, which the layout's sequences are
-        c = _chunk(op, a, b)
+        c = _chunk(op, a, b, memo)
         if c is not None:
             chunks.append(c)
             continue
-        bound = _abs_bound(op, a, b) or _distance_bound(op, a, b)
+        bound = _abs_bound(op, a, b, memo) or _distance_bound(op, a, b, memo)
         if bound is None:
             unknown.append(n.name)
             continue
@@ -207,7 +259,7 @@ def mask_windows(mask: fx.Node, limit: int = 2000) -> MaskWindows:
     return MaskWindows(min(windows, default=0), chunks[0] if len(set(chunks)) == 1 else 0, tuple(unknown))
 
 
-def _same_lookup(a, b) -> bool:
+def _same_lookup(a, b, memo: _Memo) -> bool:
     """``a`` and ``b`` read one tensor at the query and at the key index (``ids[b, q]`` and ``ids[b, kv]``): a group
     rule (Hugging Face's ``packed_sequence_mask`` of position-id restarts) on data, not on lengths; the mask check
     compares it with the layout's sequences."""
@@ -216,19 +268,19 @@ def _same_lookup(a, b) -> bool:
             return None
         idx = x.args[1] if isinstance(x.args[1], tuple) else (x.args[1],)
         roles = [_role(i) if isinstance(i, fx.Node) else None for i in idx]
-        return x.args[0], tuple(r for r in roles if r), tuple(_key(i) for i, r in zip(idx, roles) if r is None)
+        return x.args[0], tuple(r for r in roles if r), tuple(memo.key(i) for i, r in zip(idx, roles) if r is None)
 
     la, lb = lookup(a), lookup(b)
     return la is not None and lb is not None and la[0] is lb[0] and la[2] == lb[2] and {la[1], lb[1]} == {("q",), ("kv",)}
 
 
-def _abs_bound(op: str, a, b) -> Optional[tuple[str, int]]:
+def _abs_bound(op: str, a, b, memo: _Memo) -> Optional[tuple[str, int]]:
     """``|q - kv| op w`` (or ``w flip(op) |q - kv|``) as ``(op, w)``: with the causal mask, the window ``q - kv op w``."""
     for x, c, o in ((a, b, op), (b, a, _FLIP[op])):
         if isinstance(x, fx.Node) and x.op == "call_function" and x.target in (abs, torch.abs) and _const(c) is not None:
             d = x.args[0]
             if isinstance(d, fx.Node) and d.op == "call_function" and d.target in _SUB and len(d.args) == 2:
-                inner = _distance_bound(">=", d.args[0], d.args[1])  # just to read the roles: q - kv or kv - q
+                inner = _distance_bound(">=", d.args[0], d.args[1], memo)  # just to read the roles: q - kv or kv - q
                 if inner is not None and o in ("<", "<="):
                     return o, _const(c)
     return None

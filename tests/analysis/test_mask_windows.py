@@ -7,7 +7,10 @@ comparison's own truth table), so a reader off by one fails here, not only in a 
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import signal
+import time
 
 import pytest
 import torch
@@ -124,3 +127,61 @@ def test_sequence_ids_read_at_q_and_kv_are_no_window():
         for n, v in ((q, torch.zeros(1, 1, S, 1, dtype=torch.long)), (kv, torch.zeros(1, 1, 1, S, dtype=torch.long))):
             n.meta["example_value"] = v
         assert mask_windows(out).unknown == unknown
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: int):
+    """Fails the test (instead of hanging the session) if the body runs longer than ``seconds``."""
+    def expired(signum, frame):
+        raise TimeoutError(f"over {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _shared_chain(g, x, steps: int):
+    """``x = x * x`` then ``x = x / (x + 1)`` (a Sinkhorn-like normalisation), alternating, ``steps`` times: every step
+    reads the previous one twice, so the expression, unfolded as a tree, has 2**steps leaves."""
+    for i in range(steps):
+        if i % 2:
+            x = g.call_function(operator.truediv, (x, g.call_function(operator.add, (x, 1))))
+        else:
+            x = g.call_function(operator.mul, (x, x))
+    return x
+
+
+@pytest.mark.parametrize("form", ["window", "chunk"])
+def test_shared_subexpressions_are_keyed_once(form):
+    """A mask offset by a deep chain of shared subexpressions (DeepSeek-V4's hyper-connections' Sinkhorn iterations
+    made its mask analysis exponential): two separately built but identical chains are one term, read in well
+    under a second. Unmemoised structural keys take time (and memory) exponential in the chain's 40 steps."""
+    g = fx.Graph()
+    q, kv, lp = g.placeholder("q"), g.placeholder("kv"), g.placeholder("lp")
+    for n, v in ((q, torch.zeros(1, 1, S, 1, dtype=torch.long)), (kv, torch.zeros(1, 1, 1, S, dtype=torch.long))):
+        n.meta["example_value"] = v
+    o1, o2 = _shared_chain(g, lp, 40), _shared_chain(g, lp, 40)  # distinct nodes, one structure
+    assert o1 is not o2
+    if form == "window":  # kv + o > q - 4 + o  <=>  q - kv < 4
+        mask = g.call_function(operator.gt, (_add(g, kv, o1), _add(g, _sub(g, q, 4), o2)))
+        want = (4, 0, ())
+    else:  # (kv - o) // 4 == (q - o) // 4
+        mask = g.call_function(operator.eq, (g.call_function(operator.floordiv, (_sub(g, kv, o1), 4)),
+                                             g.call_function(operator.floordiv, (_sub(g, q, o2), 4))))
+        want = (0, 4, ())
+    g.output(mask)
+    start = time.perf_counter()
+    with _time_limit(20):
+        read = mask_windows(mask)
+    assert (read.window, read.chunk, read.unknown) == want
+    assert time.perf_counter() - start < 5
+    # Another structure (the last step's denominator, 39 steps and + 1, for the 40-step chain) is another term:
+    # the window is not read.
+    o3 = g.call_function(operator.add, (_shared_chain(g, lp, 39), 1))
+    other = g.call_function(operator.gt, (_add(g, kv, o1), _add(g, _sub(g, q, 4), o3)))
+    with _time_limit(20):
+        assert mask_windows(other).unknown == (other.name,)
