@@ -1,36 +1,23 @@
 """Data-parallel training with dualkv: find prompt groups that the data loader split across ranks.
 
-Under DDP or FSDP2 every rank packs its own micro-batch; the backend never
-looks at other ranks (no collective runs inside the compiled step, where
-ranks may take different paths: packed on one, unpacked on another). A
-prompt whose rollouts land on several ranks is therefore computed once *per
-rank* instead of once: the result stays exact, only the sharing is lost.
-The data loader must keep all rollouts of a prompt on one rank (in one
-micro-batch, in any row order). ``check_groups_on_rank`` is the explicit,
-per-batch check for that rule.
+Under DDP or FSDP2 every rank packs its own micro-batch; the backend never looks at other ranks (no collective
+runs inside the compiled step, where ranks may take different paths). A prompt whose rollouts land on several
+ranks is therefore computed once *per rank*: exact, only the sharing is lost. The data loader must keep all
+rollouts of a prompt on one rank (in one micro-batch, in any row order); ``check_groups_on_rank`` is the
+explicit, per-batch check for that rule.
 
-Assumptions
-    * Every rank of ``process_group`` calls ``check_groups_on_rank`` for the
-      same step (it runs two ``all_gather_object`` collectives; a rank that
-      skips the call makes the others wait, as with any collective).
-    * A batch is what ``layout.detect`` accepts: ``[B, S]`` token ids, one
-      contiguous run of valid tokens per row.
-
+Assumes every rank of ``process_group`` calls ``check_groups_on_rank`` for the same step (it runs two
+``all_gather_object`` collectives), with a batch ``layout.detect`` accepts (``[B, S]`` token ids, one contiguous
+run of valid tokens per row).
 Guarantees
-    * Every rank returns the same list of split prompts (the same
-      ``SplitGroupReport.split``), each naming the ranks that hold its rows and
-      how many rows each holds; rank 0's ``report.ok`` is every rank's.
-    * A prompt is identified by its tokens (a blake2b hash of them, the same in
-      every process, unlike Python's ``hash``): with ``response_mask`` the
-      prompt of a row is exactly its valid tokens before its response; without
-      it, each sequence's prefix up to the deepest node of the prefix forest
-      it shares with another sequence on some rank. Without ``response_mask`` a prompt with
-      exactly one row on every rank that holds it is not found (no rank sees
-      a shared prefix to name it by); pass ``response_mask`` to catch that too.
-    * Split prompts are logged once, as a warning on the "dualkv_compile"
-      logger, by the lowest rank that holds rows of them. Nothing is printed.
-    * Without an initialised process group (or with one rank) nothing is
-      gathered and nothing can be split.
+    * Every rank returns the same split prompts (``SplitGroupReport.split``), each naming the ranks that hold its
+      rows and how many each holds; rank 0's ``report.ok`` is every rank's.
+    * A prompt is identified by a blake2b hash of its tokens (the same in every process): with ``response_mask``
+      the row's valid tokens before its response; without it, each sequence's prefix up to the deepest forest
+      node it shares with another sequence on some rank (a prompt with exactly one row on every rank that holds
+      it is then not found: pass ``response_mask`` to catch that too).
+    * Split prompts are logged once, as a warning on the "dualkv_compile" logger, by the lowest rank that holds
+      rows of them. Without an initialised process group (or with one rank) nothing is gathered or split.
 """
 
 from __future__ import annotations

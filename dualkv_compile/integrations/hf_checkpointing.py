@@ -1,29 +1,20 @@
 """Hugging Face activation checkpointing moved inside each layer's module hooks, so Dynamo compiles the layers.
 
-Assumes: a Hugging Face model whose decoder layers are ``GradientCheckpointingLayer``s, with gradient
-checkpointing switched on the Hugging Face way (``model.gradient_checkpointing_enable(...)``), and FSDP2's
-``fully_shard`` (or any module hook Dynamo cannot trace) on each layer.
-
-Why: up to transformers 5.22 such a layer checkpoints its whole ``__call__``: ``torch.utils.checkpoint`` around
-the module call, FSDP2's hooks included. Dynamo cannot trace those hooks inside the checkpointed region, so it
-runs ``torch.utils.checkpoint`` eagerly, and that function disables Dynamo for everything it calls: every
-layer then runs uncompiled on the caller's rows. Exact, but nothing is packed: each row's copy of a shared
-prompt goes through every layer (seen on an H100 with transformers 5.17, torch 2.11: a Qwen3-1.7B-shaped step
-1.04x "faster" with dualkv, the layers never compiled). Newer transformers checkpoint the layer's ``forward``
-instead, inside the hooks, which Dynamo traces (non-reentrant checkpointing becomes a region of the layer's
-graph, recomputed in the backward).
+Assumes: a Hugging Face model whose decoder layers are ``GradientCheckpointingLayer``s, gradient checkpointing
+switched on the Hugging Face way (``model.gradient_checkpointing_enable(...)``), and FSDP2's ``fully_shard`` (or
+any module hook Dynamo cannot trace) on each layer. Up to transformers 5.22 such a layer checkpoints its whole
+``__call__``, the hooks included; Dynamo cannot trace the hooks inside the region, runs ``torch.utils.checkpoint``
+eagerly, and every layer then runs uncompiled on the caller's rows: exact, but nothing is packed. Newer
+transformers checkpoint the layer's ``forward`` inside the hooks, which Dynamo traces.
 
 Guarantees: ``checkpoint_inside_hooks(model)`` gives each such layer that newer arrangement: its class becomes a
 subclass of its own (made once per class) whose ``forward`` is the layer's checkpointing function (the one
 ``gradient_checkpointing_enable`` installed, with its ``use_reentrant`` and other arguments) around the class's
-``forward``, and whose ``__call__`` is ``nn.Module``'s again, so the hooks run outside the checkpoint. The layer's
-``gradient_checkpointing`` flag keeps its meaning (``gradient_checkpointing_disable()`` still turns it off). Same
-computation, same recompute in the backward (in training with gradients on), the same cache arguments dropped
-as transformers drops them. A subclass, not an instance ``forward``: Dynamo in torch 2.11 traced an instance
-``forward`` of an FSDP2 module without running FSDP2's hooks first (its sharded weights met the activations). A
-layer whose class does not checkpoint ``__call__`` (newer transformers), or whose checkpointing is off, is left
-alone; calling it twice changes nothing more. Reentrant checkpointing (``use_reentrant=True``) is still not
-traced by Dynamo: pass ``{"use_reentrant": False}``.
+``forward``, and whose ``__call__`` is ``nn.Module``'s again, so the hooks run outside the checkpoint. Same
+computation, same recompute in the backward, the same cache arguments dropped as transformers drops them; the
+layer's ``gradient_checkpointing`` flag keeps its meaning. A layer whose class does not checkpoint ``__call__``,
+or whose checkpointing is off, is left alone; a second call changes nothing. Reentrant checkpointing is still not
+traced by Dynamo: pass ``{"use_reentrant": False}``. Why a subclass: docs/design.md, "Trainer integrations".
 """
 
 from __future__ import annotations

@@ -4,59 +4,20 @@
     dualkv_compile.integrations.trl.enable(trainer)          # options: as torch.compile(..., backend="dualkv")
     trainer.train()
 
-or, on the model before the trainer is built (TRL then patches and wraps it as usual):
+or ``dualkv_compile.integrations.trl.compile_scoring_forward(model)`` before the trainer is built (TRL then
+patches and wraps the model as usual). ``GRPOConfig(torch_compile_backend="dualkv")`` does not work: accelerate
+accepts only its own backend names, and it would compile generation too.
 
-    dualkv_compile.integrations.trl.compile_scoring_forward(model)
-    trainer = GRPOTrainer(model=model, ...)
-
-Why not ``GRPOConfig(torch_compile=True, torch_compile_backend="dualkv")``:
-accelerate checks the backend's name against its own list ("'DUALKV' is not
-a valid DynamoBackend"), and it would compile generation too. These compile
-only the scoring forward.
-
-What is compiled, and why there
-    The backbone: the causal LM's ``base_model`` (``model.model`` of a
-    ``Qwen3ForCausalLM``; of a PEFT model, its base model's). TRL 1.16 patches
-    the causal LM's ``forward`` in ``GRPOTrainer.__init__``
-    (``trl.trainer.utils.add_fused_lm_head``: the instance's ``forward`` becomes
-    a method that keeps the previous one for unfused calls and, for
-    ``fused_lm_head=True``, calls ``self.base_model`` itself, looked up on each
-    call). A wrapper on the causal LM's ``forward`` is therefore bypassed when
-    it was installed before TRL's patch, and wrapped a second time when TRL
-    (or anyone) patches again; the backbone's ``forward`` is never replaced by
-    TRL, and every scoring path reaches it: TRL's fused head, the causal LM's
-    own ``forward`` (TRL before 1.16: ``logits_to_keep``), PEFT's wrappers.
-    So the order of ``enable`` and TRL's patch does not matter, and nothing
-    is wrapped twice.
-
-What it assumes
-    TRL scores completions by calling the causal LM (``model(input_ids,
-    attention_mask, labels=..., fused_lm_head=True)`` in TRL >= 1.16, with
-    ``logits_to_keep=...`` before), which runs its backbone through
-    ``Module.__call__``; generation calls the same backbone with a KV cache
-    (``past_key_values``) or inside ``generate``. Nothing replaces the
-    backbone module, or its ``forward``, after ``enable``. LoRA adapters
-    (TRL's ``peft_config``) live inside the backbone's linear layers, so they
-    are traced with it; with PEFT's frozen embedding, the hook TRL adds for
-    gradient checkpointing (``enable_input_require_grads``) breaks the graph
-    after the embedding, and the graph after the break finds the layout from
-    its hidden states and mask (``layout.carried``). ``lora_dropout`` > 0 in training mode draws a
-    different mask for each copy of a shared prompt: the backend refuses
-    that graph (it runs unpacked, ``explain()`` says so); PEFT's default is 0.
-
-What it guarantees
-    The policy's (and the reference model's) backbone runs through the dualkv
-    backend on every scoring call: on the packed stream, each prompt of the
-    batch once, in whatever order the trainer's rows come; its hidden states
-    leave it in the trainer's layout, so TRL's fused lm_head and loss run
-    unchanged on them. Generation runs the original forward, uncompiled. A
-    batch with nothing to share, or a graph the backend refuses, runs the
-    original program (``dualkv_compile.explain`` / ``reports()`` say which).
-    Never wrapped twice: ``compile_scoring_forward`` on a model whose
-    backbone is already routed raises; ``enable`` twice on one trainer
-    raises; ``enable`` on a trainer whose models were routed before it was
-    built leaves them as they are when the options agree, and raises when
-    they differ.
+Assumes TRL scores completions by calling the causal LM, which runs its backbone (``base_model``) through
+``Module.__call__``; generation calls the same backbone with a KV cache or inside ``generate``; nothing replaces
+the backbone or its ``forward`` after ``enable``. Guarantees: the policy's (and the reference model's) backbone
+runs through the dualkv backend on every scoring call, each prompt of the batch once in whatever row order, its
+hidden states back in TRL's layout for TRL's fused lm_head and loss; generation runs the original forward; a
+batch with nothing to share, or a refused graph, runs the original program (``explain()`` says which). LoRA
+adapters are traced inside the backbone; ``lora_dropout`` > 0 in training mode refuses that graph. Never wrapped
+twice: ``compile_scoring_forward`` on a routed backbone raises, ``enable`` twice on one trainer raises, and
+``enable`` on a trainer whose models were routed before it was built keeps them when the options agree and
+raises when they differ. Why the backbone, not the causal LM's ``forward``: docs/design.md, "Trainer integrations".
 """
 
 from __future__ import annotations
@@ -110,8 +71,8 @@ def drop_repeated_input_grad_hooks(model: torch.nn.Module) -> int:
     TRL switches gradient checkpointing off around generation and on again after it, twice a step, and each
     switch-on (``enable_input_require_grads``) adds one more such hook to the input embeddings without removing
     the last. The copies change nothing (each sets ``requires_grad`` on the same output), but Dynamo guards on
-    how many hooks a module has: the compiled forward was recompiled at every step (about 18 s a step for a
-    Qwen3-0.6B shape on an H100) until the recompile limit sent it to eager, unpacked. Returns how many went."""
+    how many hooks a module has: the compiled forward was recompiled at every step until the recompile limit
+    sent it to eager, unpacked (docs/benchmarks.md, "Behind the code"). Returns how many went."""
     dropped = 0
     for module in model.modules():
         hooks = module._forward_hooks

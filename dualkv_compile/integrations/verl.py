@@ -2,63 +2,22 @@
 
     actor_rollout_ref.model.external_lib=dualkv_compile.integrations.verl
 
-veRL imports ``external_lib`` in every worker when it builds the model config
-(``HFModelConfig.__post_init__``); importing this module calls ``enable()``,
-which replaces ``FSDPEngineWithLMHead.forward_step`` for the process. In a
-loop of your own, call ``dualkv_compile.integrations.verl.enable(**options)``
-(options as ``torch.compile(..., backend="dualkv", options=...)``) before the
-engine's first step.
+veRL imports ``external_lib`` in every worker when it builds the model config (``HFModelConfig.__post_init__``);
+importing this module calls ``enable()``, which replaces ``FSDPEngineWithLMHead.forward_step`` for the process. In
+a loop of your own, call ``dualkv_compile.integrations.verl.enable(**options)`` (options as for the backend)
+before the engine's first step.
 
-What it changes
-    veRL's own ``prepare_model_inputs`` still builds the remove-padding row
-    (every sequence of the micro-batch back to back, position ids restarting
-    at each), the labels rolled by one over it and the pad size. Then the
-    model call *and* the log-prob and entropy computation run as one
-    ``torch.compile(..., backend="dualkv")`` graph: the backbone on the packed
-    stream (each shared prompt once), the log-probs picked at veRL's rolled
-    labels from the packed rows (``gather_unpacked``: the last prompt token's
-    row serves every response's first label), the entropy per packed token,
-    and only per-token values leave the graph. The result goes back into
-    veRL's flow (its un-padding, its nested tensors, the loss function, the
-    returned outputs) unchanged. For the lm_head and the log-softmax to meet
-    in one graph despite FSDP2's hooks (veRL shards every decoder layer and,
-    untied, the lm_head as units of their own), during the call the model's
-    ``forward`` runs its backbone and then its lm_head, whose ``forward``
-    computes the log-probs and entropy inside its own FSDP unit; this for
-    the causal LMs whose forward is just that (``_PLAIN_HEADS``: Llama,
-    Mistral, Qwen2/3 and their MoE). Others run their own forward, packed,
-    with the ``[T, V]`` logits crossing the lm_head's hook.
-
-The math, against veRL's path with ``use_remove_padding=True`` (its default)
-    logits divided by the temperature rounded to the logits' dtype (as veRL's
-    per-token ``temperature.to(logits.dtype)``), log-probs of
-    ``log_softmax(logits.float())`` at the rolled labels (veRL's flash-attn
-    cross-entropy computes them in float32 too; its torch fallback for
-    bfloat16 logits computes in bfloat16, so bfloat16 runs differ from that
-    fallback by its rounding), entropy as veRL's ``entropy_from_logits``
-    (logsumexp minus the softmax-weighted logits), under the engine's own
-    autocast. Attention: the dualkv kernel on the packed stream. With
-    ``flash_attention_2`` configured (veRL's default) the model reads ``sdpa``
-    during the compiled call (``sdpa_for_flash_attention``), whose attention
-    dualkv matches; each sequence of the row attends causally within itself,
-    as veRL's varlen call does. Not yet run on a GPU.
-
-What it leaves to veRL (the original ``forward_step`` runs, the reason logged once)
-    ``use_remove_padding=False``, ``use_fused_kernels``, Ulysses sequence
-    parallelism (veRL slices the row before the model, so no rank sees whole
-    sequences: use dualkv's own ``sequence_parallel`` option in a loop of
-    your own), top-k distillation, ``calculate_sum_pi_squared``, multimodal
-    inputs, a per-sample temperature tensor, a forward-only call without a
-    loss function is packed like the others.
-
-Groups and micro-batches
-    Sharing is found within a micro-batch: the rollouts of a prompt must land
-    in one. veRL keeps a batch's rows in order, so with
-    ``use_dynamic_bsz=False`` a ``ppo_micro_batch_size_per_gpu`` that is a
-    multiple of ``rollout.n`` keeps every group whole; dynamic batch sizing
-    balances tokens and may split a group, which costs sharing, never
-    exactness (``dualkv_compile.explain()`` shows each call's tokens before and
-    after packing).
+Assumes veRL's remove-padding path (``use_remove_padding=True``, its default): its own ``prepare_model_inputs``
+still builds the row of back-to-back sequences, the labels rolled by one and the pad size. Guarantees: the model
+call and the log-prob and entropy computation run as one ``torch.compile(..., backend="dualkv")`` graph, the
+backbone on the packed stream (each shared prompt once), the log-probs picked at veRL's rolled labels
+(``gather_unpacked``), only per-token values leaving the graph; the result goes back into veRL's flow (un-padding,
+nested tensors, loss, outputs) unchanged and equals veRL's own path to rounding (docs/design.md, semantics 14).
+What it leaves to veRL (``use_remove_padding=False``, ``use_fused_kernels``, veRL's Ulysses, top-k distillation,
+``calculate_sum_pi_squared``, multimodal inputs, a per-sample temperature tensor) runs the original
+``forward_step``, the reason logged once. Sharing is found within a micro-batch: the rollouts of a prompt must
+land in one. The lm_head inside its FSDP unit, the math against veRL's, the micro-batch settings:
+docs/design.md, "Trainer integrations".
 """
 
 from __future__ import annotations

@@ -1,39 +1,22 @@
 """Prefix-forest attention on CPU through PyTorch's flash-attention kernels for CPU.
 
-Exact (the same single softmax over ancestor and own tokens as the
-reference), but memory O(T) per batch instead of the reference's dense
-``[T, T]`` mask, and one kernel call per root and per sibling set:
+Exact (the reference's single softmax over ancestor and own tokens) in memory O(T) per batch instead of the
+reference's dense ``[T, T]`` mask, with one kernel call per root and per sibling set:
 
     roots      causal self-attention over the root's tokens
-    children   the children of one parent (siblings: the same ancestor chain)
-               padded to R_max, each query row attending to
-               [ancestor chain K/V | its own K/V] under an additive mask
-               (the chain fully visible, own tokens causal)
+    children   the children of one parent (siblings: the same ancestor chain) padded to R_max, each query row
+               attending to [ancestor chain K/V | its own K/V] under an additive mask (chain visible, own causal)
 
-Assumes ``Segments`` in pre-order (``layout.segments``). The chain's keys
-are gathered in root-to-parent order; any order gives the same softmax.
-The backward sums each ancestor token's dK/dV over every sibling batch that
-reads it (its own segment's queries, its children's, its grandchildren's,
-...) in float32, float64 for float64 inputs (docs/design.md, semantics 4); for
-GQA, over the query heads sharing a KV head. The log-sum-exp is float32
-too (float64 for float64 inputs): PyTorch's CPU flash kernels take float64
-and compute in it, so float64 inputs stay in float64 throughout.
-
-Logit softcap: PyTorch's CPU flash kernels take no score modifier, so with a
-softcap the same batches run through explicit scores (``reference``'s masked
-attention and its backward on each root and sibling batch): exact, memory
-O(R * (L + R)) per batch instead of O(R). MLA head dims (v's differs from
-q's and k's): the flash kernels need one head dim, so the smaller operands
-are zero-padded to it (``head_dims``; exact), except on the softcap path,
-which takes them as they are.
-
-Windows (``window``, ``chunk``: token depth, ``layout.segments``): a root's
-causal call takes the windowed causal mask instead, and a sibling batch's
-mask is narrowed by depth (the chain's keys are depths ``0 .. L-1`` in
-root-to-parent order, a child's own token ``i`` is depth ``L + i``).
-The backward reads the saved ``out`` and ``lse`` (the flash kernels' backward
-and, on the softcap path, ``backward_with_mask(lse=...)``), so sinks compose
-(``kernels.sinks``).
+Assumes ``Segments`` in pre-order (``layout.segments``); the chain's keys are gathered in root-to-parent order
+(any order gives the same softmax). The backward sums each ancestor token's dK/dV over every sibling batch that
+reads it, and for GQA over the query heads sharing a KV head, in float32, float64 for float64 inputs
+(docs/design.md, semantics 4); the lse is float32 too (float64 for float64 inputs, which the CPU flash kernels
+take and compute in). A logit softcap (the flash kernels take no score modifier) runs the same batches through
+explicit scores (``reference``'s masked attention and backward): exact, memory O(R * (L + R)) per batch. MLA head
+dims are zero-padded to one (``head_dims``; exact), except on the softcap path. Windows (``window``, ``chunk``:
+token depth) give a root's call the windowed causal mask and narrow a sibling batch's mask by depth (the chain's
+keys are depths ``0 .. L-1``, a child's own token ``i`` is depth ``L + i``). The backward reads the saved
+``out`` and ``lse``, so sinks compose (``kernels.sinks``).
 """
 
 from __future__ import annotations

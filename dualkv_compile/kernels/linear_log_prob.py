@@ -1,47 +1,25 @@
 """``linear_log_prob``: next-token log-probs straight from the hidden states, never the full log-softmax.
 
-The math of the ops ``dualkv::linear_log_prob`` and ``dualkv::linear_log_prob_bwd``
-(registered, with fake implementations and the autograd formula, in
-``ops/linear_log_prob.py``). For ``hidden [N, H]``,
-``weight [V, H]``, ``rows [T]`` and ``index [T, K]`` (int64) the forward is
+The math of ``dualkv::linear_log_prob`` and ``_bwd`` (registered in ``ops/linear_log_prob.py``). For ``hidden
+[N, H]``, ``weight [V, H]``, ``rows [T]`` and ``index [T, K]`` (int64):
 
     out[t, k] = log_softmax(post(linear(hidden[rows[t]], weight)))[index[t, k]]
 
-where ``post`` is the scalar chain a policy loss puts between the lm_head and
-the log-softmax, applied in the graph's order and dtypes:
+``post`` is the scalar chain a policy loss puts between the lm_head and the log-softmax, in the graph's order and
+dtypes: one multiply or divide by ``scale`` (``divide``; 1.0 is the identity), optionally a cast to float32
+(``upcast``: the log-softmax and ``out`` are then float32, else in the logits' dtype), the scalar op before the
+cast (``scale_first``: it rounds in the logits' dtype, as the graph does) or after it.
 
-    scale, divide   one multiply (``divide=False``) or divide by ``scale``; 1.0 is the identity
-    upcast          a cast to float32 (``.float()``); the log-softmax then runs in float32
-    scale_first     the scalar op runs before the cast, in the logits' dtype (bf16 rounds
-                    there, as the original graph does); else after it, in float32
-
-Without the cast the log-softmax runs in the logits' dtype and ``out`` has it;
-with it ``out`` is float32.
-
-Memory: rows are processed in chunks of ``C`` tokens, ``C`` the number of
-rows of one ``[C, V]`` buffer in the softmax's compute dtype (float32, or
-float64 for float64 logits) that fits in ``chunk_bytes`` (at least 1).
-The working set is a few such buffers; no ``[T, V]`` tensor exists at any
-point. The forward saves ``hidden``, ``weight``, ``rows``, ``index`` and the
-per-token logsumexp (``[T]``, compute dtype), not the logits: the backward
-recomputes each chunk's logits, one extra lm_head matmul, the price of the
-memory. Gradients flow to ``hidden`` and ``weight`` only; both accumulate
-across chunks in float32 (float64 for float64 inputs) and are cast to their
-inputs' dtypes at the end.
-
-Assumed, not checked (checking would cost a host sync): every ``rows``
-entry is in ``[0, N)`` and every ``index`` entry in ``[0, V)``.
-
-Numerics: the logits, the scalar op and the cast round exactly as the
-unfused ops; the log-softmax and its gradient are computed in the compute
-dtype as PyTorch's kernels compute them internally. Tokens reading the same
-row add their hidden-state gradients in float32 instead of summing their
-log-prob gradients first; on CPU each chunk's bf16/fp16 weight-gradient
-product is rounded to its dtype before being added (CUDA accumulates it in
-float32 directly).
-
-``kernels/linear_log_prob_entropy.py`` is the same op with every row's
-entropy as a second output (chunks over rows of ``hidden``).
+Memory: rows run in chunks of ``C`` tokens, ``C`` the rows of one ``[C, V]`` buffer in the compute dtype (float32,
+float64 for float64 logits) that fit in ``chunk_bytes`` (at least 1): a few such buffers, never a ``[T, V]``
+tensor. The forward saves its inputs and the per-token logsumexp, not the logits; the backward recomputes each
+chunk's logits (one extra lm_head matmul). Gradients flow to ``hidden`` and ``weight``, accumulated across
+chunks in float32 (float64 for float64 inputs) and cast to the inputs' dtypes at the end.
+Assumed, not checked (a host sync): every ``rows`` entry is in ``[0, N)`` and every ``index`` entry in ``[0, V)``.
+Numerics: the logits, the scalar op and the cast round as the unfused ops; the log-softmax and its gradient are
+computed in the compute dtype as PyTorch's kernels compute them; tokens reading one row add their hidden-state
+gradients in float32; on CPU each chunk's bf16/fp16 weight-gradient product is rounded to its dtype before it is
+added (CUDA accumulates it in float32). ``linear_log_prob_entropy.py``: the same op with every row's entropy.
 """
 
 from __future__ import annotations

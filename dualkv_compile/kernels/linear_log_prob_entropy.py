@@ -1,49 +1,24 @@
 """``linear_log_prob_entropy``: next-token log-probs and every row's entropy from the hidden states, in chunks.
 
-The math of the ops ``dualkv::linear_log_prob_entropy`` and ``_entropy_bwd``
-(registered in ``ops/linear_log_prob.py``). Inputs, the ``post`` chain, the
-dtypes and the chunk size are those of ``kernels.linear_log_prob`` (its
-docstring). With ``logp = log_softmax(post(linear(hidden, weight)))`` (``[N, V]``,
-never built whole) the forward returns
+The math of ``dualkv::linear_log_prob_entropy`` and ``_entropy_bwd`` (registered in ``ops/linear_log_prob.py``);
+inputs, ``post``, dtypes and chunk size as in ``kernels.linear_log_prob``. With ``logp =
+log_softmax(post(linear(hidden, weight)))`` (``[N, V]``, never built whole) the forward returns
 
     out[t, k]   = logp[rows[t], index[t, k]]                      [T, K], as the plain op
     entropy[n]  = -sum_v exp(logp[n, v]) * logp[n, v]               [N], every row of ``hidden``
     lse[n]      = logsumexp_v post(linear(hidden, weight))[n, v]    [N], kept for the backward
 
-``entropy`` and ``lse`` are in the compute dtype (float32; float64 for
-float64 logits without the cast).
-
-Chunks run over rows of ``hidden`` (``n0:n1``), not over outputs as the plain
-op does: each row's logits are computed once per pass, for its entropy, and
-the outputs reading a row take their log-probs from the same chunk. Which
-outputs those are is not looked up (that would cost a host sync): every chunk
-masks all T outputs, ``O(T * K)`` per chunk. The working set is the plain op's
-(a few ``[C, V]`` buffers); no ``[N, V]`` or ``[T, V]`` tensor exists. The
-backward recomputes each chunk's logits from ``hidden``, ``weight``, ``lse``
-and ``entropy``.
-
-Numerics: ``logp`` is rounded as the log-softmax kernels round it,
-``(x - max) - log(sum)``, by the plain op's steps (its chunks' lm_head GEMMs
-have other shapes, which may round the logits differently); the
-entropy is ``-(exp(logp) * logp).sum(-1)``, the unfused graph's own
-expression, in the compute dtype (veRL's ``logsumexp(x) - (softmax(x) * x).sum(-1)``
-is the same value up to rounding, and it cancels where this form does not).
-A ``-inf`` logit makes the row's entropy NaN (``0 * -inf``), as it does
-unfused. The backward (``g`` the gradient of ``out``, ``g_ent`` of ``entropy``,
-either possibly absent) is
+``entropy`` and ``lse`` are in the compute dtype. Chunks run over rows of ``hidden``, each row's logits computed
+once per pass; every chunk masks all T outputs (``O(T * K)``: looking up which read it would be a host sync). The
+working set is the plain op's; the backward recomputes each chunk's logits from ``hidden``, ``weight``, ``lse`` and
+``entropy``, with ``p = exp(logp)`` and ``G[n]`` the sum of ``g[t, :]`` over the outputs reading row n:
 
     d z[n] = scatter of g[t, k] at (rows[t] = n, index[t, k]) - p[n] * (G[n] + g_ent[n] * (logp[n] + entropy[n]))
 
-with ``p = exp(logp)`` and ``G[n]`` the sum of ``g[t, :]`` over the outputs
-reading row n: the log-softmax backward plus ``dH/dz_j = -p_j (log p_j + H)``.
-Then back through ``post`` as the plain op goes. A chunk's ``hidden``
-gradient rows are ``d @ weight`` (each row is in one chunk, nothing to add up),
-rounded once to ``hidden``'s dtype; ``weight``'s accumulates ``d^T h`` over
-chunks as the plain op's does.
-
-Assumed, not checked (as the plain op): every ``rows`` entry is in ``[0, N)``
-(an output whose row is in no chunk would read 0) and every ``index`` entry in
-``[0, V)``.
+then back through ``post`` as the plain op goes. Numerics: ``logp`` rounds as the log-softmax kernels round it;
+the entropy is ``-(exp(logp) * logp).sum(-1)``, the unfused graph's own expression (more: docs/design.md,
+"Chunked log-probs"); a ``-inf`` logit makes the row's entropy NaN, as unfused. Assumed, not checked: every
+``rows`` entry in ``[0, N)`` (an output whose row is in no chunk would read 0), every ``index`` entry in ``[0, V)``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,20 @@
 """Exact reference for prefix-forest attention on the packed stream.
 
-The oracle every fast kernel is tested against, written for clarity rather
-than speed: it builds the dense ``[T, T]`` mask of the segments
-(``layout.segments.dense_mask``: a token sees its own segment causally and
-every ancestor segment fully) and runs one softmax over all of it in float32
-or better.
+The oracle every fast kernel is tested against, written for clarity rather than speed: the dense ``[T, T]`` mask
+of the segments (``layout.segments.dense_mask``: a token sees its own segment causally and every ancestor segment
+fully) and one softmax over all of it in float32 or better.
 
-Tensor convention (the same as ``F.scaled_dot_product_attention`` with batch 1):
-    q  [1, Hq, T, D],  k  [1, Hkv, T, D],  v  [1, Hkv, T, Dv],  Hq a multiple of Hkv (GQA);
-    v's head dim may differ from q's and k's (MLA: 192 and 128 in DeepSeek-V3).
-Returns the output ``[1, Hq, T, Dv]`` in q's dtype and the log-sum-exp
-``[1, Hq, T]`` in float32 (float64 for float64 inputs), natural log, scaled
-(and capped) scores. Memory is O(Hq * T^2): use it for tests and small CPU models.
-In the backward, dK and dV (sums over every query that reads a key: N rows' worth for a prompt
+Tensors (``F.scaled_dot_product_attention``'s convention with batch 1): q ``[1, Hq, T, D]``, k ``[1, Hkv, T, D]``,
+v ``[1, Hkv, T, Dv]``, Hq a multiple of Hkv (GQA); v's head dim may differ from q's and k's (MLA: 192 and 128 in
+DeepSeek-V3). Returns the output ``[1, Hq, T, Dv]`` in q's dtype and the log-sum-exp ``[1, Hq, T]`` in float32
+(float64 for float64 inputs), natural log, of the scaled (and capped) scores. Memory O(Hq * T^2): for tests and
+small CPU models. In the backward, dK and dV (sums over every query that reads a key: N rows' worth for a prompt
 shared by N) are summed in float64 by blocks of queries, so their float32 error does not grow with N.
 
-Logit softcap (Gemma 2's ``attn_logit_softcapping``): with ``softcap`` c > 0 the
-score ``s = scale * q.k`` becomes ``c * tanh(s / c)`` before the mask and the
-softmax; 0 means none. Its derivative ``1 - tanh^2`` enters dQ and dK.
-
-Windows (``window``, ``chunk``; 0: none) narrow the mask by token depth
-(``layout.segments.dense_mask``). The backward reads the saved ``lse`` for the
-probabilities, as the fast kernels' do, so a softmax with sinks
-(``kernels.sinks``: a larger lse) differentiates through it exactly.
+A logit softcap ``c > 0`` (Gemma 2's ``attn_logit_softcapping``; 0: none) makes the score ``s = scale * q.k``
+``c * tanh(s / c)`` before the mask and the softmax; its derivative ``1 - tanh^2`` enters dQ and dK. Windows
+(``window``, ``chunk``; 0: none) narrow the mask by token depth. The backward reads the saved ``lse`` for the
+probabilities, as the fast kernels' do, so a softmax with sinks (``kernels.sinks``) differentiates exactly.
 """
 
 from __future__ import annotations

@@ -1,39 +1,24 @@
 """The layout carried from one compiled graph to the next, when a model is split into several graphs.
 
-When a model runs as several Dynamo graphs (FSDP2 ``fully_shard`` per decoder
-layer, a separately compiled layer, any graph break), only some graphs see
-the token ids; the per-layer graphs take hidden states ``[B, S, H]``,
-position embeddings and a ``[B, 1, S, S]`` mask. This module holds, per
-thread, the layout most recently established by a graph (detected from its
-token ids, or from its hidden states and mask) so later graphs of the same
-forward can run packed on it.
+When a model runs as several Dynamo graphs (FSDP2 ``fully_shard`` per decoder layer, a separately compiled layer,
+any graph break), only some see the token ids; the others take hidden states ``[B, S, H]``, position embeddings
+and a ``[B, 1, S, S]`` mask. This module holds, per thread, the layout a graph last established (from its token
+ids, or from its hidden states and mask) so that later graphs of the same forward can run packed on it.
 
-Assumptions
-    * A graph's token-major inputs have the batch and sequence axes leading:
-      ``[B, S, ...]``.
-    * Graphs of one forward run in one thread, in program order.
-
-Guarantees (what makes a carried layout safe; each is checked per call by
-the backend, and a failed check runs the graph unpacked with the reason)
-    * At most one layout is current per thread; every successful detection
-      replaces it, a failed one from token ids clears it. It is used only for
-      a call whose ``(B, S)`` and device match.
-    * Exactness of the data: ``share_mismatch`` checks that, for every
-      token-major input, the copies that packing drops (rows 1.. of a group,
-      over the shared prefix) are bitwise equal to the copy it keeps (the
-      group's first row). That is the condition under which the packed
-      program computes what each row would: O(B * P * H) reads.
-    * Exactness of the padding: a graph whose masks are inputs, or are built
-      from inputs (an attention mask, and sizes as ints where Dynamo compiled
-      it with symbolic shapes), checks each mask against the layout
-      (``mask_checked``, once per layout, set of tensors and equal sizes); a
-      graph with no mask uses a carried layout only if one of its inputs
-      shares storage with a tensor that a graph produced while running
-      packed on this very layout (``produced``; the producing tensor must be
-      alive, so its storage cannot have been reused). Otherwise nothing ties
-      the layout's padding to this call's data.
-    * Nothing here keeps tensors alive: produced tensors and checked masks
-      are held by weak references.
+Assumes: a graph's token-major inputs have the batch and sequence axes leading (``[B, S, ...]``); the graphs of
+one forward run in one thread, in program order.
+Guarantees (each checked per call by the backend; a failed check runs the graph unpacked, with the reason):
+    * At most one layout is current per thread; every successful detection replaces it, a failed one from token
+      ids clears it. It is used only for a call whose ``(B, S)`` and device match.
+    * ``share_mismatch``: for every token-major input, the copies packing drops (rows 1.. of a group, over the
+      shared prefix) are bitwise equal to the copy it keeps, the condition under which the packed program
+      computes what each row would (O(B * P * H) reads).
+    * A graph whose masks are inputs, or built from inputs, checks them against the layout (``mask_checked``,
+      once per layout, set of tensors and equal sizes); a graph with no mask uses a carried layout only if an
+      input shares storage with a tensor a graph produced while running packed on this very layout
+      (``produced``; the producer is alive, so its storage was not reused). Otherwise nothing ties the layout's
+      padding to this call's data.
+    * Nothing here keeps tensors alive: produced tensors and checked masks are held by weak references.
 """
 
 from __future__ import annotations

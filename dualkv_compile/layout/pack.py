@@ -72,8 +72,8 @@ def gather_valid_indexed(x: torch.Tensor, index: torch.Tensor, keep: torch.Tenso
     ``index_select``'s, an ``index_add``, run in the wider dtype of ``_WIDER`` and rounded once at the cast back.
 
     Why wider: a float32 ``index_add`` of a prompt token read by 2,048 rows rounds after each of its 2,048 atomic
-    adds, 45x the uncompiled model's float32 error on an H100 (issue 35, defect 5); in bf16 it would round to 8
-    bits each time. The casts are exact in the forward. Under Inductor both casts fuse into the gather and
+    adds, many times the uncompiled model's float32 error (docs/benchmarks.md, "Behind the code"); in bf16 it
+    would round to 8 bits each time. The casts are exact in the forward. Under Inductor both casts fuse into the gather and
     scatter kernels, so the wider copy that remains is the ``[T, ...]`` accumulator, not the ``[N, ...]`` gradient.
     """
     wide = x.to(_WIDER[x.dtype]) if x.dtype in _WIDER else x
@@ -95,19 +95,19 @@ def _gather_valid_cpu(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, 
     their gradients land in that row, which the backward drops).
 
     Why an opaque op pair: the backward must sum each row's gradients in position order in the wider dtype
-    of ``_WIDER`` and round once (a float32 running sum of a prompt read by 2,048 rows is 20x the uncompiled
-    model's error, issue 35 defect 5), deterministically on every thread count. ``index_select``'s backward
+    of ``_WIDER`` and round once (a float32 running sum of a prompt read by 2,048 rows is many times the
+    uncompiled model's error), deterministically on every thread count. ``index_select``'s backward
     (``index_add``) is, under Inductor at two or more threads, a parallel loop of atomic adds in no fixed
-    order. The previous form (``gather`` of a float64 copy, whose ``scatter_add`` backward Inductor hands to
-    ATen) had that order but cast the whole ``[N, ...]`` gradient to float64 first (and made a float64
-    ``[N, ...]`` gather in the forward): 41 ms of a 349 ms step at 2 threads (issue 35, defect 6). Here the
+    order. A ``gather`` of a float64 copy (whose ``scatter_add`` backward Inductor hands to ATen) has that
+    order but casts the whole ``[N, ...]`` gradient to float64 first, and gathers ``[N, ...]`` in float64 in
+    the forward, a large share of a CPU step (docs/benchmarks.md, "Behind the code"). Here the
     forward gathers in the value's dtype, and the backward, ``dualkv::gather_rows_bwd``, widens one column
     chunk of the gradient at a time (``SUM_CHUNK_BYTES``) and ``scatter_add_``s it into a wide
     ``[T + 1, chunk]`` buffer. ATen's kernel for an index expanded from one axis sorts the index stably and
     sums each row's positions in order, rows in parallel; for a chunk narrower than it takes (or a
     non-float dtype) the generic kernel loops over the positions in order for each column. Either way each
-    row's gradient is the in-order sum in the wider dtype, rounded once at the cast back: bit for bit the
-    same as before, on one thread or many, eager or compiled (both ops have fake implementations, so they
+    row's gradient is the in-order sum in the wider dtype, rounded once at the cast back: the same bits on
+    one thread or many, eager or compiled (both ops have fake implementations, so they
     trace with symbolic sizes and stay opaque to AOTAutograd and Inductor).
     """
     y = x.movedim(dim, 0)

@@ -1,42 +1,26 @@
 """Segments: the attention structure of a packed stream, the one thing every attention kernel takes.
 
-The packed stream holds a *prefix forest* (docs/design.md, semantics 11): each
-tree node is a run of packed tokens, a *segment*. A token attends causally to
-the tokens of its own segment and fully to every token of every ancestor
-segment, one softmax over all of them.
+The packed stream holds a *prefix forest* (docs/design.md, semantics 11): each tree node is a run of packed
+tokens, a *segment*; a token attends causally to its own segment and fully to every ancestor segment, one softmax.
 
-Assumes (``tree_segments`` checks it; the layout builds it so): segments are
-in stream order, cover the stream ``[0, T)`` and are listed in *pre-order*:
-each segment's descendants directly follow it. Then a segment's subtree is
-one run ``[seg_start, subtree_end)``, and the whole mask is
+Assumes (``tree_segments`` checks it; the layout builds it so): segments are in stream order, cover ``[0, T)`` and
+are listed in *pre-order* (each segment's descendants directly follow it). Then a segment's subtree is one run
+``[seg_start, subtree_end)`` and the whole mask is
 
     q sees kv  <=>  kv <= q < reach[kv],   reach[kv] = subtree_end of kv's segment
 
-(an ancestor precedes q and its subtree contains q; any other earlier segment's
-subtree ends before q).
+(an ancestor precedes q and its subtree contains q; any other earlier segment's subtree ends before q). The
+readers of a segment's keys are its own tokens (causally) and the run ``[seg_end, subtree_end)`` (fully), so the
+backward's sum over every descendant that reads a node (semantics 4) is one range. Windows (semantics 15) are
+rules on a token's *depth*, ``prefix_len[seg] + (t - seg_start[seg])``, the same for every sequence through it:
+a sliding window ``w`` keeps ``depth(q) - depth(kv) < w``, chunks of ``c`` keep ``depth(q) // c == depth(kv) //
+c`` (Hugging Face's ``sliding_window_overlay`` and ``chunked_overlay`` on a padded row's columns); 0 means none.
 
-Windows (docs/design.md, semantics 15) are rules on a token's *depth*: its index
-along its sequences from the root, ``prefix_len[seg] + (t - seg_start[seg])``,
-the same for every sequence through the token. A sliding window ``w`` keeps
-``depth(q) - depth(kv) < w``; chunks of ``c`` keep ``depth(q) // c ==
-depth(kv) // c`` (Hugging Face's ``sliding_window_overlay`` and, with its
-left-padding offset, ``chunked_overlay``, on the columns of a padded row).
-0 means no window; both may apply. The readers of a segment's keys are its own tokens
-(causally) and the run ``[seg_end, subtree_end)`` (fully): the backward's sum
-over every descendant that reads a node (semantics 4) is one range.
-
-This module holds the type, its host-side builder and the dense index maps
-derived from it (segment ids, reach, the dense mask the references use, each
-token's predecessor); it imports nothing else of the package, so kernels
-depend on it alone.
-
-Segments built for a CUDA device keep a *host twin*: the same five tensors on
-the CPU (``host_twin``). The kernels' per-step schedules, whose size is the
-number of segments and tiles (not tokens), are built on the twin and copied
-over in one transfer each (``derived_on_host``): the same integers, without the
-dozens of tiny kernels that, launched on a GPU with nothing else queued, each
-cost a launch's round trip of idle device time. Maps as long as the stream
-stay on the device: on the host their ops would cost more than the launches.
+The module holds the type, its host-side builder and the dense index maps derived from it (segment ids, reach, the
+dense mask of the references, each token's predecessor); it imports nothing else of the package, so kernels
+depend on it alone. Segments built for a CUDA device keep a *host twin* (``host_twin``): the per-step schedules,
+sized by segments and tiles, are built on it and copied over in one transfer each (``derived_on_host``; why:
+docs/design.md, "Layout").
 """
 
 from __future__ import annotations

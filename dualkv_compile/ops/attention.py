@@ -1,63 +1,27 @@
 """``shared_prompt_attention``: the one attention op of the packed stream.
 
-Two ``torch.library`` custom ops, ``dualkv::attention_fwd`` and
-``dualkv::attention_bwd``, with fake implementations (so they trace under
-``torch.compile`` with dynamic shapes) and the backward registered as the
-forward's autograd formula. The implementation is chosen by the ``backend``
-argument, resolved before tracing so that the compiled graph holds a concrete
-choice:
+Two ``torch.library`` custom ops, ``dualkv::attention_fwd`` and ``dualkv::attention_bwd``, with fake
+implementations (they trace under ``torch.compile`` with dynamic shapes), the backward registered as the
+forward's autograd formula. ``backend`` names the implementation, resolved before tracing (``resolve_backend``)
+so that the compiled graph holds a concrete choice: "reference" (dense, the oracle; any device), "cpu_flash"
+(CPU), "flex", "triton" and "gluon" (CUDA; Gluon on Hopper, sm_90), or "auto" (CPU: cpu_flash, reference for
+float64; CUDA: the first of gluon, triton, flex that supports the input, flex before triton with a window). A
+request for a backend that cannot run the input raises ``ValueError``.
 
-    "reference"  exact PyTorch (dense mask, fp32 softmax); any device; the oracle
-    "cpu_flash"  PyTorch's CPU flash-attention kernels, the siblings of one parent batched over their
-                 ancestor chain; CPU
-    "flex"       FlexAttention with the forest's block mask (kv <= q < reach[kv]); CUDA
-    "triton"     the hand-written Triton kernel; CUDA (and CPU under TRITON_INTERPRET=1)
-    "gluon"      warp-specialised Hopper kernels (Gluon; sm_90, bf16/fp16, head dim 64 or 128) for
-                 the forward and the whole backward (dK/dV and dQ kernels; the Triton preprocess)
-    "auto"       CPU -> cpu_flash (reference for float64); CUDA -> gluon where it supports the
-                 input (sm_90), else triton where it does, else flex
+Tensors: q ``[1, Hq, T, D]``, k ``[1, Hkv, T, D]``, v ``[1, Hkv, T, Dv]`` (SDPA's layout with batch 1), Hq a
+multiple of Hkv; Dv may differ from D (MLA). The op returns the output ``[1, Hq, T, Dv]`` in q's dtype; ``lse``
+(float32, float64 for float64 inputs, ``[1, Hq, T]``) is saved for the backward. ``softcap`` (0.0: none) caps
+the scaled score s to ``softcap * tanh(s / softcap)`` before the mask, in every backend; ``window`` and ``chunk``
+(0: none) narrow the mask on token depth (``layout.segments.dense_mask``; docs/design.md, semantics 15);
+``sinks`` (None or ``[Hq]``), gpt-oss's learnable sinks, are applied around the backend's ``(out, lse)`` by
+``kernels.sinks`` and get their gradient from the op's backward.
 
-Tensor convention: q ``[1, Hq, T, D]``, k ``[1, Hkv, T, D]``, v ``[1, Hkv, T, Dv]``
-(the ``scaled_dot_product_attention`` layout with batch 1), Hq a multiple of
-Hkv. Dv may differ from D (MLA: reference and flex take it as it is,
-cpu_flash and triton zero-pad to the larger head dim, exactly). The op
-returns the output ``[1, Hq, T, Dv]`` in q's dtype; ``lse`` (float32, float64
-for float64 inputs, ``[1, Hq, T]``) is saved for the backward.
-
-``softcap`` (a float, 0.0 for none): Gemma 2's logit softcap, the scaled score
-s becomes ``softcap * tanh(s / softcap)`` before the mask and the softmax.
-Every backend implements it (none drops it); the lse is over the capped scores.
-
-``window`` and ``chunk`` (ints, 0 for none): a sliding window and chunked
-attention on token depth along each sequence's path from its root
-(``layout.segments.dense_mask``; docs/design.md, semantics 15). ``sinks`` (None or
-a float tensor ``[Hq]``): gpt-oss's learnable sinks, one more logit per head
-in every row's denominator, applied around the backend's ``(out, lse)`` by
-``kernels.sinks`` for every backend whose backward reads the saved stats; the
-op's backward returns their gradient.
-
-Each backend is a module with the same three functions:
-    supports(q, v=None, *, window=0, chunk=0, sinks=False) -> None, or why it cannot run q (with v's head dim)
-    forward(q, k, v, segs, scale, softcap=0.0, window=0, chunk=0) -> (out, lse)
-    backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap=0.0, window=0, chunk=0) -> (dq, dk, dv)
-``backward`` must take P from the saved ``lse`` and Delta from the saved ``out``
-(FlashAttention-2's backward; how sinks compose), or ``supports`` refuses sinks.
-A request for a backend that cannot run the input raises ``ValueError``;
-nothing falls back silently.
-
-Called eagerly (plain tensors, no tracing, no dispatch mode: ``eager_attention.applies``),
-``shared_prompt_attention`` runs the same backend functions under a plain
-``autograd.Function`` (``eager_attention.EagerAttention``) instead of the custom
-op, whose eager autograd wrapper cost more host time than short kernels take.
-
-The flex backend is the one exception to "everything goes through the opaque
-op": FlexAttention's fused backward is reachable only through autograd, so
-behind an opaque op its backward would have to recompute the forward (what
-``flex.backward`` does, one extra forward). ``shared_prompt_attention``
-therefore calls ``flex.attention`` directly, which runs FlexAttention under
-autograd (eager: the cached compiled flex kernels; inside ``torch.compile``:
-the flex higher-order op, whose backward AOTAutograd derives). The custom ops
-still accept ``backend="flex"`` and stay correct, only slower in the backward.
+Each backend is a module with ``supports(q, v=None, *, window=0, chunk=0, sinks=False)`` (None, or why not),
+``forward(q, k, v, segs, scale, softcap=0.0, window=0, chunk=0) -> (out, lse)`` and ``backward(dout, q, k, v, out,
+lse, segs, scale, deterministic, softcap=0.0, window=0, chunk=0) -> (dq, dk, dv)``; ``backward`` takes P from the
+saved ``lse`` and Delta from the saved ``out``, or ``supports`` refuses sinks. Called eagerly the op runs the same
+functions under a plain ``autograd.Function`` (``eager_attention``); ``backend="flex"`` calls ``flex.attention``
+under autograd, so FlexAttention's fused backward runs (why both: docs/design.md, "The attention op").
 """
 
 from __future__ import annotations
@@ -124,8 +88,8 @@ def resolve_backend(backend: str, q: torch.Tensor, v: Optional[torch.Tensor] = N
 
             # float64 stays on the reference, the oracle (cpu_flash runs float64 too, when asked for by name).
             return "cpu_flash" if q.dtype != torch.float64 and cpu_flash.supports(q, v, **feats) is None else "reference"
-        # Windows: flex first, the window kernel run on an H200 (tests/ops/test_flex.py); Triton's windows are
-        # checked on the interpreter only so far, so it takes them by name or where flex cannot.
+        # Windows: flex first, its windowed kernel tested on a GPU (tests/ops/test_flex.py); Triton's windows are
+        # checked on the interpreter, so it takes them by name or where flex cannot (docs/design.md, "The attention op").
         order = ("gluon", "flex", "triton") if window or chunk else ("gluon", "triton", "flex")
         for name in order:
             why = unsupported_reason(name, q, v, **feats)

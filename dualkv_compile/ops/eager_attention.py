@@ -1,22 +1,15 @@
 """The eager autograd path of ``shared_prompt_attention``: the same kernels, without the custom op's host cost.
 
-``dualkv::attention_fwd`` is what graphs hold: it traces under
-``torch.compile``, ``make_fx`` and export, and a compiled graph calls it
-below autograd. Called eagerly with grad enabled, though, a custom op goes
-through ``torch.library``'s generated autograd wrapper, which on an H200's
-host took about 0.42 ms per call
-(``benchmarks/tuning/gluon_tuning_2026-11-25h/``): on short inputs the GPU
-finished the forward before the host had launched the backward, and waited.
-``EagerAttention`` is a plain ``torch.autograd.Function`` over the same
-backend functions (``backend.forward`` / ``backend.backward``) with the same
-contract as the custom ops' pair: contiguous outputs, ``lse`` in
-``lse_dtype(q)`` saved for the backward, the backward's ``deterministic``
-read from ``torch.are_deterministic_algorithms_enabled()`` when it runs.
+``dualkv::attention_fwd`` is what graphs hold; called eagerly with grad enabled, a custom op goes through
+``torch.library``'s generated autograd wrapper, whose host time per call can exceed short kernels' device time
+(docs/design.md, "The attention op"). ``EagerAttention`` is a plain ``torch.autograd.Function`` over the same
+backend functions (``backend.forward`` / ``backend.backward``) with the same contract as the custom ops' pair:
+contiguous outputs, ``lse`` in ``lse_dtype(q)`` saved for the backward, the backward's ``deterministic`` read
+from ``torch.are_deterministic_algorithms_enabled()`` when it runs.
 
-``applies(q, k, v)`` says when it may stand in: plain tensors (no subclass,
-so no fake, functional or wrapped tensor), outside ``torch.compile`` and
-export, with no dispatch mode (``make_fx``), torch-function mode or functorch
-transform active. Anything else takes the custom op, as before.
+``applies(q, k, v)`` says when it may stand in: plain tensors (no subclass, so no fake, functional or wrapped
+tensor), outside ``torch.compile`` and export, with no dispatch mode (``make_fx``), torch-function mode or
+functorch transform active. Anything else takes the custom op.
 """
 
 from __future__ import annotations

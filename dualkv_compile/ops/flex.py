@@ -1,61 +1,22 @@
 """FlexAttention backend: the packed stream's prefix-forest mask as a BlockMask.
 
-The mask's math lives in ``kernels/flex`` (the segment table, the torch and
-Triton block-table builders, the ``mask_mod``s); this module is the
-op and backend level on top of it: the opaque custom op
-``dualkv::flex_block_tables`` with its fake implementation, ``block_mask``
-(the ``BlockMask`` of a packed stream, built straight from the ``Segments``
-tensors with no device sync), the cached compiled flex callable, and the
-backend protocol (``supports``, ``forward``, ``backward``) plus
-``attention``. ``BLOCK``, ``segment_table`` and ``block_tables`` are
-re-exported from ``kernels/flex``.
+The mask's math lives in ``kernels/flex`` (the segment table, the torch and Triton block-table builders, the
+``mask_mod``s; ``BLOCK``, ``segment_table`` and ``block_tables`` re-exported here). This module: the opaque custom
+op ``dualkv::flex_block_tables`` with its fake implementation (small Triton kernels on CUDA, eager torch ops on
+CPU), ``block_mask`` (a packed stream's ``BlockMask``, built from the ``Segments`` tensors with no device sync),
+the compiled flex callable (dynamic shapes, made once per process and cached), and the backend protocol
+(``supports``, ``forward``, ``backward``) plus ``attention``.
 
-Autograd. ``attention`` (what ``shared_prompt_attention(backend="flex")``
-calls) runs FlexAttention under autograd, so the backward is FlexAttention's
-own fused backward kernel, and under an outer ``torch.compile`` the flex call is
-traced like any other (AOTAutograd derives and Inductor fuses the backward).
-The module protocol's ``backward`` (used when the opaque custom op
-``dualkv::attention_bwd`` is called with ``backend="flex"``) has no saved
-autograd graph to reuse: it re-enters autograd below the custom-op dispatch and
-recomputes the forward, so it costs one extra forward.
-
-Variants. A logit softcap (Gemma 2) is a ``score_mod``,
-``softcap * tanh(score / softcap)`` on the scaled score, so FlexAttention's
-own backward differentiates it; v's head dim may differ from q's and k's
-(MLA), which FlexAttention takes as it is. Sliding and chunked windows on
-token depth (``layout.segments``) are in the BlockMask: blocks wholly
-outside the window are skipped, blocks the window cuts are partial, and the
-``mask_mod`` adds ``depth[q] < limit[kv]`` (``kernels/flex/block_tables``);
-the window sizes are data (the limit tensor, the builder's runtime
-arguments), so a new size recompiles nothing. Learnable sinks
-(``kernels/sinks``): ``attention`` applies them to FlexAttention's
-``(out, lse)`` under autograd, so the gradient flows through the lse
-(FlexAttention's Triton backward takes an lse gradient on torch 2.11 and
-2.13; its FLASH backend would refuse one, and is not asked for).
-
-Sinks behind the opaque op. The op applies the sinks around ``forward``'s
-``(out, lse)`` and hands ``backward`` the sink-aware ``(out', lse')``
-(``ops/backend_calls``). With the recomputed sink-free ``(o, lse)``,
-``out' = o * w`` where ``w = exp(lse - lse')`` and ``lse' = logaddexp(lse,
-sink)``, so ``d out' = w do + (1 - w) out' dlse``: ``backward`` takes the
-vector-Jacobian product of ``(o, lse)`` with ``(w dO, (1 - w) rowsum(dO *
-out'))``, exact (on the scores it is ``P' (dP - rowsum(dO * out'))``, the
-sink-aware FlashAttention backward). Without sinks ``w`` is 1 up to the
-recomputation's rounding, and the lse term vanishes. (Differentiating ``o *
-exp(lse - lse')`` with ``lse'`` held constant would drop the
-``-P' rowsum(dO * out')`` term: ``lse'`` moves with the scores.)
-
-Compilation. FlexAttention only runs fused kernels when compiled; the compiled
-flex callable (dynamic shapes) is made once per process and cached at module
-level. The block tables come from one opaque custom op,
-``dualkv::flex_block_tables``: four small Triton kernels on CUDA, five with
-a window (a whole ``block_mask`` without one in about 0.2 ms at T = 51K on an
-H200; lengths and window sizes not specialised), eager torch ops on CPU.
-Layout changes (T, number of segments, lengths) and new window sizes
-recompile nothing; the windowed mask_mod, the plain one, and asking for the
-lse (sinks) are separate compiled variants of the flex callable (Dynamo's
-recompile limit, 8 per code object, bounds how many one process keeps:
-past it Dynamo runs FlexAttention eagerly, unfused).
+Guarantees: ``attention`` runs FlexAttention under autograd, so its own fused backward runs (under an outer
+``torch.compile``, AOTAutograd derives it); the protocol's ``backward`` (the opaque ``dualkv::attention_bwd`` with
+``backend="flex"``) re-enters autograd and recomputes the forward: exact, one extra forward. A softcap is a
+``score_mod``; v's head dim may differ from q's (MLA); sliding and chunked windows on token depth are in the
+BlockMask (blocks outside skipped, cut blocks partial, ``depth[q] < limit[kv]`` in the ``mask_mod``). Window sizes,
+like every length of the layout, are data: a new layout or window recompiles nothing. Learnable sinks are applied
+to FlexAttention's ``(out, lse)`` under autograd; behind the opaque op the backward is the vector-Jacobian product
+of the sink-free ``(o, lse)`` with ``(w dO, (1 - w) rowsum(dO * out'))``, ``w = exp(lse - lse')``, exact
+(docs/design.md, "FlexAttention"). The windowed and plain mask_mods, and asking for the lse, are separate compiled
+variants of the flex callable, bounded by Dynamo's recompile limit (past it Dynamo runs FlexAttention eagerly).
 """
 
 from __future__ import annotations

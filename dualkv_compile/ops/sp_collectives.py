@@ -1,40 +1,23 @@
 """The collectives of Ulysses sequence parallelism, as ``dualkv::`` ops with fake implementations and autograd.
 
-Under sequence parallelism (docs/design.md, semantics 13) every rank of a group
-holds one contiguous chunk of the packed stream: rank ``r`` of ``world`` the
-tokens ``[r * Tl, (r + 1) * Tl)``. These ops move values between that
-sharded form and the whole stream; they are opaque to Inductor (a blocking
-``torch.distributed`` call inside), so a compiled graph calls them like any
-custom op and traces with dynamic token counts.
+Under sequence parallelism (docs/design.md, semantics 13) rank ``r`` of ``world`` holds the packed tokens
+``[r * Tl, (r + 1) * Tl)``. These ops move values between that sharded form and the whole stream; they are opaque
+to Inductor (a blocking ``torch.distributed`` call inside), so a compiled graph calls them like any custom op and
+traces with dynamic token counts. Gloo (CPU) and NCCL both run every call used here.
 
-Gradient convention (what makes the group's result the single-process one)
-    The backward starts on every rank from the same loss, a replicated value
-    (computed the same way on every rank), as data-parallel training does. A
-    *replicated* value's gradient is then the loss's whole gradient with
-    respect to it, on every rank. A *sharded* value's gradient on a rank is
-    ``world`` times the loss's gradient with respect to its chunk; so is a
-    parameter's, whose share of the gradient comes from this rank's tokens:
-    the *mean* of a parameter's gradients over the group, what FSDP2's and
-    DDP's reductions take (over data-parallel ranks too), is the gradient of
-    the group's batch. veRL's Ulysses scales the same way. Each op's backward
-    keeps that convention:
+Gradient convention: the backward starts on every rank from the same replicated loss. A replicated value's
+gradient is then the loss's whole gradient; a sharded value's gradient on a rank, and a parameter's, is ``world``
+times its share, so the *mean* of a parameter's gradients over the group (what FSDP2 and DDP reduce) is the
+gradient of the group's batch, as veRL's Ulysses scales it. Each op's backward keeps that convention:
 
-    ``sp_all_gather(x, backward="slice")``  sharded -> replicated, read by
-        replicated code (the unpacked outputs): the backward takes this
-        rank's chunk of the (whole) gradient, times ``world``.
-    ``sp_all_gather(x, backward="sum")``  sharded -> the whole stream, read
-        by sharded code at other tokens (each token's predecessor): each rank's
-        gradient is partial, the backward sums them (reduce-scatter).
-    ``sp_all_reduce``  a sum over this rank's tokens -> the sum over all
-        tokens (replicated): the backward passes the gradient on, times ``world``.
-    ``sp_all_to_all``  tokens for heads and back: the backward is the inverse
-        exchange.
-    ``sp_shard``  replicated -> this rank's chunk, where an activation input
-        (not a parameter) enters the packed stream: the backward gathers the
-        chunks' gradients, divided by ``world``, the whole gradient its
-        producer (an earlier graph's gather, or replicated code) expects.
-
-Gloo (CPU) and NCCL both run every call used here.
+    sp_all_gather(x, backward="slice")  sharded -> replicated (read by replicated code, the unpacked outputs):
+                                        this rank's chunk of the gradient, times ``world``
+    sp_all_gather(x, backward="sum")    sharded -> the whole stream, read by sharded code at other tokens (each
+                                        token's predecessor): the partial gradients summed (reduce-scatter)
+    sp_all_reduce                       a sum over this rank's tokens -> over all tokens: the gradient times ``world``
+    sp_all_to_all                       tokens for heads and back: the inverse exchange
+    sp_shard                            replicated -> this rank's chunk, where an activation input enters the
+                                        packed stream: the chunks' gradients gathered, divided by ``world``
 """
 
 from __future__ import annotations

@@ -3,46 +3,21 @@
     segment_table(segs, T)                        -> int32 [4, num_segments + 1] (with the sentinel column)
     block_tables(table, T, window=0, chunk=0)     -> the eight BlockMask index tensors + three per-token tables
 
-The mask of the prefix forest is ``q sees kv <=> kv <= q < reach[kv]``
-(``layout.segments``: ``reach[kv]`` is the subtree end of kv's segment). So a
-(query block, kv block) pair is classified from two numbers per kv block, the
-least and the greatest reach of its keys, never by evaluating a mask over a
-``T x T`` grid. With query rows ``[q_lo, q_hi]`` and keys ``[k0, k1]``:
+The forest's mask is ``q sees kv <=> kv <= q < reach[kv]`` (``layout.segments``), so a (query block, kv block)
+pair is classified from the least and greatest reach of the kv block's keys, never over a ``T x T`` grid. With
+rows ``[q_lo, q_hi]`` and keys ``[k0, k1]``: FULL (no mask_mod) iff ``k1 <= q_lo``, ``min reach > q_hi`` and the
+kv block is complete (a stream's ragged last block is never FULL); partial iff not FULL, ``k0 <= q_hi`` and
+``max reach > q_lo``: exact, not only a superset. Windows become one *depth limit* per key, ``depth(q) <
+limit[kv] = min(depth(kv) + w, (depth(kv) // c + 1) * c)`` (``SENTINEL``: none); FULL then also needs ``max
+depth(rows) < min limit(keys)``, and a pair below the diagonal is needed iff some key's visible rows hold a depth
+below its limit (why both are exact: docs/design.md, "FlexAttention").
 
-* FULL (FlexAttention skips the mask_mod) iff every key precedes every row,
-  ``k1 <= q_lo``, and every row lies before every key's reach,
-  ``min reach > q_hi``; and the kv block is complete: the last kv block of a
-  stream whose length is not a multiple of ``BLOCK`` is never FULL (the kernels
-  mask keys past the end themselves; we do not rely on it);
-* partial (masked by ``mask_mod.tree_mask_mod``) iff not FULL and
-  ``k0 <= q_hi`` and ``max reach > q_lo``. This is exact, not only a superset:
-  below the diagonal the key of greatest reach is seen by row ``q_lo``; on the
-  diagonal every key sees itself.
-
-Windows (``layout.segments``: a sliding window ``w`` keeps ``depth(q) -
-depth(kv) < w``, chunks of ``c`` keep ``depth(q) // c == depth(kv) // c``)
-become one number per key, its *depth limit*: a row that sees kv in the
-forest lies on a path through kv, so ``depth(q) >= depth(kv)``, and both rules
-together say ``depth(q) < limit[kv] = min(depth(kv) + w, (depth(kv) // c + 1) * c)``
-(``SENTINEL`` where neither applies). Then, still exactly:
-
-* FULL also needs every pair inside the window: ``max depth(rows) < min limit(keys)``;
-* below the diagonal a key sees the rows ``[q_lo, min(q_hi, reach - 1)]`` of a
-  query block (a prefix of it), so the pair is needed iff some key's prefix
-  holds a row of depth below its limit: the block's prefix minimum of depth at
-  the prefix end, against the limit (one gather per key and query block,
-  ``O(T * NB)``; only when a window is set). The diagonal is always needed.
-
-Assumes: ``table`` is ``segment_table`` of ``Segments`` in pre-order covering
-the stream ``[0, T)``; ``window`` and ``chunk`` are ints >= 0 (0: none). Any
-forest shape is handled: ragged lengths, empty and one-token segments, a block
-meeting any number of segments.
-
-Guarantees: pure tensor ops whose sizes come from host ints (T, ``BLOCK``,
-the number of segments): no device sync, and under ``torch.compile`` no
-specialisation on lengths; memory O(T + NB^2), and O(T * NB) with a window.
-Every output is int32 and contiguous; index rows past their count still hold
-valid block indices.
+Assumes: ``table`` is ``segment_table`` of ``Segments`` in pre-order covering ``[0, T)``; ``window`` and ``chunk``
+are ints >= 0 (0: none). Any forest shape: ragged lengths, empty and one-token segments, a block meeting any
+number of segments.
+Guarantees: pure tensor ops sized by host ints (T, ``BLOCK``, the number of segments): no device sync and, under
+``torch.compile``, no specialisation on lengths; memory O(T + NB^2), O(T * NB) with a window. Every output is
+int32 and contiguous; index rows past their count still hold valid block indices.
 """
 
 from __future__ import annotations

@@ -3,28 +3,17 @@
     triton_kernels()                                             -> the jitted kernels, or None without Triton
     triton_block_tables(table, T, max_seg_len, window=0, chunk=0) -> what ``block_tables.block_tables`` returns
 
-Assumes: ``table`` is ``block_tables.segment_table(segs, T)`` (int32, with its
-sentinel column) on the device the kernels run on (CUDA, or CPU under
-``TRITON_INTERPRET=1``), ``max_seg_len`` bounds every segment's length, and
-``window`` and ``chunk`` are ints >= 0 (0: none). The kernels are defined on
-first use, so importing this module never needs Triton.
+Assumes: ``table`` is ``block_tables.segment_table(segs, T)`` (int32, with its sentinel column) on the device the
+kernels run on (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``max_seg_len`` bounds every segment's length, and
+``window`` and ``chunk`` are ints >= 0 (0: none). The kernels are defined on first use, so importing this module
+never needs Triton.
 
-Guarantees: the same tables as the torch builder (counts and per-token
-tables exactly; index rows equal within their counts, zeros past them, so
-they stay valid block indices). The kernels follow the torch builder step
-by step: each token's reach, depth and depth limit (one program per segment
-and chunk), each block's least and greatest reach (and with a window: the
-least limit of its keys, the greatest depth of its rows and the prefix
-minimum of depth inside it), with a window the below-diagonal pairs some key
-sees inside its window (one program per kv block), then one program per
-query block classifies and compacts its row and one per kv block its
-column; a whole ``ops.flex.block_mask`` took 0.22 ms at T = 51K (NB = 398)
-on an H200 without a window, against 0.76 ms with the torch builder. Lengths
-and window sizes are not specialised (``do_not_specialize``; sizes past
-``SENTINEL`` are clamped to it, which changes no limit): a new layout or
-window never recompiles; windowed and plain tables are two variants of the
-row and block kernels (a ``constexpr``). Every output is its own allocation
-(a custom op's outputs may not alias).
+Guarantees: the same tables as the torch builder (counts and per-token tables exactly; index rows equal within
+their counts, zeros past them, so they stay valid block indices), computed step by step as it computes them
+(docs/design.md, "FlexAttention"; its speed: docs/benchmarks.md). Lengths and window sizes are not specialised
+(``do_not_specialize``; sizes past ``SENTINEL`` are clamped to it, which changes no limit): a new layout or window
+never recompiles; windowed and plain tables are two variants of the row and block kernels (a ``constexpr``).
+Every output is its own allocation (a custom op's outputs may not alias).
 """
 
 from __future__ import annotations

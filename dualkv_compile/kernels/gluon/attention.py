@@ -1,36 +1,22 @@
 """The warp-specialised Hopper kernels of shared-prompt attention (Gluon), behind the op's backend protocol.
 
-    supports(q, v=None) -> None, or why the Gluon kernels cannot run q (with v's head dim)
+    supports(q, v=None, *, window=0, chunk=0, sinks=False) -> None, or why the Gluon kernels cannot run q
     forward(q, k, v, segs, scale, softcap=0.0) -> (out, lse)
     backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap=0.0) -> (dq, dk, dv)
 
-What runs where: the forward is ``fwd.py`` (a TMA loader warp, two consumer
-warpgroups on wgmma; on an H200 at head dim 128 about 1.1-1.2x the Triton
-forward's speed, at 64 within a few percent either way). The backward is
-the Triton preprocess kernel (Delta = rowsum(dO * O), and a packed copy of
-the row statistics), then ``dkdv.py`` (KV-major: dK and dV of a key tile
-over every query row and head that reads it) and ``dq.py`` (Q-major), both
-built like the forward, both without atomics; on an H200 at head dim 128
-the backward takes about 0.84x the Triton backward's time. With long
-prompts (``DkdvConfig.dq_mode`` "auto", head dim 128, not deterministic) the
-dK/dV kernel adds dQ itself with bulk reductions and no Q-major pass runs:
-0.93-0.99x the time there. Both read the same ``out`` and
-``lse`` (the natural-log lse over ``exp(scale * q.k)``, float32). Inputs the
-Gluon kernels do not take but the Triton kernels do (a logit softcap;
-operands without a 2-D tensor descriptor view) run the Triton forward or
-backward, logged at debug level: same contract, same results to rounding,
-no error.
+The forward is ``fwd.py``. The backward is the Triton preprocess kernel (Delta = rowsum(dO * O), and a packed
+copy of the row statistics), then ``dkdv.py`` (KV-major dK/dV) and ``dq.py`` (Q-major dQ), both without atomics;
+with long prompts (``DkdvConfig.dq_mode`` "auto", head dim 128, not deterministic) the dK/dV kernel adds dQ
+itself and no Q-major pass runs. Both read the same ``out`` and ``lse`` (natural log, float32). Inputs the Gluon
+kernels do not take but the Triton kernels do (a logit softcap; operands without a 2-D tensor descriptor view)
+run the Triton forward or backward, logged at debug level: same contract, same results to rounding.
 
-Assumes ``Segments`` as the Triton kernels do (``triton/schedule.py``): the
-schedules and ancestor walks are theirs, built on the device and cached
-across the layers of a step, so lengths and the forest's shape reach the
-kernel as data and never recompile it.
-
-Guarantees: ``supports`` is None only on an sm_90 GPU (H100, H200) with a
-Triton whose Gluon has Hopper's wgmma, TMA and warp specialisation, for
-bfloat16 or float16 q, k, v with one head dim of 64 or 128. Anything else
-gets the reason (the device first, then Triton, the dtype, the head dims),
-and the op's "auto" choice moves on to the Triton kernels.
+Assumes ``Segments`` as the Triton kernels do (``triton/schedule.py``): the schedules and ancestor walks are
+theirs, cached across a step's layers, so the layout reaches the kernels as data and never recompiles them.
+Guarantees: ``supports`` is None only on a Hopper (sm_90) GPU with a Triton whose Gluon has Hopper's wgmma, TMA
+and warp specialisation, for bfloat16 or float16 q, k, v with one head dim of 64 or 128 and no window; anything
+else gets the reason (the device first, then Triton, the dtype, the head dims), and the op's "auto" moves on.
+Measured speeds and the tile choices below: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -77,13 +63,13 @@ class KernelTiles:
 class FwdConfig(KernelTiles):
     """Tiles of the forward: ``block_m`` query rows per program (two warpgroups of half each),
     ``block_n`` keys per block, a ring of ``stages`` K and V blocks; and whether the two consumer
-    warpgroups issue their products in turns (FA3's ping-pong, ordered by mbarriers; slower on the
-    H200 so far: benchmarks/results/gluon_fwd_tuning_h200.md)."""
+    warpgroups issue their products in turns (FA3's ping-pong, ordered by mbarriers; off by default, as it
+    measured slower: docs/benchmarks.md, "Behind the code")."""
 
     pingpong: bool = False
 
 
-# Measured on an H200 (benchmarks/results/gluon_fwd_tuning_h200.md): two stages beat three, and
+# Measured (docs/benchmarks.md, "Behind the code"): two stages beat three, and
 # 64-key blocks, at both head dims. Shared memory at D=128: Q 32 KB + stages x (K 32 KB + V 32 KB).
 FWD_CONFIGS: dict[int, FwdConfig] = {
     64: FwdConfig(128, 128, 2),
@@ -110,7 +96,7 @@ def _gluon_missing() -> Optional[str]:
 def _supports_input(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Optional[str]:
     """None if the Gluon kernels can run q (and v); else the reason."""
     if q.device.type != "cuda":
-        return f"the Gluon kernels need a CUDA GPU of compute capability 9.0 (H100, H200); this input is on {q.device.type}"
+        return f"the Gluon kernels need a Hopper GPU (sm_90, compute capability 9.0); this input is on {q.device.type}"
     cc = capability(q.device)
     if cc != (9, 0):
         return f"the Gluon kernels need compute capability 9.0 (wgmma); this GPU has {cc[0]}.{cc[1]}"
@@ -212,7 +198,7 @@ class DqConfig(KernelTiles):
     stages: int = 4
 
 
-# H200, D=128 (gluon_bwd_tuning_h200.md): 4 stages of 64 keys beat 2 and 3, and 32-key blocks.
+# Measured at D=128 (docs/benchmarks.md, "Behind the code"): 4 stages of 64 keys beat 2 and 3, and 32-key blocks.
 DQ_CONFIGS: dict[int, DqConfig] = {64: DqConfig(), 128: DqConfig()}
 
 
@@ -231,12 +217,10 @@ class DkdvConfig(KernelTiles):
         "auto"       "atomic" when the longest ancestor chain's key tiles, over all kv heads, fill at least
                      ``atomic_min_waves`` waves of the GPU's SMs, else "recompute" (``resolve_dq_mode``).
 
-    Why "auto": on the H200 "atomic" took 0.93-0.99x the recomputing backward's time with 8K-32K-token
-    prompts (3.9-15.5 waves), 1.00-1.01x on the 2-level tree (2.9 waves), 1.00-1.03x with 4K ones (1.9
-    waves; the 4 groups among them), but 1.06-1.11x with 2K ones (1.0 wave: (8, 2048, 2048), (8, 2048,
-    8192)) (benchmarks/tuning/gluon_tuning_2026-11-25i). Its dQ costs least per block pair in long,
-    many-program key loops; with few long-prompt tiles their programs are the critical path, and the dQ
-    work added to each makes it longer."""
+    Why "auto": "atomic" measured faster than "recompute" where the long prompts' key tiles fill several
+    waves of SMs and slower where they fill about one (docs/benchmarks.md, "Behind the code"). Its dQ costs
+    least per block pair in long, many-program key loops; with few long-prompt tiles their programs are the
+    critical path, and the dQ work added to each makes it longer."""
 
     block_m: int = 64
     dq_mode: str = "auto"
@@ -262,8 +246,8 @@ def resolve_dq_mode(config: DkdvConfig, deterministic: bool, head_dim: int, max_
     return "atomic" if waves >= config.atomic_min_waves else "recompute"
 
 
-# D=64: 128-row steps (H100, benchmarks/results/gluon_d64_h100_2026-11-27.md): the backward 3-6% faster than with
-# 64 rows on the three tuning inputs, though sm90_resources.py counts spills in its loops (the stores go to L1).
+# D=64: 128-row steps, measured faster than 64-row ones (docs/benchmarks.md, "Behind the code"), though
+# sm90_resources.py counts spills in their loops (the stores go to L1).
 DKDV_CONFIGS: dict[int, DkdvConfig] = {64: DkdvConfig(block_m=128), 128: DkdvConfig()}
 
 

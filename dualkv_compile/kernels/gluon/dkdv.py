@@ -1,67 +1,22 @@
-"""Warp-specialised Hopper (sm_90) dK/dV kernel of shared-prompt attention, in Gluon.
+"""Warp-specialised Hopper (sm_90) dK/dV kernel of shared-prompt attention, in Gluon: the backward's KV-major half.
 
-The KV-major half of the backward: with P recomputed from the saved lse and
-Delta = rowsum(dO * O),
+With P recomputed from the saved lse and Delta = rowsum(dO * O): ``dV = P^T dO``, ``dS = P * (dO V^T - Delta)``,
+``dK = scale * dS^T Q``. One program owns ``BLOCK_N`` keys of one segment and one kv head (the Triton program's
+work, ``triton/bwd.py``) and walks every query block that reads them, for every query head of the kv head: the
+diagonal (the segment's own rows, causal), then the run ``[after the diagonal, subtree_end)``, full blocks
+unmasked and the ragged last one masked (key c and row r pair iff ``c <= r and r < limit``). A TMA loader warp
+fills ``STAGES``-deep rings, two consumer warpgroups compute the transposed scores; with ``ATOMIC_DQ`` the
+kernel also adds ``dQ = scale * dS K`` into a float32 ``[Hq * T, D]`` buffer by bulk reductions (how the
+partitions meet: docs/design.md, "Gluon kernels").
 
-    dV = P^T dO,   dS = P * (dO V^T - Delta),   dK = scale * dS^T Q.
-
-One program owns one tile of ``BLOCK_N`` keys of one segment and one kv
-head, the work of the Triton kernel's program (``triton/bwd.py``): it walks
-every query block that reads the tile, for every query head of the kv head
-(the GQA sum stays in registers), and writes dK and dV once. The blocks of
-one head, ``BLOCK_M`` rows each, in order:
-
-    diagonal   the segment's own rows from the tile's first key on, causal,
-               up to the segment's end (masked);
-    the run    ``[after the diagonal, subtree_end)``: the segment's later rows
-               and every descendant's (pre-order puts the whole subtree right
-               after the segment), all of which see every key of the tile:
-               full blocks without a mask, then the ragged last one (masked).
-
-Partitions, meeting at shared-memory rings as in ``fwd.py``:
-
-    loader    (1 warp)   TMA copies: the tile's K and V once, then for every
-                         block the q rows with their row statistics (lse in
-                         base 2 and Delta, one ``[BLOCK_M, 4]`` copy) and the
-                         dO rows, into ``STAGES``-deep rings;
-    consumers (two partitions of one warpgroup each, 64 keys each)
-                         S^T = K Q^T and dP^T = V dO^T with both operands in
-                         shared memory, then dV += P^T dO and dK += dS^T Q
-                         with P^T and dS^T from registers. The transposed
-                         scores keep dK and dV in the tile's own row order.
-
-With ``ATOMIC_DQ`` (long prompts, by ``attention.DkdvConfig``'s "auto"; or chosen)
-the kernel also forms dQ = scale * dS K, FA3's way: both consumers write
-their dS^T rows into one shared tile (two buffers; ``ds_full`` / ``ds_empty``
-mbarriers, one arrive per consumer), then each computes dQ for its half of
-the head dim over all ``BLOCK_N`` keys and adds it into a float32 ``[Hq * T,
-D]`` buffer with the copy engine's bulk reductions (``dq_desc``, 32-column
-blocks). Key rows past the segment are zeroed in K and V first.
-
-One mask serves every masked block: key c and row r pair iff
-``c <= r and r < limit`` (limit: the segment's end on the diagonal, the
-subtree's end in the run; the causal half is always true in the run).
-
-Assumes what ``fwd.py`` assumes for q, k, v (and dO, laid out like q), plus
-the row statistics (``st_desc``) a float32 ``[Hq * T, 4]`` tensor, row
-``h * T + t`` = (lse in base 2, 0, Delta, 0) of head h and token t: the Triton
-preprocess kernel's packed copy. Its rows are 16 bytes because a bulk copy's
-innermost coordinate must be 16-byte aligned (a ``[2, BLOCK_M]`` copy along
-the tokens would start at any token: an illegal instruction on the H200).
-``TILES`` from ``tile_schedule(..., "kv")`` for ``BLOCK_N``; ``SUBTREE_END``
-as ``Segments`` gives it.
-Guarantees
-    * Every valid key row of dK and dV is written once, in DK's / DV's dtype;
-      key rows of other segments are never written. No atomics, and a fixed
-      order of the sum over rows and heads: deterministic. (With
-      ``ATOMIC_DQ`` dQ's float32 sums are not: the programs' adds land in
-      any order. Rows at or past a masked block's limit add exact zeros.)
-    * A masked block's q and dO rows at or past its limit (another subtree's)
-      are zeroed in shared memory before any product reads them, and P^T and
-      dS^T are set to zero (selects) wherever the pair is masked, so no other
-      segment's value, an inf or a NaN included, reaches a valid key's dK or
-      dV. Key rows past the segment compute garbage in their own rows only,
-      which are never stored.
+Assumes what ``fwd.py`` assumes for q, k, v (dO laid out like q); the row statistics ``st_desc`` a float32
+``[Hq * T, 4]`` tensor, row ``h * T + t`` = (lse in base 2, 0, Delta, 0), the Triton preprocess kernel's packed
+copy (16-byte rows: a bulk copy's innermost coordinate must be 16-byte aligned); ``TILES`` from
+``tile_schedule(..., "kv")`` for ``BLOCK_N``; ``SUBTREE_END`` as ``Segments`` gives it.
+Guarantees: every valid key row of dK and dV is written once, in their dtypes, and no other row; no atomics and a
+fixed order of the sums (deterministic; with ``ATOMIC_DQ`` dQ's float32 adds land in any order). Masked q and dO
+rows are zeroed in shared memory and P^T and dS^T selected to zero at masked pairs, so no other segment's value,
+an inf or a NaN included, reaches a valid key's dK or dV.
 """
 
 from __future__ import annotations
@@ -129,10 +84,9 @@ def _row_stat(view, col: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.const
     """Column ``col`` of a block's ``[BLOCK_M, 4]`` row statistics in shared memory (0: lse in base 2,
     2: Delta; the Triton preprocess kernel's packing), as a ``[1, BLOCK_M]`` row in the scores' layout,
     which broadcasts over the keys as is. The rows are unswizzled; seen column-major, row c of the view
-    is column c. (Loading the rows and moving the columns into this layout cost 4% of the backward on
-    the H200; pointer loads from global memory 20%.) Each column costs 16 registers per thread, so
-    ``_block`` reads Delta only after the exponentials: reading both together made ptxas spill in
-    the loop, and the atomic-dQ variant took 1.4x its time (benchmarks/results/gluon_bwd_tuning_h200.md)."""
+    is column c (measured cheaper than pointer loads from global memory: docs/benchmarks.md, "Behind the
+    code"). Each column costs 16 registers per thread, so ``_block`` reads Delta only after the exponentials:
+    reading both together made ptxas spill in the loop."""
     layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0, 1])
     if _HAS_REINTERPRET:
         by_col = view.reinterpret(gl.float32, [4, BLOCK_M], layout)
@@ -145,8 +99,8 @@ def _row_stat(view, col: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.const
 def _add_dq(dq, dq_desc, dq_stage, dq_row, dq_col, m, limit, MASK: gl.constexpr, BLOCK_M: gl.constexpr,
             COLUMNS: gl.constexpr):
     """Add a block's dQ rows (``COLUMNS`` columns from ``dq_col``) into the float32 buffer: staged in shared
-    memory, then bulk reductions by the copy engine, one per 32 columns (FA3's way; per-thread float32
-    atomics took 1.9x the recomputing backward's time on the H200, these 0.97-1.07x). The block always
+    memory, then bulk reductions by the copy engine, one per 32 columns (FA3's way; measured much faster than
+    per-thread float32 atomics: docs/benchmarks.md, "Behind the code"). The block always
     covers ``BLOCK_M`` rows: with ``MASK`` the rows at or past ``limit`` (another subtree's, or the next
     head's) are set to zero by a select first, so they add nothing, not even a NaN from 0 * inf."""
     if MASK:
@@ -172,8 +126,7 @@ def _block(i, k, v, k_cols, q_smem, do_smem, st_smem, ds_smem, ds_full, ds_empty
     whole tile's keys (both warpgroups' dS^T, met in shared memory), added into the float32 buffer.
     Every product is waited for inside the block (see ``dq.py`` on accumulators across the back edge).
     dV is waited for with dP^T, before dS^T is formed: with P^T still in flight (16 registers, and Delta's
-    16) the loop spilled, the atomic-dQ variant heavily; now the default loops do not spill and the times
-    are unchanged (benchmarks/results/gluon_bwd_tuning_h200.md)."""
+    16) the loop spilled, the atomic-dQ variant heavily; so waited, the default loops do not spill."""
     s_layout: gl.constexpr = s_zero.type.layout
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
     st = i % STAGES

@@ -1,28 +1,19 @@
-"""Warp-specialised Hopper (sm_90) dQ kernel of shared-prompt attention, in Gluon.
+"""Warp-specialised Hopper (sm_90) dQ kernel of shared-prompt attention, in Gluon: the backward's Q-major half.
 
-The Q-major half of the backward: with P recomputed from the saved lse and
-Delta = rowsum(dO * O) (the Triton preprocess kernel's),
+With P recomputed from the saved lse and Delta = rowsum(dO * O) (the Triton preprocess kernel's):
+``dS = P * (dO V^T - Delta)``, ``dQ = scale * dS K``. One program computes dQ for ``BLOCK_M`` query rows of one
+segment and one query head, over the forward's key blocks (``walk.py``): the loader warp copies the tile's q and
+dO rows once and K and V of every block into the rings; two consumer warpgroups (64 rows each) issue block i's
+S = Q K^T and dP = dO V^T and block i-1's dQ += dS K on wgmma, then form block i's dS in registers. Full blocks
+run without a mask; the masked ones (ancestors' ragged blocks, the diagonal) keep column c for row r iff
+``c < min(r + 1, limit)``.
 
-    dS = P * (dO V^T - Delta),   dQ = scale * dS K.
-
-One program computes dQ for one tile of ``BLOCK_M`` query rows of one segment
-and one query head, over the same key blocks as the forward (``walk.py``):
-the loader warp copies the tile's q and dO rows once and K and V of every
-block into the rings; two consumer warpgroups (64 rows each) issue block i's
-S = Q K^T and dP = dO V^T and block i-1's dQ += dS K on wgmma, then form
-block i's dS in registers. Full blocks run without a mask; the masked ones (ancestors' ragged
-blocks, the diagonal) keep column c for row r iff ``c < min(r + 1, limit)``.
-
-Assumes what ``fwd.py`` assumes, plus ``LSE`` (natural log) and ``DELTA``
-float32 ``[1, Hq, T]`` with the same head stride, and ``WALK`` built for
-this kernel's ``BLOCK_N``.
-Guarantees
-    * Every valid row of dQ is written once, in dQ's dtype; rows of other
-      segments are never written. No atomics: deterministic.
-    * dS is set to zero (a select, not a product) wherever a column is
-      masked, and the key rows past a segment are zeroed in shared memory
-      before dS K reads them, so another segment's keys or values (not even
-      an inf or a NaN) never reach dQ.
+Assumes what ``fwd.py`` assumes, plus ``LSE`` (natural log) and ``DELTA`` float32 ``[1, Hq, T]`` with the same
+head stride, and ``WALK`` built for this kernel's ``BLOCK_N``.
+Guarantees: every valid row of dQ is written once, in dQ's dtype, and no row of another segment; no atomics
+(deterministic). dS is selected to zero wherever a column is masked and the key rows past a segment are zeroed in
+shared memory before dS K reads them, so another segment's keys or values (an inf or a NaN included) never
+reach dQ.
 """
 
 from __future__ import annotations

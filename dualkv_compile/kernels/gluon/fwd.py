@@ -1,59 +1,23 @@
 """Warp-specialised Hopper (sm_90) forward kernel of shared-prompt attention, in Gluon.
 
-One program computes one tile of ``BLOCK_M`` query rows of one segment for
-one query head, the work of the Triton kernel's program (``triton/fwd.py``),
-split between partitions that meet at shared-memory rings:
+One program computes ``BLOCK_M`` query rows of one segment for one query head (the Triton program's work,
+``triton/fwd.py``). A TMA loader warp copies the query tile once, then K and V of every block of the tile's walk
+into ``STAGES``-deep rings; two consumer warpgroups (64 rows each) run S = Q K^T and O += P V on wgmma with the
+online softmax in registers (``PINGPONG``: they take turns issuing their products). The walk (``walk.py``, run
+by both partitions, so no block list crosses between them): every ancestor's full blocks, the segment's own full
+blocks, each ancestor's ragged last block, the diagonal blocks. Full blocks run without a mask; one mask serves
+the others: column c is visible to row r iff ``c < min(r + 1, limit)``, ``limit`` the end of the block's
+segment (more: docs/design.md, "Gluon kernels").
 
-    loader    (1 warp)   TMA copies: the query tile once, then the K and V
-                         blocks of the tile's walk into ``STAGES``-deep
-                         rings, each slot guarded by a ready and an empty
-                         mbarrier;
-    consumers (two partitions of one warpgroup each, 64 query rows each;
-               the first is the default partition)
-                         S = Q K^T and O += P V on wgmma, the online softmax
-                         in registers, each consumer on its own. Block i's
-                         Q K^T is issued before block i-1's P V (FA3's
-                         order), but ptxas (triton 3.6's, seen in the SASS)
-                         moves the P V's wait above block i's exponentials,
-                         so within a warpgroup the softmax does not overlap
-                         its P V; the two warpgroups, running unsynchronised,
-                         keep the tensor cores busy between them. Optional
-                         (``PINGPONG``): the two take turns issuing their
-                         products, ordered by two more mbarriers (FA3's
-                         ping-pong); slower on the H200 so far.
-
-The walk (``walk.py``: ``walk_start`` / ``walk_step``, run by both partitions so no
-block list crosses between them): first every full block of every ancestor
-(nearest first, through the ancestor walk's full-block chain), then the
-segment's own blocks left of the tile, then each ancestor's ragged last
-block, then the diagonal blocks. The order is free (the online softmax is one
-sum); this one puts the blocks that need a mask last. The full blocks run
-without a mask and without the walk in the consumers; one mask serves every
-other block: key column c is visible to row r iff ``c < min(r + 1, limit)``, with
-``limit`` the end of the segment the block belongs to. For an ancestor's
-block that keeps the columns inside the ancestor; for the segment's own
-blocks it is the causal mask; full blocks pass it whole.
-
-Assumes
-    * q ``[1, Hq, T, D]``, k and v ``[1, Hkv, T, D]``, bf16 or fp16, each with
-      a 2-D TMA view (``triton/tma.tma_geometry``): the ``rows`` x D tile of head h
-      at token t is at ``[h * row_h + t, h * col_h]`` of the descriptor.
-    * ``TILES``, ``SEG_START``, ``SEG_LEN`` and ``WALK`` as for the Triton
-      kernel (``triton/schedule.py``), the walk built for ``BLOCK_N``.
-    * The walk's first block has a column every row of the tile sees: a full
-      ancestor block, else an ancestor's ragged block (at least one column),
-      else the tile's first diagonal block (column seg_start + ... <= every row).
-      So the running maximum is finite before any row meets a block it cannot
-      see, and no NaN arises.
-Guarantees
-    * Every valid row of the tile is written once (O by masked pointer stores,
-      the lse in natural log); rows of other segments are never written.
-    * A block whose rows run past its segment (ragged, diagonal) is copied
-      whole by the copy engine, so it holds other segments' keys and values:
-      their scores are replaced by -inf before the softmax, and the value
-      rows past the segment are zeroed in shared memory before P V, so no
-      value of another segment (not even an inf or a NaN) reaches a product.
-    * Softmax statistics and O accumulate in float32.
+Assumes q ``[1, Hq, T, D]``, k and v ``[1, Hkv, T, D]``, bf16 or fp16, each with a 2-D TMA view
+(``triton/tma.tma_geometry``: head h's tile at token t is ``[h * row_h + t, h * col_h]``); ``TILES``,
+``SEG_START``, ``SEG_LEN`` and ``WALK`` as for the Triton kernel (``triton/schedule.py``), the walk built for
+``BLOCK_N``. The walk's first block has a column every row of the tile sees, so the running maximum is finite
+before a row meets a block it cannot see, and no NaN arises.
+Guarantees: every valid row of the tile is written once (O by masked stores, the lse in natural log), no row of
+another segment. A block copied whole holds other segments' keys and values: their scores are -inf before the
+softmax and their value rows are zeroed in shared memory before P V, so none of them (an inf or a NaN included)
+reaches a product. Softmax statistics and O accumulate in float32.
 """
 
 from __future__ import annotations
