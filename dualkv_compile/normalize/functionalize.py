@@ -49,7 +49,10 @@ from .graph_pass import ev as _ev
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["INPLACE_OPERATORS", "Mutation", "functionalize_mutations", "inplace_param", "mutation_refusal"]
+__all__ = [
+    "INPLACE_OPERATORS", "Mutation", "eliminate_dead_code", "functionalize_mutations", "inplace_param", "mutated_input",
+    "mutation_refusal",
+]
 
 # ``x op= y`` on tensors: the out-of-place operator.
 INPLACE_OPERATORS = {
@@ -127,6 +130,16 @@ def mutated_input(n: fx.Node) -> Optional[fx.Node]:
     if i is not None and (n.kwargs.get("inplace") is True or (len(n.args) > i and n.args[i] is True)):
         return first
     return None
+
+
+def eliminate_dead_code(graph: fx.Graph) -> bool:
+    """``graph.eliminate_dead_code()`` that keeps every in-place op (``mutated_input``), its result read or not.
+
+    FX counts a ``call_method`` node pure (``Node.is_impure`` looks at functions and modules only): a statement
+    ``out.index_add_(0, idx, x)`` on a graph's input (left in place: ``functionalize_mutations`` rewrites private
+    values only), whose result nothing reads, was dropped from the packed graph, and the program after it read
+    the unmodified tensor."""
+    return graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutated_input(n) is not None)
 
 
 def _functional_form(n: fx.Node) -> Optional[tuple[str, Any, tuple, dict]]:

@@ -46,6 +46,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from .functionalize import eliminate_dead_code
 from .graph_pass import Refusal
 from .graph_copy import copy_graph_module
 
@@ -106,7 +107,7 @@ def inline_checkpoint_regions(gm: fx.GraphModule) -> fx.GraphModule:
         for call in calls:
             _inline_one(out, call, next_id)
             next_id += 1
-    out.graph.eliminate_dead_code()
+    eliminate_dead_code(out.graph)  # in-place ops stay, read or not
     out.graph.lint()
     out.recompile()
     log.info("dualkv: inlined %d activation checkpoint region(s), tagged for recomputation", next_id - 1)

@@ -24,9 +24,9 @@ How
     size read off a token value (``x.size()``) keeps its original value, as
     a number; the ops that shape packed values re-derive their token axes
     (``packed_shapes``).
-    Dead-code elimination then drops what nothing reads, the attention masks
-    among it, so ``[B, S, ...]`` values are built only where an original-layout
-    consumer reads them.
+    Dead-code elimination then drops what nothing reads (in-place ops stay,
+    read or not), the attention masks among it, so ``[B, S, ...]`` values are
+    built only where an original-layout consumer reads them.
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ import torch.fx as fx
 from ..ops import attention as _attention_op  # noqa: F401  (registers torch.ops.dualkv.attention_fwd)
 from ..analysis.attention_match import AttentionMatch, default_scale
 from ..layout.packed_ops import PICKED_META, gather_columns, gather_previous, gather_unpacked, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
+from ..normalize.functionalize import eliminate_dead_code
 from ..normalize.graph_pass import Refusal, ev as _ev
 from ..normalize.inline_checkpoint import RECOMPUTE_META, TAGGED_OPS
+from .output_aliases import aliased_outputs
 from .packed_inputs import PackedInputs
 from .packed_shapes import emit_original_size, rewrite_shapes
 from .weighted_reductions import emit_weighted
@@ -158,7 +160,10 @@ class _Packer:
                     self.packed[n].meta["dualkv_original"] = n.name  # a mask input as a factor (analysis.padding_reads)
                 continue
             if n.op == "output":
-                out = fx.map_arg(n.args[0], self.orig_of)
+                leaves: list = []
+                fx.map_arg(n.args[0], leaves.append)
+                aliased = aliased_outputs(self, leaves)  # views of one value stay views of one tensor
+                out = fx.map_arg(n.args[0], lambda a: aliased.get(a) or self.orig_of(a))
                 self.g.output(out)
                 continue
             info = self.axes.info[n]
@@ -177,7 +182,7 @@ class _Packer:
                 if info.kind is Kind.BCAST:  # both forms; DCE keeps what is read
                     self.packed[n] = self.emit_packed(n)
             _inherit_recompute_tags(n, last)
-        self.g.eliminate_dead_code()
+        eliminate_dead_code(self.g)  # in-place ops stay, read or not
         self.g.lint()
         return fx.GraphModule(self.gm, self.g, class_name="PackedGraph")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 from typing import Callable, Optional
 
 import torch
@@ -38,7 +39,7 @@ from .sequence_parallel import agree, local_token_count, shard_packed_inputs
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["Runner", "unpacked_output_positions"]
+__all__ = ["Runner", "own_views", "unpacked_output_positions"]
 
 
 class Runner:
@@ -179,6 +180,7 @@ class Runner:
                 out = self.compiled(*args, *extra)
             except direct_compile.TooManyCompiles as e:
                 return self._unpacked(args, str(e))
+        out = own_views(out, args)
         if exactness_check.due(self.cfg.check_exact, self.report.packed_calls):
             rerun = functools.partial(self.compiled, *args, *extra)
             summary = exactness_check.check(self.fallback, args, layout, out, rerun, self.input_names, self.sp)
@@ -287,6 +289,36 @@ def _on_host(per_read, host: tuple[torch.Tensor, ...]):
 
 def _device_of(args) -> torch.device:
     return next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+
+
+def own_views(out, args):
+    """The packed graph's outputs ``out``, each that is a view and needs no gradient replaced by a tensor of its own
+    (same storage, sizes and strides; no copy), where no other output and no input ``args`` shares its storage.
+
+    AOTAutograd hands back such an output from inside its ``autograd.Function`` as it is: a view made in the
+    Function's ``no_grad`` forward, which autograd forbids modifying in place with grad mode on ("A view was created
+    in no_grad mode and is being modified inplace"). The packed graph makes them where the original program made
+    tensors of their own: ``unpack``'s reshape of the gathered tokens, of a ``torch.zeros_like`` of the hidden states
+    (DBRX's experts' accumulator, which the program after a graph break fills with ``index_add_``). Replaced by
+    ``aten._unsafe_view``, as AOTAutograd hides an output's alias of an intermediate itself. A storage that another
+    output or an input shares is left as it is: those aliases are the original program's (``rewrite.output_aliases``
+    keeps them), and hiding one would cut what autograd knows of the others. Under ``no_grad``: nothing to do.
+    """
+    if not torch.is_grad_enabled() or not isinstance(out, (tuple, list)):
+        return out
+    views = [i for i, o in enumerate(out) if isinstance(o, torch.Tensor) and o._base is not None and not o.requires_grad]
+    if not views:
+        return out
+
+    def storage(t: torch.Tensor):
+        return t.device, t.untyped_storage().data_ptr()
+
+    seen = Counter(storage(t) for t in (*out, *args) if isinstance(t, torch.Tensor))
+    new = list(out)
+    for i in views:
+        if seen[storage(out[i])] == 1 and out[i].untyped_storage().data_ptr() != 0:
+            new[i] = torch.ops.aten._unsafe_view(out[i], out[i].shape)
+    return type(out)(new)
 
 def unpacked_output_positions(packed: fx.GraphModule) -> tuple[int, ...]:
     """Positions, among the packed graph's tensor outputs in ``layout.carried.leaves`` order, made by ``unpack``.
