@@ -4,73 +4,24 @@
     forward(q, k, v, segs, scale, softcap=0.0, window=0, chunk=0) -> (out, lse)
     backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap=0.0, window=0, chunk=0) -> (dq, dk, dv)
 
-The launcher module of the package: the launches, and the tuning tables
-(``Config``, ``KernelConfig``, ``config_for``: ``configs.py``) re-exported. The kernels (``fwd.py``,
-``bwd.py``, with the tile loads they share in ``tiles.py``) take the layout
-only as int32 tensors; ``schedule.py`` turns ``Segments`` into per-launch
-tile schedules and ancestor walks with a few small device ops (no host
-sync, cached across the layers of a step), ``tma.py`` builds
-the tensor descriptors, and this module picks block sizes from a small
-per-head-dim table. Changing the segments' lengths or the forest's shape
-therefore never recompiles: the grids come from the host ints T, the number
-of segments and the head counts.
+The launcher, with the tuning tables re-exported from ``configs.py``. The kernels (``fwd.py``, ``bwd.py``,
+``bwd_dq.py``; shared loads in ``tiles.py``) take the layout only as int32 tensors: ``schedule.py`` turns
+``Segments`` into tile schedules and ancestor walks (no host sync, cached across a step's layers), and the grids
+come from the host ints T, the number of segments and the head counts, so a new layout never recompiles them.
 
-Assumes ``Segments``: the segments are a prefix forest listed in pre-order
-(each segment's descendants directly follow it), so a query tile walks its
-ancestor chain and a key tile's readers are one run of rows up to its
-subtree's end. The forest's depth and shape are data, not compile-time
-constants. Offsets inside one head must fit in int32
-(``T * token_stride < 2**31``); ``forward`` and ``backward`` check it.
-
-Guarantees: ``forward`` and ``backward`` write every valid row of their
-outputs (see ``fwd.py`` and ``bwd.py``) and raise ``ValueError`` on an input
-``supports`` refuses; outputs come back in the inputs' dtypes (lse float32,
-float64 for float64 inputs).
-
-Precision: the kernels accumulate (softmax statistics, output, dQ/dK/dV,
-lse, Delta and the atomic buffers) in float32 for bfloat16, float16 and
-float32 inputs, and in float64 for float64 inputs, which only the CPU
-interpreter takes (for exact tests): the accumulator dtype is a compile-time
-constant derived from the input's, so the GPU kernels of the other dtypes
-are unchanged by it.
-
-Backward modes: ``deterministic=True`` uses the KV-major dK/dV kernel with
-all query heads of a kv head in one program plus the Q-major dQ kernel; no
-atomics anywhere, bitwise reproducible. The default mode uses whatever the
-tuning table marks fastest, which may add atomics (``head_split`` > 1
-spreads the query heads of a kv head over programs; ``dq_mode="atomic"``
-adds dQ from the KV-major kernel instead of recomputing it in a Q-major one).
-The Hopper table uses neither: there both modes run the same kernels.
-
-Loads: with ``KernelConfig.tma`` (the Hopper table) the full blocks of the
-operand a kernel streams (k and v in the forward and dQ kernels, q and dO in
-the dK/dV kernel) come through tensor descriptors, Hopper's copy engine;
-ragged and diagonal blocks keep masked pointer loads, so nothing outside a
-segment enters a product. Operands whose strides have no 2-D descriptor view
-(``tma.tma_view``), GPUs before Hopper and padded head dims load through
-pointers throughout.
-
-Variants: a logit softcap (Gemma 2) is the kernels' compile-time ``SOFTCAP``
-(one more compiled variant per cap value; 0.0 compiles the kernels without
-it, unchanged). MLA head dims (v's differs from q's and k's) run on
-zero-padded operands (``head_dims``: the smaller ones padded to the larger
-dim; exact), so the kernels keep one head dim: a padded copy, the wider
-tiles and the tuning-table entry of the larger dim (performance unmeasured).
-
-Windows: a sliding ``window`` and ``chunk`` size on token depth (0: none;
-``layout.segments``, docs/design.md, semantics 15) run with the kernels' windowed
-walks (``windows.py`` has the rule and the host plans; ``fwd.py``,
-``bwd.py``, ``bwd_dq.py`` the walks): key blocks no row of a query tile sees,
-and query blocks that see no key of a key tile, are never computed, in the
-forward and in both backward passes. The sizes reach the kernels as runtime
-ints (no variant per size; one compiled variant with the walk, one without);
-the schedules are built from the layout like the others. Sinks are applied
-around the kernels (``ops/backend_calls.py``): the backward reads P from the
-saved lse and Delta from the saved out, which is all they need.
-
-Runs on CUDA (compute capability 8.0+; tuned for Hopper) and, for tests, on
-CPU under ``TRITON_INTERPRET=1``, which must be set before this package's
-kernel modules are first imported.
+Assumes ``Segments`` in pre-order (a query tile walks its ancestor chain; a key tile's readers are one run up to
+its subtree's end); offsets inside one head fit in int32 (``T * token_stride < 2**31``, checked). Runs on CUDA
+(compute capability 8.0+) and, for tests, on CPU under ``TRITON_INTERPRET=1``, set before the kernel modules are
+first imported.
+Guarantees: ``forward`` and ``backward`` write every valid row of their outputs and raise ``ValueError`` on an
+input ``supports`` refuses; outputs come back in the inputs' dtypes (lse float32, float64 for float64 inputs),
+accumulated in float32 (float64 for float64 inputs). ``deterministic=True`` runs the KV-major dK/dV kernel with
+all query heads of a kv head in one program plus the Q-major dQ kernel: no atomics, bitwise reproducible;
+otherwise the tuning table's choice, which may add atomics (``head_split`` > 1, ``dq_mode="atomic"``). A softcap
+is the compile-time ``SOFTCAP`` (0.0: the kernels without it); MLA head dims run zero-padded (``head_dims``);
+windows (token depth, docs/design.md, semantics 15) are runtime ints whose plans (``windows.py``) skip the blocks
+no row sees; sinks are applied around the kernels (``ops/backend_calls.py``). Loads, precision and variants:
+docs/design.md, "Triton kernels".
 """
 
 from __future__ import annotations

@@ -1,71 +1,27 @@
 """Backward Triton kernels of shared-prompt attention on the packed stream: the preprocess and dK/dV kernels.
 
-With P the softmax (recomputed from q, k and the saved log-sum-exp),
-Delta = rowsum(dO * O):  dV = P^T dO,  dS = P * (dO V^T - Delta),
-dQ = scale * dS K,  dK = scale * dS^T Q.  Three kernels:
+With P the softmax (recomputed from q, k and the saved log-sum-exp) and Delta = rowsum(dO * O): ``dV = P^T dO``,
+``dS = P * (dO V^T - Delta)``, ``dQ = scale * dS K``, ``dK = scale * dS^T Q``.
 
-``bwd_preprocess_kernel``
-    Delta per query row and head, float32; with ``PACK_STATS`` also a copy of
-    (lse in base 2, Delta) per row in 16-byte rows, which the dK/dV kernel
-    reads with one bulk copy per block (``STATS_TMA``).
+``bwd_preprocess_kernel``: Delta per query row and head; with ``PACK_STATS`` also (lse in base 2, Delta) per row
+in 16-byte rows, which the dK/dV kernel reads with one bulk copy per block (``STATS_TMA``).
+``bwd_dkdv_kernel`` (KV-major): one program owns ``BLOCK_N`` keys of one segment and one kv head and loops over
+every query block that reads them (the diagonal, causal and masked; then the run ``[after the diagonal,
+subtree_end)``, full blocks in one pipelined loop and the ragged last one) for the ``heads_per_kv`` query heads
+of the kv head. dK and dV accumulate in registers and are written once: no atomics, a fixed order
+(deterministic); for float32 inputs in two levels (``tiles.key_sum_chunk``). ``HEAD_SPLIT > 1`` spreads the
+query heads over programs adding into float32 buffers with atomics; ``ATOMIC_DQ`` also adds dS K into a float32
+dQ buffer (neither bitwise reproducible). ``bwd_dq_kernel`` (Q-major) lives in ``bwd_dq.py`` (importable here).
+With ``WINDOW`` (runtime ``window`` and ``chunk``) a key tile at depths klo..khi reads only the query rows of
+depth <= ``last_reader(khi)`` (``windows.py``; docs/design.md, "Triton kernels"). ``SOFTCAP`` (compile-time;
+0.0: the kernels without it): P from the capped scores, dS times the cap's derivative ``1 - tanh^2``.
 
-``bwd_dkdv_kernel`` (KV-major)
-    One program owns one ``BLOCK_N`` tile of keys of one segment and one kv
-    head, and loops over every query block that reads the tile:
-        * its own segment's query rows on the tile's diagonal (causal: those
-          blocks are masked);
-        * then the run ``[after the diagonal, subtree_end)``: its own later
-          rows and every row of every descendant segment (pre-order puts the
-          whole subtree right after the segment), all of which see every key
-          of the tile; full blocks but the ragged last one, in one pipelined
-          loop;
-    and over the ``heads_per_kv`` query heads sharing the kv head. dK and dV
-    accumulate in float32 registers and are written once, so the sum over the
-    N responses (and the GQA heads) never goes through atomics and its order
-    is fixed: deterministic by construction. For float32 inputs the long run
-    is summed 16 query blocks at a time, each partial sum then added to the
-    tile's total (``tiles.key_sum_chunk``): a shared prompt's dK/dV error
-    then does not grow with its N readers (bf16/fp16: one running sum). With ``HEAD_SPLIT > 1`` the
-    query heads of a kv head are spread over that many programs, which then
-    add their partial sums into float32 buffers with atomics (more
-    parallelism, not bitwise reproducible). With ``ATOMIC_DQ`` the same
-    program also adds dS K into a float32 dQ buffer with atomics, saving the
-    Q-major kernel's recomputation (not bitwise reproducible).
-
-``bwd_dq_kernel`` (Q-major) lives in ``bwd_dq.py`` (importable from here).
-
-Windows (``WINDOW``; ``windows.py``): the dK/dV program of a key tile at
-depths klo..khi reads only the query rows of depth <= ``last_reader(khi)``:
-its diagonal, its own later rows up to that depth, and, when the window
-reaches past the segment's end, the first rows of each descendant segment
-(a walk over the subtree in pre-order that jumps over the subtree of a
-segment the window does not reach, ``SUBTREE_NEXT``). Rows up to
-``last_reader(klo)`` see the whole tile and get no window mask; the rest do.
-The float32 two-level sum counts its blocks across all of these ranges.
-``window`` and ``chunk`` are runtime ints, never compile-time.
-
-Logit softcap (``SOFTCAP``, a compile-time float; 0.0: none, and then the
-kernels are the ones without it): P comes from the capped scores and dS gets
-the cap's derivative ``1 - tanh^2`` before it reaches dQ and dK.
-
-Assumes what ``fwd.py`` assumes, plus (``Segments``): the segments are a
-forest in pre-order, so ``SUBTREE_END[s]`` ends the one run holding s and
-all its descendants, the readers of s's keys beyond s itself. With ``TMA``,
-full blocks of the loop-carried operands (q and dO in the dK/dV kernel, k
-and v in the dQ kernel) are loaded through tensor descriptors, as in
-``fwd.py``; masked blocks keep masked pointer loads.
-
-Precision: every float32 above (Delta, the packed statistics, the dQ, dK
-and dV accumulators, the atomic modes' buffers) is the compile-time ``ACC``
-(``tiles.acc_dtype``): float64 for float64 inputs, which only the
-interpreter gets (``attention.py``).
-
-Guarantees: every valid row of dQ and every valid key row of dK/dV is written
-(or, in the atomic modes, added into zeroed float32 buffers); contributions
-of rows or columns outside a segment are exactly zero: masked loads give
-q = dO = 0 (rows) or k = v = 0 (columns), and the probabilities of masked
-columns are set to zero wherever they reach dQ (exp of a zero score minus a
-very negative lse overflows, and inf * 0 is NaN).
+Assumes what ``fwd.py`` assumes, plus ``Segments`` in pre-order, so ``SUBTREE_END[s]`` ends the one run holding s
+and its descendants. With ``TMA`` the loop-carried operands' full blocks load through tensor descriptors.
+Guarantees: every valid row of dQ and every valid key row of dK/dV is written (atomic modes: added into zeroed
+float32 buffers; every float32 here is the compile-time ``ACC``, float64 for float64 inputs); contributions of
+rows or columns outside a segment are exactly zero: masked loads give zeros, and the probabilities of masked
+columns are zero wherever they reach dQ (exp of a zero score minus a very negative lse overflows; inf * 0 is NaN).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The Triton kernels' tuning tables: tiles and pipelining per kernel, per head dim, per device.
 
     KernelConfig, Config, DQ_MODES    the launch parameters of the three kernels
-    HOPPER_CONFIGS                    Hopper (sm_90), bf16/fp16, measured (benchmarks/results/triton_tuning.md)
+    HOPPER_CONFIGS                    Hopper (sm_90), bf16/fp16, measured (docs/benchmarks.md, "Behind the code")
     config_for(q)                     the entry for q's device, dtype and head dim
 
 Assumes the head dim is the kernels' (MLA already padded to the common one:
@@ -52,9 +52,9 @@ class Config:
     ``block_m``. ``head_split`` and ``dq_mode`` apply to the default
     (non-deterministic) backward only. ``dq_mode``: "recompute" (the Q-major
     dQ kernel recomputes S and dP) or "atomic" (the dK/dV kernel adds dS K
-    into a float32 buffer with atomics; slower on the H200 so far, and TMA
-    bulk reductions instead of per-element atomics did not fit its tiles:
-    benchmarks/results/triton_tuning.md).
+    into a float32 buffer with atomics; measured slower, and TMA bulk
+    reductions instead of per-element atomics did not fit its tiles:
+    docs/benchmarks.md, "Behind the code").
     """
 
     fwd: KernelConfig
@@ -70,9 +70,9 @@ class Config:
             raise ValueError(f"Config.head_split: expected a positive int, got {self.head_split}")
 
 
-# Hopper (H100 / H200), bf16/fp16, measured with benchmarks/triton_tune.py
-# (see benchmarks/results/triton_tuning.md). Keyed by the padded head dim.
-# D=128 and D=64 are measured (run 5, H200): tensor-descriptor loads; the dK/dV kernel
+# Hopper (sm_90), bf16/fp16, measured with benchmarks/triton_tune.py
+# (docs/benchmarks.md, "Behind the code"). Keyed by the padded head dim.
+# D=128 and D=64 are measured: tensor-descriptor loads; the dK/dV kernel
 # in one warpgroup on 64 keys (two programs per SM; 32 query rows at D=128, where 64
 # rows spill registers, 64 at D=64) with all query heads of a kv head in one program
 # and the row statistics packed for the copy engine. D=256 is untuned beyond the

@@ -1,63 +1,27 @@
 """Forward Triton kernel of shared-prompt attention on the packed stream.
 
-One program computes one tile of ``BLOCK_M`` query rows of one segment for one
-query head. It walks two kinds of key/value regions with ONE online softmax:
-
-    1. every ancestor segment (the chain parent, grandparent, ... of the
-       prefix forest), every key visible: first the full blocks of all of
-       them, which carry no mask arithmetic at all, then each one's ragged
-       last block, which masks the columns past that ancestor's end;
-    2. the segment's own tokens up to the tile: blocks strictly left of the
-       tile's diagonal are full; the diagonal blocks get the causal mask.
-
-With ``WINDOW`` (a sliding window and / or chunks on token depth:
-``windows.py``; ``window`` and ``chunk`` runtime ints, the flag the only
-compile-time part) the same regions shrink to what the tile's rows see:
-each ancestor's full blocks are walked from its last one down, nearest
-ancestor first, so depth only descends, and ``TILES`` (then
-``windows.window_schedule``'s) says how many of them every row sees whole
-(no mask) and how many any row sees (the band after them, masked per
-element); the walk stops there, and the chain below is never loaded. Each
-ragged block any row sees follows (masked anyway); then the own tokens from
-the block of the first row's lowest key, the band masked, full blocks up to
-the diagonal, the diagonal with both masks.
-
-It writes the output and the log-sum-exp (natural log of the sum of
-``exp(scale * q.k)``), which the backward reuses. With ``SOFTCAP`` (a
-compile-time float, 0.0 for none) the scaled score s is capped to
-``SOFTCAP * tanh(s / SOFTCAP)`` before the masks (Gemma 2), and the lse is
-over the capped scores; the kernels compiled with ``SOFTCAP = 0.0`` are the
-ones without the cap, unchanged.
+One program computes ``BLOCK_M`` query rows of one segment for one query head, over two kinds of key/value
+regions with ONE online softmax: every ancestor segment, every key visible (first the full blocks of all of them,
+with no mask arithmetic, then each one's ragged last block, masked past its end), then the segment's own tokens
+up to the tile (full blocks left of the diagonal, the diagonal blocks causal). With ``WINDOW`` (runtime
+``window`` and ``chunk`` on token depth; the flag is the only compile-time part) the regions shrink to what the
+tile's rows see: each ancestor's full blocks walked from its last one down, ``TILES`` (then
+``windows.window_schedule``'s) saying how many every row sees whole and how many any row sees (masked per
+element), the chain below never loaded. It writes the output and the lse (natural log of the sum of
+``exp(scale * q.k)``), which the backward reuses; ``SOFTCAP`` (compile-time, 0.0: none) caps the scaled score
+(``SOFTCAP * tanh(s / SOFTCAP)``) before the masks, the lse over the capped scores.
 
 Assumes
-    * q ``[1, Hq, T, D]``, k and v ``[1, Hkv, T, D]``, o like q, any strides;
-      Hq a multiple of Hkv (query head h reads kv head ``h // (Hq // Hkv)``).
-    * ``TILES`` is the tile schedule built on the host side
-      (``schedule.tile_schedule``): ``TILES[0, t]`` the segment of
-      program t (``-1`` for the padding entries at the end of the grid) and
-      ``TILES[1, t]`` the tile index inside that segment. The schedule lists
-      the heaviest tiles first so the tail of the launch is short tiles.
-    * ``SEG_START``, ``SEG_LEN`` are the ``Segments`` columns and ``WALK``
-      the ancestor walk for ``BLOCK_N`` (``schedule.ancestor_walk``): per
-      segment (full blocks over all its ancestors, ancestors with a ragged
-      last block, nearest ancestor with a full block, nearest with a ragged
-      one; -1: none). Lengths and the forest's shape only ever reach the
-      kernel through tensors (trip counts are data): a new layout, deeper or
-      wider, never triggers a recompilation. ``PREFIX_LEN`` (the column of
-      the same name) is read only with ``WINDOW``, to turn indices into depths.
-    * With ``TMA``, ``K_DESC`` / ``V_DESC`` are Hopper tensor descriptors over
-      the same memory as K / V (built by ``tma.tma_view``): the
-      ``BLOCK_N`` rows of kv head ``h`` from token ``t`` are
-      ``desc.load([h * row_h + t, h * col_h])``. Only full blocks (every row
-      inside the segment) are loaded through them; masked blocks keep masked
-      pointer loads, so no value outside a segment is ever read into a product.
-Guarantees
-    * Every valid query row of every segment is written exactly once; rows
-      of other segments are never touched.
-    * Softmax statistics, the output accumulator and the lse are float32
-      (``ACC``; float64 for float64 inputs, which only the interpreter gets);
-      the scores are computed in base 2 (``exp2``) with ``scale * log2(e)``
-      folded into one multiply-add.
+    * q ``[1, Hq, T, D]``, k and v ``[1, Hkv, T, D]``, o like q, any strides; query head h reads kv head h // (Hq/Hkv).
+    * ``TILES`` from ``schedule.tile_schedule``: ``TILES[0, t]`` program t's segment (-1: grid padding), ``TILES[1,
+      t]`` its tile in the segment, heaviest first; ``SEG_START``, ``SEG_LEN`` the ``Segments`` columns; ``WALK``
+      the ancestor walk for ``BLOCK_N`` (``schedule.ancestor_walk``); ``PREFIX_LEN`` read only with ``WINDOW``.
+      Lengths and the forest's shape reach the kernel only as tensors: a new layout never recompiles it.
+    * With ``TMA``, ``K_DESC`` / ``V_DESC`` are tensor descriptors over K / V (``tma.tma_view``: kv head h's rows
+      from token t at ``[h * row_h + t, h * col_h]``), for full blocks only; masked blocks keep masked loads.
+Guarantees: every valid query row of every segment is written exactly once, rows of other segments never; no
+value outside a segment enters a product; softmax statistics, accumulator and lse are float32 (``ACC``; float64
+for float64 inputs), the scores in base 2 with ``scale * log2(e)`` folded into one multiply-add.
 """
 
 from __future__ import annotations

@@ -1,35 +1,25 @@
-"""Jitted tile loads shared by the forward (``fwd.py``) and backward (``bwd.py``) kernels.
+"""Jitted tile loads and bounds shared by the forward (``fwd.py``) and backward (``bwd.py``, ``bwd_dq.py``) kernels.
 
-``load_tile`` loads one ``[rows, BLOCK_D]`` tile through pointers;
-``load_pair`` loads the same rows of two tensors (k and v in the forward and
-dQ kernels, q and dO in the dK/dV kernel), through tensor descriptors for
-full blocks when the launcher built them, else through ``load_tile``.
-``acc_dtype`` (a compile-time function) is the kernels' accumulator dtype:
-float32, float64 for float64 inputs (which only the CPU interpreter gets).
-``key_sum_chunk`` (a compile-time function) is how many query blocks the dK/dV
-kernel sums apart before adding them to a key tile's total (0: one running sum).
-``softcap_tanh`` is the tanh of a logit softcap (``SOFTCAP * tanh(s / SOFTCAP)``)
-from ``exp2`` (and, for float32 inputs, a short odd polynomial near 0):
-libdevice's tanh has no interpreter implementation, and ``tanh.approx``
-(about 2^-11 relative) is too coarse once multiplied by the cap.
-``lowest_depth`` and ``last_reader`` are ``window_rule.py``'s window bounds on
-depths in the kernels; ``walk_down`` steps the windowed ancestor walk of the
-query kernels one full block down and ``own_band`` bounds their walk over the
-tile's own segment (``fwd.py``, ``bwd_dq.py``).
+``load_tile`` loads one ``[rows, BLOCK_D]`` tile through pointers; ``load_pair`` loads the same rows of two
+tensors (k and v in the forward and dQ kernels, q and dO in the dK/dV kernel), through tensor descriptors for full
+blocks when the launcher built them, else through ``load_tile``. Compile-time functions: ``acc_dtype`` (the
+accumulator dtype: float32, float64 for float64 inputs) and ``key_sum_chunk`` (how many query blocks the dK/dV
+kernel sums apart before adding them to a key tile's total; 0: one running sum). ``softcap_tanh`` is the tanh of a
+logit softcap from ``exp2`` (docs/design.md, "Triton kernels", says why). ``lowest_depth`` and ``last_reader`` are
+``window_rule.py``'s window bounds on depths; ``walk_down`` steps the query kernels' windowed ancestor walk one
+full block down, ``own_band`` bounds their walk over the tile's own segment.
 
 Assumes
-    * ``ptrs`` (and ``A`` / ``B`` with their token and dim strides) address
-      rows of one head; ``row_ok`` marks the rows inside the segment and
-      ``d_ok`` the columns below the head dim (``EVEN_D``: no padded columns).
-    * With ``TMA``, ``descs`` is ``(A's descriptor, this head's row and column
-      in it, the same three for B, ...)`` as ``tma.descriptors`` builds them,
-      and the block starting at ``start`` lies wholly inside the segment
-      (``MASKED`` false).
+    * ``ptrs`` (and ``A`` / ``B`` with their token and dim strides) address rows of one head; ``row_ok`` marks the
+      rows inside the segment and ``d_ok`` the columns below the head dim (``EVEN_D``: no padded columns).
+    * With ``TMA``, ``descs`` is ``(A's descriptor, this head's row and column in it, the same three for B, ...)``
+      as ``tma.descriptors`` builds them, and the block from ``start`` lies wholly inside the segment (``MASKED``
+      false).
 Guarantees
-    * Masked rows and padded columns load as zero, so they contribute nothing
-      to a product; full blocks load unmasked (wide, unpredicated loads).
-    * With ``UPCAST`` the tiles come back as float32 (the CPU interpreter's
-      bfloat16 dots are wrong); otherwise in the tensor's own dtype.
+    * Masked rows and padded columns load as zero, so they contribute nothing to a product; full blocks load
+      unmasked (wide, unpredicated loads).
+    * With ``UPCAST`` the tiles come back as float32 (the CPU interpreter's bfloat16 dots are wrong); otherwise in
+      the tensor's own dtype.
 """
 
 from __future__ import annotations

@@ -6,22 +6,16 @@
     last_reader(d, w, c)                 -> the deepest query depth that sees a key at depth d
     windowed_work(segs, seg, tile, ...)  -> the work of each tile under the windows (``schedule_table``'s order)
 
-The rule (``layout.segments``; docs/design.md, semantics 15): a query at depth dq
-sees a key at depth dk <= dq (on its path) iff dk >= lowest(dq) =
-max(dq - w + 1, (dq // c) * c) (a window w: dq - dk < w; chunks of c: the
-same chunk, the upper end being causal). ``lowest`` and ``last_reader`` are
-monotone, so a run of query depths dlo..dhi sees nothing below
-``lowest(dlo)`` and a run of key depths klo..khi is read by no query past
-``last_reader(khi)``. ``tiles.lowest_depth`` / ``tiles.last_reader`` are the
-same two functions jitted for the kernels.
+The rule (``layout.segments``; docs/design.md, semantics 15): a query at depth dq sees a key at depth dk <= dq (on
+its path) iff dk >= lowest(dq) = max(dq - w + 1, (dq // c) * c) (a window w: dq - dk < w; chunks of c: the same
+chunk, the upper end being causal). ``lowest`` and ``last_reader`` are monotone, so a run of query depths dlo..dhi
+sees nothing below ``lowest(dlo)`` and a run of key depths klo..khi is read by no query past ``last_reader(khi)``.
+``tiles.lowest_depth`` / ``tiles.last_reader`` are the same two functions jitted for the kernels.
 
-Layering: this module imports only ``layout.segments``; ``schedule.py``
-(the tile order) and ``windows.py`` (the windowed plans, built on the
-schedule) import it, so the dependency runs windows -> schedule -> window_rule.
-
-Assumes ``Segments`` (a forest in pre-order, depths as ``token_depth``) and
-depths below 2**21 (``attention._check`` bounds T), so ``NONE`` is wider than
-any window and the arithmetic needs no branch for "none". Guarantees: pure
+Layering: this module imports only ``layout.segments``; ``schedule.py`` (the tile order) and ``windows.py`` (the
+windowed plans, built on the schedule) import it: windows -> schedule -> window_rule.
+Assumes ``Segments`` (a forest in pre-order, depths as ``token_depth``) and depths below 2**21 (``attention._check``
+bounds T), so ``NONE`` is wider than any window and the arithmetic needs no branch for "none". Guarantees: pure
 integer tensor ops on the inputs' device; no sync, no cache, no state.
 """
 

@@ -4,29 +4,17 @@
     subtree_next(segs)                                  -> int32 [num_segments], cached: the dK/dV kernel's skips
     NONE, window_args, lowest_depth, last_reader, windowed_work   the rule, re-exported from ``window_rule.py``
 
-The rule (``window_rule.py``): a query at depth dq sees a key at depth
-dk <= dq on its path iff dk >= lowest(dq); ``lowest`` is monotone, so a query
-tile's rows (depths dlo..dhi) see nothing below ``lowest(dlo)`` and all of
-what lies at or above ``lowest(dhi)``; in between, the band, the kernels
-mask per element. Along a segment's ancestor chain depth grows with
-nearness (the parent holds the deepest keys), and a walk that takes each
-ancestor's full blocks from its last one down (``fwd.py``) visits them in
-descending depth: the blocks every row sees whole come first, then the band,
-then the blocks nobody sees. ``window_schedule`` counts the first two per
-tile; the kernel stops there, never loading the rest. Keys of the tile's own
-segment and the dK/dV kernel's readers are bounded in the kernels from the
-same two functions (``tiles.lowest_depth`` and ``tiles.last_reader``).
+The rule (``window_rule.py``): a query at depth dq sees a key at depth dk <= dq on its path iff dk >= lowest(dq);
+``lowest`` is monotone, so a query tile's rows (depths dlo..dhi) see nothing below ``lowest(dlo)`` and all of what
+lies at or above ``lowest(dhi)``; in between, the band, the kernels mask per element. A walk over each ancestor's
+full blocks from its last one down visits them in descending depth, so ``window_schedule`` counts per tile the
+blocks every row sees whole and the band, and the kernel stops there (docs/design.md, "Triton kernels"). Layering:
+windows -> schedule -> window_rule (this module builds on the plain schedule and its cache).
 
-Layering: windows -> schedule -> window_rule (this module builds on the
-plain schedule and its cache; the schedule reads the rule's work estimate
-from ``window_rule.py``, never from here).
-
-Assumes ``Segments`` (a forest in pre-order, depths as ``token_depth``) and
-the kernels' block sizes; "none" (0) is ``NONE`` = 2**30 to the kernels
-(``window_rule.window_args``). Guarantees: the tables are integer tensor ops
-of the segments' values, built on the host twin when there is one
-(``derived_on_host``), and cached with the schedules (``schedule.plans``);
-the grid is the plain schedule's, so a window never changes a launch's shape.
+Assumes ``Segments`` (a forest in pre-order, depths as ``token_depth``) and the kernels' block sizes; "none" (0)
+is ``NONE`` = 2**30 to the kernels (``window_rule.window_args``). Guarantees: the tables are integer tensor ops of
+the segments' values, built on the host twin when there is one (``derived_on_host``), and cached with the
+schedules (``schedule.plans``); the grid is the plain schedule's, so a window never changes a launch's shape.
 """
 
 from __future__ import annotations
