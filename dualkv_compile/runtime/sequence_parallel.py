@@ -1,30 +1,21 @@
 """Per call under sequence parallelism: the layout agreed by the group, and this rank's chunk of the packed inputs.
 
-Assumes every rank of the group calls the runner with the same batch (as
-veRL's Ulysses and ``examples/fsdp_grpo.py --sp`` give it: the ranks of a
-sequence-parallel group read the same micro-batch). Each rank detects the
-layout from its own copy: detection is deterministic, so the ranks agree.
+Assumes every rank of the group calls the runner with the same batch (as veRL's Ulysses and
+``examples/fsdp_grpo.py --sp`` give it: the ranks of a sequence-parallel group read the same micro-batch). Each
+rank detects the layout from its own copy; detection is deterministic, so the ranks agree.
 
 Guarantees
-    * ``agree`` checks that agreement with one small all-gather (a
-      fingerprint of the layout: sizes, token and node counts, a digest of
-      the forest's nodes and sequences; or of the reason nothing was
-      packed), once per layout (the runner skips it for a graph that carries
-      a layout already checked), so the ranks take the same path (packed: the same
-      collectives; unpacked: none); ranks that disagree raise ``RuntimeError``
-      naming both fingerprints instead of waiting on each other or computing
-      on different layouts.
-    * ``shard_packed_inputs``: the stream is padded to ``world * Tl`` tokens,
-      ``Tl = ceil(T / world)``; rank ``r`` gets the tokens ``[r * Tl, (r + 1) * Tl)``
-      of ``col_index`` and ``prev_index``, and the whole padded ``pack_index``
-      (the sharded graph packs its inputs whole, then slices them). A padding token is a
-      copy of the first packed token (a valid one, so its values are finite),
-      is its own predecessor and a root segment of its own (nothing real reads
-      it), and no output or sum reads it (``unpack_index`` never names it, its
-      token weight is zero). The segments cover the padded stream.
-    * The unpacked fallback needs nothing: every rank computes the whole
-      program and gets whole gradients, whose mean over the group is the
-      single-process one (``ops.sp_collectives``' convention).
+    * ``agree`` checks that agreement with one small all-gather of a fingerprint (sizes, token and node counts, a
+      digest of the forest's nodes and sequences; or of the reason nothing was packed), once per layout, so the
+      ranks take the same path (packed: the same collectives; unpacked: none); ranks that disagree raise
+      ``RuntimeError`` naming both fingerprints instead of waiting on each other or computing on different layouts.
+    * ``shard_packed_inputs``: the stream is padded to ``world * Tl`` tokens, ``Tl = ceil(T / world)``; rank ``r``
+      gets the tokens ``[r * Tl, (r + 1) * Tl)`` of ``col_index`` and ``prev_index`` and the whole padded
+      ``pack_index`` (the sharded graph packs its inputs whole, then slices them). A padding token is a copy of the
+      first packed token (finite values), its own predecessor and a root segment of its own; no output or sum reads
+      it (``unpack_index`` never names it, its token weight is zero). The segments cover the padded stream.
+    * The unpacked fallback needs nothing: every rank computes the whole program and gets whole gradients, whose
+      mean over the group is the single-process one (``ops.sp_collectives``' convention).
 """
 
 from __future__ import annotations
