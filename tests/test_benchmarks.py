@@ -430,3 +430,59 @@ def test_window_attention_pair_counts():
         segs = tree_segments([P] + Rs, [-1] + [0] * len(Rs))
         assert window_attention.packed_pairs(P, Rs, w) == int(dense_mask(segs, P + sum(Rs), window=w).sum())
         assert window_attention.window_pairs(P + Rs[0], w) == sum(min(i + 1, w) for i in range(P + Rs[0]))
+
+
+def test_model_variants_tiny_presets_pack_and_agree_on_cpu(tmp_path):
+    """``model_variants.py``'s CPU presets, in-process: on tiny gpt-oss (sinks, a binding window, the padded batch)
+    and DeepSeek-V2 (MLA, the remove-padding row) shapes dualkv packs its calls, its loss equals the strongest
+    baseline's (float32), and the table names that baseline and why; with one response per prompt nothing is shared
+    and the FLOP ideal is 1."""
+    import model_variants
+
+    for model in ("tiny-gpt-oss", "tiny-deepseek-v2"):
+        argv = ["--device", "cpu", "--model", model, "--layers", "2", "--rollouts", "3", "--reps", "1",
+                "--compiler", "none", "--out", str(tmp_path)]
+        assert model_variants.main(argv) == 0
+    with open(tmp_path / "model_variants.json") as f:
+        models = json.load(f)["models"]
+    for model, baseline in (("tiny-gpt-oss", "eager"), ("tiny-deepseek-v2", "varlen")):
+        e = models[model]
+        base, dk = e["rows"]
+        assert base["variant"] == e["strongest"] == baseline and dk["variant"] == "dualkv", e
+        assert dk["packed_calls"] > 0 and dk["refused"] == [] and set(dk["attention_backends"]) == {"cpu_flash"}, dk
+        assert e["losses_agree"] and e["loss_rel_diff"] <= 1e-4, (base["loss"], dk["loss"])
+        assert e["tokens_after"] < e["tokens"] and e["ideal"] > 1.5
+    md = (tmp_path / "model_variants.md").read_text()
+    assert "## tiny-gpt-oss" in md and "## tiny-deepseek-v2" in md and "GptOssModel builds its masks" in md
+    alone = model_variants.sequences(2, 1, (16, 24), (3, 8), 512)
+    dup, packed = model_variants.flop_model("tiny-gpt-oss", 2, alone)
+    assert dup == packed
+
+
+def test_model_variants_flex_block_masks_are_the_padded_models_masks():
+    """The gpt-oss flex baseline's BlockMasks (document, causal, window from ``cu_seqlens``) give the row the padded
+    batch's loss, where transformers' own masks on the row (GptOssModel builds them without position ids) mix the
+    sequences. On CPU flex has no sinks: they are set to -1e4 (no weight) and dropped from flex's call."""
+    import math
+
+    import model_variants as mv
+    from model_remove_padding import remove_padding_loss
+    from transformers import AttentionInterface
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    AttentionInterface.register("flex_no_sinks", lambda *a, s_aux=None, **kw: flex_attention_forward(*a, **kw))
+    model = mv.build_model("tiny-gpt-oss", 2, "cpu", torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.fill_(-1e4)
+    seqs = mv.sequences(2, 3, (16, 24), (3, 8), 512)
+    old = -math.log(512)
+    row, padded = mv.row_batch(seqs, "cpu", old_logp=old), mv.padded_batch(seqs, "cpu", old_logp=old)
+    row["flex_masks"] = mv.flex_masks(row, window=8)
+    with torch.no_grad():
+        model.config._attn_implementation = "eager"
+        expected, mixed = float(mv.padded_chunked_loss(model, padded)), float(remove_padding_loss(model, row))
+        model.config._attn_implementation = "flex_no_sinks"
+        got = float(mv.flex_loss(model, row))
+    assert abs(got - expected) <= 1e-5 * abs(expected) and abs(mixed - expected) > 1e-3 * abs(expected)
