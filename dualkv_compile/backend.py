@@ -40,7 +40,8 @@ from .config import DualKVConfig
 from .layout import carried
 from .report import GraphReport, new_report, reports
 from .normalize.functionalize import functionalize_mutations, mutation_refusal
-from .normalize.graph_pass import Refusal, ev
+from .graph import Refusal
+from .graph.meta import ev
 from .normalize.inline_checkpoint import inline_checkpoint_regions
 from .normalize.positional_args import positional_args
 from .rewrite.fuse_linear_log_prob import fuse_linear_log_prob
@@ -145,7 +146,7 @@ def _resolve_attention_backend(backend: str, attention) -> str:
 
     if not attention:
         return backend  # unused: a graph without attention (the lm_head after a graph break)
-    q = attention[0].q.meta["example_value"]
+    q = ev(attention[0].q)
     # Under dynamic=True Dynamo may make the head count and head dim symbolic too.
     probe = torch.empty((1, size_hint(q.shape[1]), 1, size_hint(q.shape[3])), dtype=q.dtype, device=q.device)
     why = unsupported_reason(backend, probe)

@@ -6,9 +6,11 @@ dualkv result with the unmodified model (or loss) run without it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import re
+import signal
 
 import pytest
 import torch
@@ -72,6 +74,22 @@ def cuda_syncs(fn):
     finally:
         torch.cuda.set_sync_debug_mode(prev)
     return out, [(x.filename, x.lineno) for x in w if "synchronizing" in str(x.message)]
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    """Fails the test (instead of hanging the session) if the body runs longer than ``seconds`` (a guard against
+    an exponential walk coming back, not a timing)."""
+    def expired(signum, frame):
+        raise TimeoutError(f"over {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def rel(a, b):

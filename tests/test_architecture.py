@@ -1,6 +1,6 @@
 """The package's shape, checked from its source: layers, import cycles, file sizes, and tests on public names only.
 
-The layers follow the data path (DESIGN.md, "Module layout"). A module may
+The layers follow the data path (docs/design.md, "Module layout"). A module may
 import from lower layers and from its own subpackage; nothing imports upwards
 and the import graph (function-level imports included) has no cycle.
 """
@@ -21,7 +21,8 @@ LAYERS = [
     {"kernels"},  # math only
     {"ops"},  # the dualkv:: torch.library ops over the kernels
     {"config"},  # validates attention_backend against ops.attention.BACKENDS
-    {"normalize"},  # passes that put a Dynamo graph into the form the analysis expects (and Refusal, ev)
+    {"graph"},  # the graph vocabulary: Refusal, node meta behind accessors, copying, matchers
+    {"normalize"},  # passes that put a Dynamo graph into the form the analysis expects
     {"analysis"},
     {"rewrite"},
     {"runtime"},
@@ -104,8 +105,8 @@ def test_every_module_has_a_layer():
 
 
 def test_graph_passes_follow_the_data_path():
-    """normalize -> analysis -> rewrite -> runtime (DESIGN.md, "Architecture"): each may import the ones before it only."""
-    path = ["layout", "normalize", "analysis", "rewrite", "runtime"]
+    """normalize -> analysis -> rewrite -> runtime (docs/design.md, "Architecture"): each may import the ones before it only."""
+    path = ["layout", "graph", "normalize", "analysis", "rewrite", "runtime"]
     assert all(part in RANK for part in path), f"missing from LAYERS: {[p for p in path if p not in RANK]}"
     assert [RANK[part] for part in path] == sorted({RANK[part] for part in path}), [RANK[part] for part in path]
 
@@ -196,3 +197,15 @@ def test_tests_use_public_names_only(path):
             if isinstance(base, ast.Name) and base.id in aliases:
                 bad.append(f"line {node.lineno}: {ast.unparse(node)}")
     assert not bad, "private names of the package used by a test:\n" + "\n".join(bad)
+
+
+def test_node_meta_is_read_and_written_in_one_module():
+    """Every node-meta key is defined in ``graph/meta.py`` and reached through its accessors: no ``x.meta`` elsewhere."""
+    bad = []
+    for name, path in _modules().items():
+        if name == "dualkv_compile.graph.meta":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "meta":
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, "node meta outside dualkv_compile/graph/meta.py (add an accessor there):\n" + "\n".join(bad)

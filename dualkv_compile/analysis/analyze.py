@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch.fx as fx
 
+from ..graph.meta import ev as _ev
 from ..layout.carried import ActiveLayout
 from .attention_match import AttentionMatch, find_attention, resolve_scalar_inputs
 from .node_info import Kind
@@ -70,5 +71,5 @@ def floating_carried(axes: TokenAxes) -> list[fx.Node]:
     """Carried ``[B, S, ...]`` floating-point inputs: the values packing saves work on in a graph without attention."""
     return [
         n for n in axes.token_inputs.of(Role.CARRIED)
-        if axes.info[n].kind is Kind.TOKEN and n.meta["example_value"].dtype.is_floating_point
+        if axes.info[n].kind is Kind.TOKEN and _ev(n).dtype.is_floating_point
     ]

@@ -52,6 +52,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..graph.match import item_of_placeholder
+from ..graph.meta import ev as _ev
 from .mask_windows import mask_windows
 from .sink_pattern import drops_last_column, sink_logits
 
@@ -128,7 +130,7 @@ def _window_checked(m: AttentionMatch) -> AttentionMatch:
     w = mask_window(m.mask)
     if w is None:
         return m
-    ev = m.mask.meta.get("example_value")
+    ev = _ev(m.mask)
     S = ev.shape[-1] if isinstance(ev, torch.Tensor) else None
     # S <= w: no two columns are w apart, so the window masks nothing. A symbolic S is guarded here.
     if S is not None and bool(S <= w):
@@ -336,35 +338,31 @@ def _cap_value(a, b):
     return sa if sa is not None and sa is sb else None
 
 
-def item_of_placeholder(x) -> Optional[fx.Node]:
-    """The placeholder ``p`` if ``x`` is ``p.item()``, else None."""
-    if isinstance(x, fx.Node) and x.op == "call_method" and x.target == "item":
-        src = x.args[0]
-        if isinstance(src, fx.Node) and src.op == "placeholder":
-            return src
-    return None
-
-
 def _norm_dims(node: fx.Node) -> list[int]:
-    ndim = node.args[0].meta["example_value"].dim()
+    ndim = _ev(node.args[0]).dim()
     return [d % ndim for d in node.args[1:3]]
 
 
 def _reaches_matmul(x) -> bool:
-    """True if ``x`` is a matmul, or a matmul scaled by multiplications/divisions (either operand of a product)."""
-    if not isinstance(x, fx.Node) or x.op != "call_function":
-        return False
-    if x.target in _MATMUL:
-        return True
-    if x.target in (operator.truediv, torch.div):
-        return bool(x.args) and _reaches_matmul(x.args[0])
-    if x.target in (operator.mul, torch.mul):
-        return any(_reaches_matmul(a) for a in x.args[:2])
+    """True if ``x`` is a matmul, or a matmul scaled by multiplications/divisions (either operand of a product).
+    Each node is visited once: a chain of products reading one value twice (``x * x``) stays linear."""
+    todo, seen = [x], set()
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n.op != "call_function" or n in seen:
+            continue
+        seen.add(n)
+        if n.target in _MATMUL:
+            return True
+        if n.target in (operator.truediv, torch.div):
+            todo.extend(n.args[:1])
+        elif n.target in (operator.mul, torch.mul):
+            todo.extend(n.args[:2])
     return False
 
 
 def default_scale(q: fx.Node) -> float:
-    return 1.0 / math.sqrt(q.meta["example_value"].shape[-1])
+    return 1.0 / math.sqrt(_ev(q).shape[-1])
 
 
 def resolve_scalar_inputs(

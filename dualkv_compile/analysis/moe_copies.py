@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..normalize.graph_pass import ev as _ev
+from ..graph.meta import ev as _ev
 from .node_info import Coupling, Kind, NodeInfo, Route, RuleFailed, hint, kind_of, op_name, shape_of
 from .rule_registry import refine_rule, rule_for, token_rule
 

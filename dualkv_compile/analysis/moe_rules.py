@@ -46,7 +46,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..normalize.graph_pass import ev as _ev
+from ..graph.meta import ev as _ev
 from .node_info import Coupling, Kind, NodeInfo, Route, RuleFailed, arg, hint, kind_of, op_name, shape_of
 from .moe_copies import copies_rule
 from .rule_registry import rule_for, token_rule

@@ -2,7 +2,7 @@
 
 Shared by the analysis driver (``token_axes``), its per-op rules and every
 pass that reads the analysis (``rewrite.pack_graph``, the runtime's checks).
-Imports only ``normalize.graph_pass`` (``ev``: a node's example value) of the package.
+Imports only ``graph.meta`` (``ev``: a node's example value) of the package.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..normalize.graph_pass import ev
+from ..graph.meta import ev
 
 __all__ = [
     "Kind", "Tags", "NodeInfo", "Route", "Weighted", "RuleFailed", "Coupling",
@@ -77,7 +77,7 @@ class NodeInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Weighted:
-    """A reduction of ``op`` over every token axis of the TOKEN value ``operand`` (DESIGN.md semantics 12).
+    """A reduction of ``op`` over every token axis of the TOKEN value ``operand`` (docs/design.md, semantics 12).
 
     On the packed stream each entry is weighted by the number of positions of the original layout the
     token stands for (``layout.packed_ops.token_weights``: the positions ``unpack`` fills from it), so the

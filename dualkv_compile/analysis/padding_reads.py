@@ -1,7 +1,7 @@
 """Analysis of a packed graph: where the program reads, into a result, a position that packing zeroes.
 
 Packing never computes padding positions: ``unpack`` fills them with zeros
-(DESIGN.md, semantics 8), where the original program had some value. A
+(docs/design.md, semantics 8), where the original program had some value. A
 next-token value (``x[:, 1:]``-aligned, shift 1) is also zero where the
 token *before* its target is padding: the log-prob of a row's first valid
 token reads the logits of the padding column before it, which the packed
@@ -48,7 +48,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..layout.packed_ops import PICKED_META, WEIGHTED_META, unpack_merged, unpack_tokens
+from ..graph.meta import ev as _ev, original, picked_rank as _picked_rank, unpacked_rank, weighted
+from ..layout.packed_ops import unpack_merged, unpack_tokens
 from .token_rules import POINTWISE_FUNCS, POINTWISE_METHODS, REDUCE_FUNCS, REDUCE_METHODS, SOFTMAX_LIKE, SOFTMAX_METHODS
 
 __all__ = ["Read", "find_padding_reads", "nonzero_masks", "tainted_where"]
@@ -101,10 +102,10 @@ def _trailing_dims_only(n: fx.Node, src: fx.Node) -> bool:
 
 
 def _rank(n) -> Optional[int]:
-    ev = n.meta.get("example_value") if isinstance(n, fx.Node) else None
+    ev = _ev(n)
     if isinstance(ev, torch.Tensor):
         return ev.dim()
-    return n.meta.get("unpacked_rank") if isinstance(n, fx.Node) else None  # set by pack_graph on unpack nodes
+    return unpacked_rank(n)  # set by pack_graph on unpack nodes
 
 
 def _column_slice(n: fx.Node) -> Optional[tuple]:
@@ -133,7 +134,7 @@ def _needs_no_gradient(original: fx.GraphModule) -> dict[str, bool]:
     """Per node name of the original graph: whether it and all it reads need no gradient (masks, ids: cheap, exact)."""
     cheap: dict[str, bool] = {}
     for n in original.graph.nodes:
-        ev = n.meta.get("example_value")
+        ev = _ev(n)
         own = not (isinstance(ev, torch.Tensor) and (ev.requires_grad or isinstance(ev, torch.nn.Parameter)))
         own = own and "_parameters_" not in n.name
         cheap[n.name] = own and all(cheap[a.name] for a in n.all_input_nodes)
@@ -143,16 +144,16 @@ def _needs_no_gradient(original: fx.GraphModule) -> dict[str, bool]:
 def _packed_factors(x: fx.Node, cheap: dict[str, bool], originals: dict[str, fx.Node]) -> tuple:
     """Factors applied on the packed stream before ``unpack`` of ``x``: ``((original node, (), rank),)`` or ``()``."""
     while True:
-        name = x.meta.get("dualkv_original")
+        name = original(x)
         if name is not None and cheap.get(name) and name in originals:
             # The value itself needs no gradient (a mask): eager's value at a zeroed position, read off the original.
             return ((originals[name], (), _rank(originals[name])),)
         if _is(x, _MUL, _MUL):
             for a in x.args[:2]:
-                name = a.meta.get("dualkv_original") if isinstance(a, fx.Node) else None
+                name = original(a)
                 if name is not None and cheap.get(name) and name in originals:
                     o = originals[name]
-                    return ((o, (), _rank(originals.get(x.meta.get("dualkv_original"), o))),)
+                    return ((o, (), _rank(originals.get(original(x), o))),)
             return ()
         if _is(x, _ZERO_PRESERVING, _ZERO_PRESERVING) and isinstance(x.args[0], fx.Node):
             x = x.args[0]
@@ -173,17 +174,17 @@ def find_padding_reads(gm: fx.GraphModule, num_packed_inputs: int, original: Opt
 
     reads: list[Read] = []
     for u in gm.graph.nodes:
-        if WEIGHTED_META in u.meta:
+        if weighted(u) is not None:
             # A sum over the token axes on the packed stream reads every position of the original layout,
             # as the same sum of the unpacked value would; factors applied before it are credited.
             # Factors are credited where the token axes lead, as they are laid out in the check below.
-            shift, truncate, merged, leading = u.meta[WEIGHTED_META]
+            shift, truncate, merged, leading = weighted(u)
             factors = _packed_factors(u.args[0], cheap, originals) if leading else ()
             reads.append(Read(u, u, shift, truncate, factors=factors, merged=merged))
             continue
         # Entries of an unpacked value (gather_unpacked, or the fused op standing for it), zero at padding as unpack
-        # leaves them; PICKED_META holds their index's rank.
-        picked_rank = u.meta.get(PICKED_META)
+        # leaves them; graph.meta.picked_rank holds their index's rank.
+        picked_rank = _picked_rank(u)
         picked = picked_rank is not None
         if u.op == "call_function" and u.target is unpack_merged or picked_rank == 2:
             shift, truncate = (0, False) if picked else u.args[5:7]

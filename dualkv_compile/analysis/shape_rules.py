@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..normalize.graph_pass import ev as _ev
+from ..graph.meta import ev as _ev
 from .node_info import Kind, NodeInfo, RuleFailed, arg, hint, kind_of, shape_of, untagged
 from .rule_registry import token_rule
 

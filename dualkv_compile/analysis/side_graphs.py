@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
+from ..graph.meta import ev
 from ..normalize.functionalize import INPLACE_OPERATORS, inplace_param
 from .token_axes import TokenAxes
 
@@ -90,7 +91,7 @@ _RANDOM_METHODS = {"bernoulli", "bernoulli_", "uniform_", "normal_", "random_", 
 
 
 def _ev(n):
-    return n.meta.get("example_value", inspect.Parameter.empty) if isinstance(n, fx.Node) else inspect.Parameter.empty
+    return ev(n, inspect.Parameter.empty)
 
 
 def _inplace_arg(n: fx.Node):

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from ..graph.meta import ev as _ev
 __all__ = ["sink_logits", "drops_last_column"]
 
 _SHAPE_METHODS = {"expand", "reshape", "view", "to", "contiguous", "type_as"}
@@ -61,8 +62,8 @@ def sink_logits(x, internal: list):
     while isinstance(s, fx.Node) and s.op == "call_method" and s.target in _SHAPE_METHODS and len(s.users) == 1:
         chain.append(s)
         s = s.args[0]
-    ev = s.meta.get("example_value") if isinstance(s, fx.Node) else None
-    cat = c.meta.get("example_value")
+    ev = _ev(s)
+    cat = _ev(c)
     if not chain or not isinstance(ev, torch.Tensor) or not isinstance(cat, torch.Tensor) or cat.dim() != 4:
         return None, x
     if ev.numel() != cat.shape[1] or not ev.dtype.is_floating_point:

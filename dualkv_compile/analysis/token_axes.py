@@ -45,7 +45,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..normalize.graph_pass import Refusal, ev as _ev
+from ..graph import Refusal
+from ..graph.meta import ev as _ev
 from .attention_match import AttentionMatch, find_attention
 from .node_info import Coupling, Kind, NodeInfo, RuleFailed, hint, op_name, shape_of, untagged
 from .moe_rules import routed_rule

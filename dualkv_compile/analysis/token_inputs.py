@@ -25,7 +25,8 @@ import torch
 import torch.fx as fx
 
 from ..layout.carried import ActiveLayout
-from ..normalize.graph_pass import Refusal
+from ..graph import Refusal
+from ..graph.meta import ev as _ev
 from .attention_match import AttentionMatch
 from .node_info import hint
 
@@ -97,7 +98,7 @@ def find_token_inputs(graph: fx.Graph) -> TokenInputs:
     placeholders = list(graph.find_nodes(op="placeholder"))
     for node in placeholders:
         name = node.name.lower()
-        if not isinstance(node.meta.get("example_value"), torch.Tensor):
+        if not isinstance(_ev(node), torch.Tensor):
             continue
         for role in NAMED_ROLES:
             if role.value in name:
@@ -119,7 +120,7 @@ def complete_token_inputs(
     without token ids (None with them: ``analyze_token_axes`` reads it off ``input_ids``), found from its
     ``attention`` or else ``current_layout`` (the layout current in the thread while it is compiled)."""
     if Role.INPUT_IDS in found:
-        ids_shape = found.get(Role.INPUT_IDS).meta["example_value"].shape
+        ids_shape = _ev(found.get(Role.INPUT_IDS)).shape
         if tuple(ids_shape[:2]) == (1, 1) and not any(isinstance(d, torch.SymInt) for d in ids_shape[:2]):
             # Dynamo specialises sizes of 1, so this graph only ever sees a single token: nothing
             # to share or to pack (and the analysis cannot tell its size-1 token axes from broadcasts).
@@ -149,7 +150,7 @@ def token_major_inputs(gm, example_inputs, known: TokenInputs, B: int, S: int, f
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     taken = {t.node for t in known}
     for i, node in enumerate(placeholders):
-        ev = node.meta.get("example_value")
+        ev = _ev(node)
         example = example_inputs[i] if i < len(example_inputs) else None
         if node in taken or not isinstance(ev, torch.Tensor) or ev.dim() < 2 or is_parameter(node, example):
             continue
@@ -166,7 +167,7 @@ def token_major_inputs(gm, example_inputs, known: TokenInputs, B: int, S: int, f
 def carried_batch_shape(attention: Sequence[AttentionMatch], current_layout: Optional[ActiveLayout]) -> tuple[int, int]:
     """``(B, S)`` of a graph without token ids: its attention's query, else the layout current while it is compiled."""
     for m in attention:
-        q = m.q.meta.get("example_value")
+        q = _ev(m.q)
         if isinstance(q, torch.Tensor) and q.dim() == 4:
             return hint(q.shape[0]), hint(q.shape[2])
     if current_layout is None:

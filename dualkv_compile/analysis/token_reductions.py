@@ -1,4 +1,4 @@
-"""Token-axis rules for reductions over every token of the batch (DESIGN.md semantics 12).
+"""Token-axis rules for reductions over every token of the batch (docs/design.md, semantics 12).
 
 A sum over the token axes of the original layout counts a shared token once
 per sequence that holds it. On the packed stream the same sum is taken with
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..normalize.graph_pass import ev as _ev
+from ..graph.meta import ev as _ev
 from .node_info import Kind, NodeInfo, RuleFailed, Weighted, arg, op_name, reduced_dims
 
 __all__ = ["weighted_reduction", "weighted_scatter", "weighted_histc_rule"]

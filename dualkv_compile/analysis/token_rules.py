@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..normalize.graph_pass import ev as _ev
+from ..graph.meta import ev as _ev
 from .node_info import Coupling, Kind, NodeInfo, RuleFailed, arg, hint, kind_of, op_name, reduced_dims, shape_of
 from .rule_registry import token_rule
 from .token_reductions import weighted_reduction, weighted_scatter

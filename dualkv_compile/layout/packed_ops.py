@@ -9,8 +9,8 @@ token over the rows that read it).
 
 They live here, below the graph passes, because two layers name them:
 ``rewrite.pack_graph`` (and the fusions after it) emits them, and
-``analysis.padding_reads`` recognises them, with the node meta keys
-``PICKED_META`` and ``WEIGHTED_META``, in the packed graph it reads.
+``analysis.padding_reads`` recognises them (with the node meta of
+``graph.meta``: picked and weighted reads) in the packed graph it reads.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from .pack import gather_valid
 
 __all__ = [
-    "PICKED_META", "WEIGHTED_META", "pack_tokens", "gather_columns", "unpack_tokens", "previous_tokens", "gather_previous",
+    "pack_tokens", "gather_columns", "unpack_tokens", "previous_tokens", "gather_previous",
     "gather_unpacked", "unpack_merged", "token_weights", "weighted_histc",
 ]
 
@@ -89,16 +89,6 @@ def gather_previous(x: torch.Tensor, prev_index: torch.Tensor, index: torch.Tens
     return x[0][prev_index.unsqueeze(-1), index[0]].unsqueeze(0)
 
 
-# On a node that is ``gather_unpacked``'s result, or stands for it after a fusion replaced it (the value: its index's
-# rank): ``analysis.padding_reads`` follows it as it follows ``unpack``, since it is zero at padding too.
-PICKED_META = "dualkv_picked_unpacked"
-
-# On a node of a reduction over the token axes taken on the packed stream with ``token_weights``
-# (``rewrite.weighted_reductions``; the value: ``(shift, truncate, merged, leading)``): ``analysis.padding_reads``
-# counts it a read of every position of the original layout.
-WEIGHTED_META = "dualkv_weighted"
-
-
 def gather_unpacked(x: torch.Tensor, unpack_index: torch.Tensor, valid: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``unpack(x).gather(-1, index)`` without building ``unpack(x)``: the entries an original-layout index picks.
 
@@ -131,6 +121,7 @@ def unpack_merged(
     return y.flatten(bs_dim, bs_dim + 1)
 
 
+
 def token_weights(
     num_tokens: int,
     unpack_index: torch.Tensor,
@@ -141,7 +132,7 @@ def token_weights(
 ) -> torch.Tensor:
     """int64 ``[T]``: how many positions of the original layout ``unpack_tokens`` (same ``shift``/``truncate``)
     fills from each packed token. A sum over the token axes of the unpacked value is the sum of the packed
-    one weighted by these (DESIGN.md semantics 12); positions ``unpack`` zeroes count for nothing.
+    one weighted by these (docs/design.md, semantics 12); positions ``unpack`` zeroes count for nothing.
 
     ``index_add`` of integers: exact in any order, and deterministic on CUDA under
     ``torch.use_deterministic_algorithms``."""

@@ -1,4 +1,4 @@
-"""Normalize: in-place ops on private intermediate values become out-of-place (DESIGN.md semantics 9).
+"""Normalize: in-place ops on private intermediate values become out-of-place (docs/design.md, semantics 9).
 
 Contract
     Input: a Dynamo torch-level ``GraphModule`` whose tensor nodes carry
@@ -44,8 +44,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .graph_copy import copy_graph_module
-from .graph_pass import ev as _ev
+from ..graph import copy_graph_module
+from ..graph.meta import copy_meta, ev as _ev, set_example_value
 
 log = logging.getLogger("dualkv_compile")
 
@@ -280,7 +280,7 @@ def functionalize_mutations(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Mu
                 if new not in detached:
                     with graph.inserting_before(n):
                         detached[new] = graph.call_method("detach", (new,))
-                    detached[new].meta["example_value"] = _fake_run("call_method", "detach", (new,), {}, fake_mode)
+                    set_example_value(detached[new], _fake_run("call_method", "detach", (new,), {}, fake_mode))
                 new = detached[new]
             n.replace_input_with(a, new)
         if n not in mutations:
@@ -293,7 +293,7 @@ def functionalize_mutations(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Mu
             # A write into a slice of the buffer (``_written_slice``): the buffer with that slice replaced.
             dim, start, end, step = _slice_of(target, base, *latest.values())
             src = graph.call_method("to", (n.args[1], _ev(base).dtype))
-            src.meta["example_value"] = _fake_run("call_method", "to", src.args, {}, fake_mode)
+            set_example_value(src, _fake_run("call_method", "to", src.args, {}, fake_mode))
             n.prepend(src)
             form = "call_function", torch.slice_scatter, (latest.get(key, base), src, dim, start, end, step), {}
             target = base
@@ -311,13 +311,13 @@ def functionalize_mutations(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Mu
         want = _ev(target)
         with graph.inserting_after(n):
             new = graph.create_node(op, fn, args, kwargs, name=f"{n.name}_functional")
-            new.meta = {k: v for k, v in n.meta.items() if k != "example_value"}
-            new.meta["example_value"] = _fake_run(op, fn, args, kwargs, fake_mode)
-            if new.meta["example_value"].dtype != want.dtype:
+            copy_meta(n, new, example_value=False)
+            set_example_value(new, _fake_run(op, fn, args, kwargs, fake_mode))
+            if _ev(new).dtype != want.dtype:
                 with graph.inserting_after(new):
                     cast = graph.call_method("to", (new, want.dtype))
-                cast.meta = dict(new.meta)
-                cast.meta["example_value"] = _fake_run("call_method", "to", (new, want.dtype), {}, fake_mode)
+                copy_meta(new, cast)
+                set_example_value(cast, _fake_run("call_method", "to", (new, want.dtype), {}, fake_mode))
                 new = cast
         latest[key], latest_at[key] = new, order[n]
         rewritten.append(n)

@@ -47,18 +47,12 @@ import torch
 import torch.fx as fx
 
 from .functionalize import eliminate_dead_code
-from .graph_pass import Refusal
-from .graph_copy import copy_graph_module
+from ..graph import Refusal, copy_graph_module
+from ..graph.meta import TAGGED_OPS, copy_meta, mark_recompute
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["inline_checkpoint_regions", "checkpoint_regions", "RECOMPUTE_META", "TAGGED_OPS"]
-
-# The node.meta fields that mark a node as part of a checkpoint region.
-RECOMPUTE_META = ("recompute", "ac_graph_id")
-
-# The node kinds that carry those fields (ops, not placeholders or attributes).
-TAGGED_OPS = ("call_function", "call_method", "call_module")
+__all__ = ["inline_checkpoint_regions", "checkpoint_regions"]
 
 
 def _is_checkpoint_hop(n: fx.Node) -> bool:
@@ -115,8 +109,6 @@ def inline_checkpoint_regions(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _inline_one(gm: fx.GraphModule, call: fx.Node, region_id: int) -> None:
-    from torch.utils.checkpoint import CheckpointPolicy
-
     body = _body_of(gm, call)
     unknown = set(call.kwargs) - {"use_reentrant", "preserve_rng_state", "determinism_check", "debug", "early_stop"}
     if unknown:
@@ -139,12 +131,11 @@ def _inline_one(gm: fx.GraphModule, call: fx.Node, region_id: int) -> None:
                 name = _fresh_attr(gm, f"{call.name}_{n.target.replace('.', '_')}")
                 setattr(gm, name, operator.attrgetter(n.target)(body))
                 new = gm.graph.get_attr(name)
-                new.meta = dict(n.meta)
+                copy_meta(n, new)
             else:
                 new = gm.graph.node_copy(n, lambda x: env[x])
                 if n.op in TAGGED_OPS:
-                    new.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
-                    new.meta["ac_graph_id"] = region_id
+                    mark_recompute(new, region_id)
             env[n] = new
     if not isinstance(result, (tuple, list)):
         call.replace_all_uses_with(result)

@@ -35,7 +35,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
-from .graph_copy import copy_graph_module
+from ..graph import copy_graph_module
+from ..graph.meta import ev as _example_value
 
 __all__ = ["positional_args"]
 
@@ -44,7 +45,7 @@ def _type_of(value):
     """The type ``normalize_function`` matches an overload by: a graph value's example value's (a tensor's:
     ``torch.Tensor``), else the constant's own; None where the graph recorded no example value."""
     if isinstance(value, fx.Node):
-        ev = value.meta.get("example_value")
+        ev = _example_value(value)
         return torch.Tensor if isinstance(ev, torch.Tensor) else (None if ev is None else type(ev))
     return type(value)
 

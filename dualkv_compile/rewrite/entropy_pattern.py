@@ -39,7 +39,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-__all__ = ["EntropyMatch", "log_prob_entropy", "logit_entropy", "is_call"]
+from ..graph import is_call
+
+__all__ = ["EntropyMatch", "log_prob_entropy", "logit_entropy"]
 
 _EXP = ((torch.exp,), ("exp",))
 _NEG = ((operator.neg, torch.neg), ("neg", "__neg__"))
@@ -60,14 +62,6 @@ class EntropyMatch:
     nodes: list[fx.Node]
     negated: bool
     readers: set[fx.Node]
-
-
-def is_call(n, functions=(), methods=()) -> bool:
-    if not isinstance(n, fx.Node):
-        return False
-    if n.op == "call_function":
-        return any(n.target is f for f in functions)
-    return n.op == "call_method" and n.target in methods
 
 
 def _unary(n, kind, x=None) -> bool:

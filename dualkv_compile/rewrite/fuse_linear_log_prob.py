@@ -51,7 +51,7 @@ Matched
     the op reads row ``unpack_index[p]`` at ``index[p]`` for each position p
     of the original layout (``index.reshape(-1, K)``), zeros at padding
     (``torch.where(valid)``), viewed as ``index``; the result carries
-    ``PICKED_META`` so ``analysis.padding_reads`` still sees a value that is
+    a picked rank (``graph.meta.set_picked_rank``) so ``analysis.padding_reads`` still sees a value that is
     zero where the original had one.
 
     The number is a Python constant, or a graph input: with
@@ -95,10 +95,10 @@ import torch.fx as fx
 
 from ..kernels.linear_log_prob import DEFAULT_CHUNK_BYTES
 from ..ops import linear_log_prob as _op  # noqa: F401  (registers torch.ops.dualkv.linear_log_prob and _entropy)
-from ..layout.packed_ops import PICKED_META, gather_previous, gather_unpacked
-from ..normalize.graph_pass import ev
-from ..normalize.inline_checkpoint import RECOMPUTE_META
-from .entropy_pattern import EntropyMatch, is_call as _is_call, log_prob_entropy, logit_entropy
+from ..graph import is_call as _is_call
+from ..graph.meta import ev, in_checkpoint_region, set_picked_rank, set_unpacked_rank
+from ..layout.packed_ops import gather_previous, gather_unpacked
+from .entropy_pattern import EntropyMatch, log_prob_entropy, logit_entropy
 from .lm_head_pattern import (
     LINEAR, LOG_SOFTMAX, SOFTMAX, batch_squeeze, example_value, identity_getitem, input_scalar, linear_operands,
     log_softmax_input, python_scale, scalar_op, upcast_operand,
@@ -219,7 +219,7 @@ def _match_chain(gather: Optional[fx.Node], logp: Optional[fx.Node], x: fx.Node,
             users = ", ".join(u.name for u in n.users)
             return f"{n.name} has {len(n.users)} users ({users}): it would still be needed whole"
     for n in replaced + (found.nodes if found is not None else []):
-        if any(k in n.meta for k in RECOMPUTE_META):
+        if in_checkpoint_region(n):
             return f"{n.name} is inside an activation-checkpoint region"
     site = _Site(gather, logp, replaced, *operands, upcast=upcast_seen, entropy=found, squeezed=squeezed)
     if scale_op is not None:
@@ -329,7 +329,8 @@ def _rewrite(graph: fx.Graph, site: _Site, where: fx.Node, chunk_bytes: int) -> 
             masked = graph.call_function(torch.where, (keep, out, graph.call_method("new_zeros", (out, ()))))
             fused = graph.create_node("call_method", "view_as", (masked, index), name=f"{gather.name}_fused")
             # Still zero at padding where the original had values: analysis.padding_reads must keep following it.
-            fused.meta[PICKED_META] = fused.meta["unpacked_rank"] = ev(index).dim()
+            set_picked_rank(fused, ev(index).dim())
+            set_unpacked_rank(fused, ev(index).dim())
         elif gather is not None:
             out = graph.call_function(operator.getitem, (res, 0), name="next_token_logp")
             fused = graph.create_node("call_method", "unsqueeze", (out, 0), name=f"{gather.name}_fused")

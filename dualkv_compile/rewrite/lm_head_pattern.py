@@ -17,8 +17,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..analysis.attention_match import item_of_placeholder
-from .entropy_pattern import is_call
+from ..graph import is_call, item_of_placeholder
+from ..graph.meta import ev as _ev
 
 __all__ = [
     "LINEAR", "LOG_SOFTMAX", "SOFTMAX", "identity_getitem", "python_scale", "input_scalar", "scalar_op",
@@ -57,9 +57,9 @@ def input_scalar(n) -> Optional[fx.Node]:
         return None
     src = item_of_placeholder(n)
     if src is not None:
-        value = src.meta.get("example_value")
+        value = _ev(src)
         return src if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype.is_floating_point else None
-    if n.op == "placeholder" and isinstance(n.meta.get("example_value"), (float, torch.SymFloat)):
+    if n.op == "placeholder" and isinstance(_ev(n), (float, torch.SymFloat)):
         return n
     return None
 
@@ -134,7 +134,7 @@ def batch_squeeze(n: fx.Node) -> bool:
 
 def example_value(node: fx.Node, placeholders: list, example_inputs) -> Optional[torch.Tensor]:
     """``node``'s example tensor: its meta, else (a placeholder of the packed graph) the example inputs'."""
-    value = node.meta.get("example_value")
+    value = _ev(node)
     if value is None and node in placeholders and example_inputs is not None:
         i = placeholders.index(node)
         value = example_inputs[i] if i < len(example_inputs) else None

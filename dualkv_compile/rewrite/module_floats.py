@@ -29,14 +29,15 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..analysis.attention_match import item_of_placeholder
+from ..graph import item_of_placeholder
+from ..graph.meta import grapharg as _grapharg
 
 __all__ = ["bake_module_floats", "is_module_attribute"]
 
 
 def is_module_attribute(placeholder: fx.Node) -> bool:
     """True if Dynamo lifted ``placeholder`` from an attribute of an ``nn.Module`` (its guard source says so)."""
-    grapharg = placeholder.meta.get("grapharg")
+    grapharg = _grapharg(placeholder)
     source = getattr(grapharg, "source", None)
     if source is None:
         return False

@@ -30,7 +30,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..analysis.node_info import Kind
 from ..normalize.functionalize import mutated_input
-from ..normalize.graph_pass import Refusal
+from ..graph import Refusal
+from ..graph.meta import ev
 
 __all__ = ["aliased_outputs"]
 
@@ -80,7 +81,7 @@ def _view_chain(a: fx.Node, axes) -> Optional[list[fx.Node]]:
 
 
 def _storage(n: fx.Node) -> Optional[StorageWeakRef]:
-    value = n.meta.get("example_value")
+    value = ev(n)
     if not isinstance(value, torch.Tensor):
         return None
     try:

@@ -40,15 +40,17 @@ import torch.fx as fx
 
 from ..ops import attention as _attention_op  # noqa: F401  (registers torch.ops.dualkv.attention_fwd)
 from ..analysis.attention_match import AttentionMatch, default_scale
-from ..layout.packed_ops import PICKED_META, gather_columns, gather_previous, gather_unpacked, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
+from ..layout.packed_ops import gather_columns, gather_previous, gather_unpacked, pack_tokens, previous_tokens, unpack_merged, unpack_tokens
 from ..normalize.functionalize import eliminate_dead_code
-from ..normalize.graph_pass import Refusal, ev as _ev
-from ..normalize.inline_checkpoint import RECOMPUTE_META, TAGGED_OPS
+from ..graph import Refusal
+from ..graph.meta import (
+    TAGGED_OPS, copy_meta, ev as _ev, recompute_tags, set_heads, set_original, set_picked_rank, set_recompute_tags,
+    set_unpacked_rank,
+)
 from .output_aliases import aliased_outputs
 from .packed_inputs import PackedInputs
 from .packed_shapes import emit_original_size, rewrite_shapes
 from .weighted_reductions import emit_weighted
-from .sp_meta import HEADS_META
 from ..analysis.node_info import Kind, shape_of
 from ..analysis.shape_rules import is_size_query
 from ..analysis.token_axes import TokenAxes
@@ -127,7 +129,7 @@ class _Packer:
             o = self.g.call_function(
                 unpack_tokens, (p, self.inp["unpack_index"], self.inp["valid"], ids, b, s, info.shift, truncate)
             )
-        o.meta["unpacked_rank"] = len(shape)  # for analysis.padding_reads
+        set_unpacked_rank(o, len(shape))  # for analysis.padding_reads
         self.orig[n] = o
         return o
 
@@ -146,7 +148,7 @@ class _Packer:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         for n in placeholders:
             new = self.g.placeholder(n.name, type_expr=n.type)
-            new.meta = dict(n.meta)
+            copy_meta(n, new)
             self.orig[n] = new
         self.inp = {name: self.g.placeholder(name) for name in PACKED_INPUTS}
         self.T = self.g.call_method("size", (self.inp["pack_index"], 0))
@@ -157,7 +159,7 @@ class _Packer:
                 if info.kind is Kind.TOKEN:
                     b, s = info.tags.index("b"), info.tags.index("s")
                     self.packed[n] = self.g.call_function(pack_tokens, (self.orig[n], self.inp["pack_index"], b, s))
-                    self.packed[n].meta["dualkv_original"] = n.name  # a mask input as a factor (analysis.padding_reads)
+                    set_original(self.packed[n], n.name)  # a mask input as a factor (analysis.padding_reads)
                 continue
             if n.op == "output":
                 leaves: list = []
@@ -223,7 +225,7 @@ class _Packer:
         args = fx.map_arg(n.args, lookup)
         kwargs = fx.map_arg(n.kwargs, lookup)
         new = self.g.create_node(n.op, n.target, args, kwargs, name=n.name)
-        new.meta = dict(n.meta)
+        copy_meta(n, new)
         return new
 
     def emit_packed(self, n: fx.Node) -> fx.Node:
@@ -243,7 +245,7 @@ class _Packer:
         kwargs = fx.map_arg(n.kwargs, lookup)
         args, kwargs = rewrite_shapes(self, n, args, kwargs)
         new = self.g.create_node(n.op, n.target, args, kwargs, name=n.name + "_packed")
-        new.meta["dualkv_original"] = n.name  # for analysis.padding_reads (a name: meta may be deep-copied)
+        set_original(new, n.name)  # for analysis.padding_reads
         return new
 
     def emit_gather_previous(self, n: fx.Node) -> Optional[fx.Node]:
@@ -292,7 +294,8 @@ class _Packer:
             name=n.name,
         )
         # For analysis.padding_reads: zero at padding, as unpack leaves it (the fusion marks its replacement alike).
-        picked.meta[PICKED_META] = picked.meta["unpacked_rank"] = len(shape_of(n))
+        set_picked_rank(picked, len(shape_of(n)))
+        set_unpacked_rank(picked, len(shape_of(n)))
         return picked
 
     def emit_attention(self, m: AttentionMatch) -> fx.Node:
@@ -317,7 +320,7 @@ class _Packer:
             args += (int(m.window), int(m.chunk), sinks)
         res = self.g.call_function(torch.ops.dualkv.attention_fwd.default, args)
         self.backends.append(backend)
-        res.meta[HEADS_META] = (int(_ev(m.q).shape[1]), kv_heads)  # for rewrite.sequence_parallel
+        set_heads(res, int(_ev(m.q).shape[1]), kv_heads)  # for rewrite.sequence_parallel
         return self.g.call_function(operator.getitem, (res, 0), name=m.output.name + "_packed")
 
     def _backend_for(self, m: AttentionMatch, dtype: torch.dtype) -> str:
@@ -357,13 +360,13 @@ def _inherit_recompute_tags(n: fx.Node, last: fx.Node) -> None:
     the region: they are recomputed in the backward like the nodes they
     replace, so packing keeps checkpointing's memory behaviour.
     """
-    tags = {k: n.meta[k] for k in RECOMPUTE_META if k in n.meta}
+    tags = recompute_tags(n)
     if not tags:
         return
     node = last.next
     while node.op != "root":
         if node.op in TAGGED_OPS:
-            node.meta.update(tags)
+            set_recompute_tags(node, tags)
         node = node.next
 
 

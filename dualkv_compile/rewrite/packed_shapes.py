@@ -36,7 +36,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..analysis.node_info import Kind, arg, shape_of
-from ..normalize.graph_pass import Refusal, ev
+from ..graph import Refusal
+from ..graph.meta import ev
 
 __all__ = ["emit_original_size", "original_dim_size", "rewrite_shapes", "token_size"]
 

@@ -1,4 +1,4 @@
-"""Rewrite: the packed graph split over a sequence-parallel group (Ulysses; DESIGN.md semantics 13).
+"""Rewrite: the packed graph split over a sequence-parallel group (Ulysses; docs/design.md, semantics 13).
 
 Contract
     Input: a packed ``GraphModule`` (``pack_graph``, then ``fuse_linear_log_prob``) and an ``SPGroup``.
@@ -26,7 +26,7 @@ How
     - ``unpack`` (and ``gather_unpacked``, and the fused ``linear_log_prob`` reading rows by ``unpack_index``)
       reads the gathered stream (``sp_all_gather``, backward "slice"): its result is replicated, the same on
       every rank;
-    - a sum over tokens (``weighted_reductions``, marked ``TOKEN_SUM_META``) is this rank's partial sum,
+    - a sum over tokens (``weighted_reductions``, marked by ``graph.meta.set_token_sum``) is this rank's partial sum,
       then ``sp_all_reduce``; its token weights are this rank's chunk of the whole stream's;
     - an input that is not a parameter and has a gradient (hidden states from an earlier graph) enters
       through ``sp_shard``, whose backward gives it its whole gradient on every rank, as its producer
@@ -44,15 +44,13 @@ import torch.fx as fx
 from ..layout.packed_ops import (
     gather_columns, gather_previous, gather_unpacked, pack_tokens, previous_tokens, token_weights, unpack_merged, unpack_tokens,
 )
-from ..normalize.graph_copy import copy_graph_module
 from ..normalize.functionalize import eliminate_dead_code
-from ..normalize.graph_pass import Refusal, ev
-from ..normalize.inline_checkpoint import RECOMPUTE_META
+from ..graph import Refusal, copy_graph_module
+from ..graph.meta import ev, heads as _heads, recompute_tags as _recompute_tags, set_recompute_tags, token_sum
 from ..ops import linear_log_prob as _linear_log_prob  # noqa: F401  (registers torch.ops.dualkv.linear_log_prob*)
 from ..ops import sp_collectives as _collectives  # noqa: F401  (registers torch.ops.dualkv.sp_*)
 from ..ops.sp_collectives import SPGroup
 from ..ops.ulysses_attention import check_heads, ulysses_steps
-from .sp_meta import HEADS_META, TOKEN_SUM_META
 
 __all__ = ["shard_packed_graph", "local_token_weights"]
 
@@ -104,11 +102,6 @@ def _requires_grad(n) -> bool:
     return isinstance(ev(n), torch.Tensor) and ev(n).requires_grad
 
 
-def _recompute_tags(n: fx.Node) -> dict:
-    """``n``'s activation-checkpoint tags, for the nodes inserted in its place (recomputed as it is)."""
-    return {k: n.meta[k] for k in RECOMPUTE_META if k in n.meta}
-
-
 class _Sharder:
     def __init__(self, gm: fx.GraphModule, sp: SPGroup):
         self.gm, self.sp, self.g = gm, sp, gm.graph
@@ -120,7 +113,7 @@ class _Sharder:
         """A call inserted before ``where``, in ``where``'s checkpoint region if it has one."""
         with self.g.inserting_before(where):
             new = self.g.call_function(target, args, name=name)
-        new.meta.update(_recompute_tags(where))
+        set_recompute_tags(new, _recompute_tags(where))
         return new
 
     def ulysses(self, n: fx.Node, num_kv_heads: int) -> None:
@@ -135,7 +128,7 @@ class _Sharder:
             # Learnable sinks, one per query head: after the exchange this rank holds query heads
             # [rank * Hl, (rank + 1) * Hl), so it takes their sinks. Their gradient here is ``world`` times that
             # chunk's (its dout is), zero elsewhere: the group's mean is the whole gradient, as for any parameter.
-            local = n.meta[HEADS_META][0] // self.sp.world
+            local = _heads(n)[0] // self.sp.world
             rest[12] = emit(torch.narrow, rest[12], 0, self.sp.rank * local, local)
         out = ulysses_steps(emit, q, k, v, num_kv_heads, tuple(rest), self.sp.world, self.sp.group_name)
         for u in users:
@@ -169,7 +162,7 @@ class _Sharder:
                 self.check_outputs(n)
                 continue
             if n.op == "call_function" and n.target is torch.ops.dualkv.attention_fwd.default:
-                heads = n.meta.get(HEADS_META)
+                heads = _heads(n)
                 why = check_heads(*heads, sp.world) if heads else "the attention's head counts are unknown"
                 if why is not None:
                     raise Refusal(f"sequence_parallel: {n.name}: {why}")
@@ -194,7 +187,7 @@ class _Sharder:
             read = _predecessor_read(n)
             if read is not None:
                 self.gathered(n, read[0], read[1], "sum")
-            if TOKEN_SUM_META in n.meta:
+            if token_sum(n) is not None:
                 self.token_sum(n)
                 continue
             kinds = {self.kind.get(a, _C) for a in n.all_input_nodes}
@@ -221,7 +214,7 @@ class _Sharder:
         """``n`` sums this rank's tokens: the group's sum replaces it for every reader."""
         sp = self.sp
         users = list(n.users)
-        accumulate = n.meta[TOKEN_SUM_META] == "accumulate"  # scatter_add / index_add into a base
+        accumulate = token_sum(n) == "accumulate"  # scatter_add / index_add into a base
         base = n.args[0] if accumulate else None
         if accumulate:
             # Each rank adds its tokens into zeros; the base is added once, after the sum over the group.
@@ -233,8 +226,8 @@ class _Sharder:
         if accumulate:
             with self.g.inserting_after(total):
                 result = self.g.call_function(operator.add, (base, total), name=f"{n.name}_plus_base")
-        total.meta.update(_recompute_tags(n))
-        result.meta.update(_recompute_tags(n))
+        set_recompute_tags(total, _recompute_tags(n))
+        set_recompute_tags(result, _recompute_tags(n))
         for u in users:
             u.replace_input_with(n, result)
         self.kind[n], self.kind[total], self.kind[result] = _S, _R, _R
@@ -264,7 +257,7 @@ class _Sharder:
                 start = self.g.call_function(operator.mul, (n_local, sp.rank))
                 with self.g.inserting_after(start):
                     chunk = self.g.create_node("call_method", "narrow", (n, s_dim, start, n_local), name=f"{n.name}_chunk")
-        chunk.meta.update(_recompute_tags(n))
+        set_recompute_tags(chunk, _recompute_tags(n))
         for u in users:
             u.replace_input_with(n, chunk)
         self.kind[n], self.kind[chunk] = _C, _S

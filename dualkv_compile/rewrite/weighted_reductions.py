@@ -10,7 +10,7 @@ Contract
     the original count of the reduced dims (read off the batch's sizes, static or symbolic). This equals
     the reduction of the unpacked operand (zeros at padding) up to reassociation.
     The node carrying the weighted operand (``args[0]`` is the packed operand) is marked
-    ``meta[WEIGHTED_META] = (shift, truncate, merged, leading)`` (``leading``: the token axes are
+    ``graph.meta.set_weighted(node, (shift, truncate, merged, leading))`` (``leading``: the token axes are
     the operand's first): ``analysis.padding_reads`` treats it as a
     read of every position, which the runner checks per call (padding must be zeroed by a factor).
 
@@ -27,10 +27,9 @@ import torch
 import torch.fx as fx
 
 from ..analysis.node_info import arg, reduced_dims, shape_of
-from ..layout.packed_ops import WEIGHTED_META, token_weights, weighted_histc
-from ..normalize.graph_pass import ev
+from ..graph.meta import ev, set_token_sum, set_weighted
+from ..layout.packed_ops import token_weights, weighted_histc
 from .packed_shapes import original_dim_size
-from .sp_meta import TOKEN_SUM_META
 
 __all__ = ["emit_weighted"]
 
@@ -61,28 +60,28 @@ def emit_weighted(p, n: fx.Node) -> fx.Node:
     if weighted.op == "histc":
         bins, lo, hi = arg(n, 1, "bins", 100), arg(n, 2, "min", 0), arg(n, 3, "max", 0)
         res = g.call_function(weighted_histc, (xp, w, bins, lo, hi))
-        res.meta[WEIGHTED_META] = (xi.shift, truncate, merged, leading)
-        res.meta[TOKEN_SUM_META] = "sum"
+        set_weighted(res, (xi.shift, truncate, merged, leading))
+        set_token_sum(res, "sum")
         return _cast(g, res, ev(n).dtype, x_dtype)
 
     prod = g.call_function(operator.mul, (xp, w))
-    prod.meta[WEIGHTED_META] = (xi.shift, truncate, merged, leading)
+    set_weighted(prod, (xi.shift, truncate, merged, leading))
     if weighted.op in ("scatter_add", "index_add"):
         base, dim, index = n.args[:3]
         prod = _cast(g, prod, x_dtype, wdtype)  # the source must have the base's dtype
         res = g.create_node(n.op, n.target, (p.orig_of(base), dim, p.packed_of(index), prod), name=n.name)
-        res.meta[TOKEN_SUM_META] = "accumulate"
+        set_token_sum(res, "accumulate")
         return res
 
     args = fx.map_arg(tuple(n.args[1:]), p.orig_of)
     kwargs = fx.map_arg(dict(n.kwargs), p.orig_of)
     if weighted.op == "sum":
         res = g.create_node(n.op, n.target, (prod, *args), kwargs, name=n.name)
-        res.meta[TOKEN_SUM_META] = "sum"
+        set_token_sum(res, "sum")
         return _cast(g, res, ev(n).dtype, kwargs.get("dtype", wdtype))
     # mean: the weighted sum over the same dims, divided by the original count of their entries.
     total = g.call_method("sum", (prod, *args), kwargs)
-    total.meta[TOKEN_SUM_META] = "sum"
+    set_token_sum(total, "sum")
     count = _original_count(p, n, x, ids, truncate or xi.shift)
     return _cast(g, g.call_function(operator.truediv, (total, count), name=n.name), ev(n).dtype, kwargs.get("dtype", wdtype))
 

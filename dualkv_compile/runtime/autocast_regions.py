@@ -19,6 +19,8 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
+from ..graph.meta import copy_meta
+
 __all__ = ["has_autocast_calls", "autocast_regions_as_with_blocks", "run_autocast_region"]
 
 _ENTER, _EXIT = torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast
@@ -91,7 +93,7 @@ def autocast_regions_as_with_blocks(gm: fx.GraphModule) -> fx.GraphModule:
         with split.graph.inserting_before(node):
             module = split.graph.get_attr(node.target)
             call = split.graph.call_function(run_autocast_region, (args_of[index], module, *node.args), dict(node.kwargs))
-        call.meta = dict(node.meta)
+        copy_meta(node, call)
         node.replace_all_uses_with(call)
         split.graph.erase_node(node)
     split.graph.lint()

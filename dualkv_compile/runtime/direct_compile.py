@@ -37,8 +37,9 @@ import torch
 import torch.fx as fx
 
 from ..config import DualKVConfig
-from ..analysis.attention_match import item_of_placeholder
-from ..normalize.graph_copy import copy_graph_module
+from ..graph import item_of_placeholder
+from ..graph import copy_graph_module
+from ..graph.meta import drop_fake_values, example_value_from_val, mark_cacheable
 from . import nested_compile  # its inner_compile, read per call: the one inner compiler of both routes
 
 log = logging.getLogger("dualkv_compile")
@@ -219,8 +220,8 @@ def _propagate_fake_values(gm: fx.GraphModule, fake_mode, fakes: list) -> None:
     with hooks_off() if hooks_off is not None else torch.no_grad(), enable_python_dispatcher():
         FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*fakes)
     for node in gm.graph.nodes:
-        if "val" in node.meta and node.op != "output":
-            node.meta["example_value"] = node.meta.pop("val")
+        if node.op != "output":
+            example_value_from_val(node)
 
 
 def _fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -228,8 +229,7 @@ def _fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
     The caller recompiles the copy after its last edit."""
     copy = copy_graph_module(gm)
     for node in copy.graph.nodes:
-        for key in ("example_value", "val", "tensor_meta"):
-            node.meta.pop(key, None)
+        drop_fake_values(node)
     _mark_own_functions_cacheable(copy.graph)
     return copy
 
@@ -249,8 +249,7 @@ def _mark_own_functions_cacheable(graph: fx.Graph) -> None:
         if node.op == "call_function" and isinstance(fn, types.FunctionType) and (fn.__module__ or "").startswith("dualkv_compile."):
             digest = _source_hash(fn)
             node.target = _named_by_hash(fn, digest)
-            node.meta["is_wrapped"] = True
-            node.meta["user_cache_hash"] = digest
+            mark_cacheable(node, digest)
 
 
 @functools.lru_cache(maxsize=None)

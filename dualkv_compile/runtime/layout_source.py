@@ -35,7 +35,7 @@ from ..config import DualKVConfig
 from ..layout import carried as active_layout
 from ..layout import SharedPromptLayout
 from ..layout.detect import detect_reading
-from ..normalize.graph_pass import ev
+from ..graph.meta import ev
 from ..report import GraphReport
 from .mask_check import mask_mismatch, pure_mask
 

@@ -20,8 +20,8 @@ import torch
 import torch.fx as fx
 
 from ..config import DualKVConfig
-from ..analysis.attention_match import item_of_placeholder
-from ..normalize.graph_copy import copy_graph_module
+from ..graph import copy_graph_module, item_of_placeholder
+from ..graph.meta import ev, unbacked_bindings
 from .autocast_regions import autocast_regions_as_with_blocks
 
 __all__ = [
@@ -53,7 +53,7 @@ def _symbolic(value) -> bool:
 
 
 def is_dynamic(gm: fx.GraphModule) -> bool:
-    return any(_symbolic(n.meta.get("example_value")) for n in gm.graph.find_nodes(op="placeholder"))
+    return any(_symbolic(ev(n)) for n in gm.graph.find_nodes(op="placeholder"))
 
 
 def has_unbacked_sizes(gm: fx.GraphModule) -> bool:
@@ -64,10 +64,10 @@ def has_unbacked_sizes(gm: fx.GraphModule) -> bool:
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     for n in gm.graph.nodes:
-        if n.meta.get("unbacked_bindings"):
+        if unbacked_bindings(n):
             return True
         try:
-            if free_unbacked_symbols(n.meta.get("example_value")):
+            if free_unbacked_symbols(ev(n)):
                 return True
         except Exception:  # noqa: BLE001 - a value free_unbacked_symbols cannot walk: assume it has one
             return True

