@@ -455,41 +455,7 @@ def read_excluded(path: Path = TABLE) -> set[str]:
 
 
 # What was found about the bug rows (kept beside the table's bug section; a row that is no longer a bug drops it).
-BUG_NOTES = {
-    "dbrx": dict(attn_config=dict(rope_theta=10000.0, clip_qkv=8.0)),  # its attention clamps by clip_qkv
-    "dory": dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_hidden_layers=3,
-                 n_input_layers=1, n_output_layers=1),
-    "falcon_h1": dict(mamba_d_ssm=64),
-    # pad_token_id None: the padding row of the embedding is not zeros (the unmodified model's altup takes
-    # mean(h ** 2) ** 0.5 at every position; at a zero padding embedding its backward is 0 * inf = NaN)
-    "gemma3n_text": dict(pad_token_id=None, num_kv_shared_layers=0, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
-                         laurel_rank=4),
-    "gemma4_text": dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, global_head_dim=16),
-    "gemma4_unified_text": dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, global_head_dim=16),
-    "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
-                                              global_head_dim=16)),
-    "deepseek_v4": dict(o_lora_rank=8, o_groups=2),
-    "rembert": dict(input_embedding_size=32, output_embedding_size=32),
-    "zaya": dict(num_experts_per_tok=1, router_hidden_size=16),
-    "phi4_multimodal": dict(audio_config=dict(ext_pw_out_channel=32, depthwise_separable_out_channel=32,
-                                              nemo_conv_channels=32, num_blocks=1)),
-    "qwen4_exp": _QWEN4, "qwen4_exp_text": _QWEN4,
-    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=WINDOW),
-    "inkling2_text": dict(unpadded_vocab_size=VOCAB),
-    "inkling2_loop_text": dict(unpadded_vocab_size=VOCAB),
-    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
-    "longcat_flash": dict(num_layers=2, zero_expert_num=2, expert_ffn_hidden_size=16, moe_topk=2),
-    "mamba2": dict(num_heads=4, head_dim=16, state_size=8, time_step_rank=8),
-    "minimax_m3_vl_text": dict(dense_intermediate_size=48, shared_intermediate_size=32, index_block_size=WINDOW,
-                               index_topk_blocks=2),
-    "reformer": dict(attn_layers=["local", "lsh"], attention_head_size=8, feed_forward_size=48, axial_pos_embds=False,
-                     local_attn_chunk_length=7, lsh_attn_chunk_length=7, num_buckets=2),
-    "roc_bert": dict(shape_vocab_size=16, shape_embed_dim=8, pronunciation_vocab_size=16, pronunciation_embed_dim=8),
-    "xlnet": dict(d_head=8),
-    "xmod": dict(default_language="en_XX"),
-    "zamba": dict(num_hidden_layers=4, layers_block_type=["linear_attention", "hybrid"] * 2, attn_layer_period=2, attn_layer_offset=1, mamba_dt_rank=4, n_mamba_heads=2),
-    "zamba2": dict(hybrid_layer_ids=[1], n_mamba_heads=4, adapter_rank=8),
-}
+BUG_NOTES: dict[str, str] = {}
 
 # The table's generator runs each family in a subprocess of its own, stopped after this many seconds (the
 # slowest family that finishes takes about 30 s on 2 cores; torch.compile alone, about 20 s).
