@@ -1,44 +1,27 @@
 """Find the attention computations of a Dynamo FX graph.
 
 Contract
-    Input: a torch-level FX graph as Dynamo hands it to a backend (nodes carry
-    ``meta["example_value"]``).
-    Output: one ``AttentionMatch`` per attention, in graph order, naming its
-    q/k/v nodes (``[B, H, S, D]``), its mask node (or None), whether it is
-    causal, its scale, and the node whose value is the attention output. The
-    graph is not modified.
+    Input: a torch-level FX graph as Dynamo hands it to a backend (nodes carry ``meta["example_value"]``).
+    Output: one ``AttentionMatch`` per attention, in graph order: its q/k/v nodes (``[B, H, S, D]``), mask node
+    (or None), causality, scale, softcap, sinks, window and chunk, the node of its output, and in ``refusal`` why it
+    cannot run packed (None if it can). The graph is not modified.
 
 Recognised forms
-    * ``scaled_dot_product_attention(q, k, v, attn_mask=..., dropout_p=...,
-      is_causal=..., scale=..., enable_gqa=...)``, as Hugging Face's "sdpa"
-      implementation traces to.
-    * Hugging Face's "eager" attention: ``matmul(q, k.transpose(2, 3)) * scale
-      (-> / c -> tanh -> * c) (+ mask) -> softmax(dim=-1) (-> .to(dtype)) (-> dropout)
-      -> matmul(., v)``; the optional middle part is Gemma 2's logit softcap c
-      (``AttentionMatch.softcap``, 0.0 without one).
-    * gpt-oss's eager attention with learnable sinks: the (masked) scores
-      concatenated with a per-head sink logit along the keys, less the row's
-      max, softmax, the sink column dropped (``[..., :-1]``), then as above
-      (``AttentionMatch.sinks``: the sink parameter, ``[Hq]`` values).
-Sliding windows and chunks of a mask (``analysis.mask_windows``: ``kv > q - w``,
-``(kv - o) // c == (q - o) // c``, as Hugging Face builds them) are read exactly
-into ``AttentionMatch.window`` / ``chunk``; the kernels take them on each token's
-depth along its sequence. A window this cannot read exactly is refused as below.
-An attention with dropout that can be active is reported through
-``AttentionMatch.refusal``; so is a non-causal attention without a mask, and
-one whose mask has a window the kernels do not implement (``mask_window``: a
-sliding window ``kv > q - w`` or chunks ``q // w``, as Hugging Face's mask
-functions build them) unless the mask's sequence length S fits in it
-(S <= w: the window never binds; with a symbolic S that is a guard, so Dynamo
-recompiles, and this refuses, once S outgrows it). The first call's mask check
-(``runtime/mask_check``) cannot see a window its batch does not reach.
-A ``dropout_p`` or ``scale`` that is a graph value read from an input
-(``placeholder.item()``, as Dynamo lifts module floats under
-``dynamic=True``) is recorded in ``AttentionMatch.scalar_inputs``: the backend
-resolves it from the example inputs and checks it on every call. In the eager
-form that is ``matmul * scaling.item()`` (key ``"scale"``, or ``"scale_divisor"``
-for ``/``; ``AttentionMatch.scale`` then holds only the constant factors) and
-``dropout(p=attention_dropout.item())``; a lifted softcap is ``"softcap"``.
+    * ``scaled_dot_product_attention(q, k, v, attn_mask=..., dropout_p=..., is_causal=..., scale=...,
+      enable_gqa=...)``, as Hugging Face's "sdpa" implementation traces to.
+    * Hugging Face's "eager" attention: ``matmul(q, k.transpose(2, 3)) * scale (-> / c -> tanh -> * c) (+ mask)
+      -> softmax(dim=-1) (-> .to(dtype)) (-> dropout) -> matmul(., v)``, the optional middle part Gemma 2's logit
+      softcap c (``AttentionMatch.softcap``).
+    * gpt-oss's eager attention with learnable sinks (``sink_pattern``; ``AttentionMatch.sinks``, ``[Hq]``).
+
+A mask's sliding window and chunks are read exactly (``mask_windows``) into ``AttentionMatch.window`` / ``chunk``.
+Refused (``AttentionMatch.refusal``): dropout that can be active, a non-causal attention without a mask, and a
+window spelled in a form not read exactly (``mask_window`` finds it) unless the mask's S fits in it (S <= w: it
+never binds; a symbolic S is a guard, so Dynamo recompiles, and this refuses, once S outgrows it). A ``dropout_p``,
+``scale`` or softcap read from an input (``placeholder.item()``, as Dynamo lifts module floats under
+``dynamic=True``) is recorded in ``AttentionMatch.scalar_inputs`` (``"scale"``, ``"scale_divisor"`` for ``/``,
+``"softcap"``; ``scale`` then holds only the constant factors): the backend resolves it from the example inputs
+and checks it on every call.
 """
 
 from __future__ import annotations

@@ -1,44 +1,26 @@
 """Token-axis rules of expert-major copies of the tokens: Llama 4's MoE dispatch (``Llama4TextMoe``).
 
-Llama 4 runs every expert on every token, each copy weighted by the token's router score for that expert
-(``sigmoid`` of the top-k logits scattered into ``-inf``: 0 for an expert not chosen)::
+Llama 4 runs every expert on every token, each copy weighted by the token's router score for that expert::
 
     routed_in = hidden.repeat(E, 1)                  # [N, D] -> [E*N, D]: entry e*N + t is copy e of token t
-    scores = router_scores.transpose(0, 1).reshape(-1, 1)   # [N, E] -> [E, N] -> [E*N, 1]: the same order
+    scores = router_scores.transpose(0, 1).reshape(-1, 1)   # [E*N, 1], the same order
     x = (routed_in * scores).view(E, -1, D)          # [E, N, D]: bmm per expert (Llama4TextExperts)
-    routed_out = bmm(...).view(-1, D)                # [E*N, D] again
-    out = shared_expert(hidden) + routed_out.reshape(E, -1, D).sum(dim=0)
+    out = shared_expert(hidden) + bmm(...).view(-1, D).reshape(E, -1, D).sum(dim=0)
 
-Entry e*N + t of a merged copies axis only ever meets entry e*N + t of another value laid out the same way
-(copy e of the same token t), so every value of the dispatch is, at copy e of token t, a function of token
-t's values alone: the dispatch is token-local and the packed stream computes it exactly, with T packed
-tokens for N = B * S. Its merged axis is in no order ``unpack`` can restore (tokens at stride 1 within each
-copy), so such a value is ROUTED (tag ``"r"``, ``Route(what="copies", factor=k)``, ``k`` copies): computed
-on the packed stream only and never unpacked (an output of one refuses the graph, ``token_axes``); the
-rewrite sizes its axis ``T * k`` as any merged axis of ``k`` entries per token
-(``rewrite.packed_shapes.token_size``).
+Entry e*N + t of a merged copies axis only meets entry e*N + t of another value laid out the same way, so every
+value of the dispatch is, at copy e of token t, a function of token t's values alone: token-local, exact on the
+packed stream (T tokens for N = B * S). Its merged axis is in no order ``unpack`` can restore, so such a value is
+ROUTED (tag ``"r"``, ``Route(what="copies", factor=k)``): computed on the packed stream only, never unpacked (an
+output of one refuses the graph), its axis sized ``T * k`` (``rewrite.packed_shapes.token_size``).
 
-Rules (each value with one token axis, ``"bs"``, of one entry per token, shift 0):
-
-* ``x.repeat(..)`` ``k > 1`` times along the token axis: copies (``_repeat``); repeats along feature dims
-  only, and new leading dims, keep the token axes (features tiled per token);
-* a view (``view``/``reshape``/``flatten``/``unflatten``) merging a feature dim of ``k > 1`` with the token
-  axis right behind it, ``[.., k, N, ..] -> [.., k*N, ..]``: copies. A refinement of ``shape_rules``'
-  view rule (``rule_registry.refine_rule``), which computes that merge in the original layout;
-* ``copies_rule``, for every node reading copies (called by ``moe_rules.routed_rule``): the view splitting
-  the copies axis back, ``[.., k*N, ..] -> [.., k, N, ..]``, recovers the token axis (TOKEN, ``"bs"`` at
-  N); any other op must be one whose ordinary rule keeps the one copies axis where it is, entry for entry
-  (pointwise ops, linear/matmul/reductions/softmax over features, moves, full slices). Those rules refuse
-  every op along a token axis they do not know to be per token, and so every op along the copies axis
-  (a slice, a sort or top-k across tokens, a cumulative count such as an expert's capacity, a reduction
-  over the copies, another view of it), as do ops that read copies as something else (their sizes, as
-  indices into a token axis): the graph is refused (``Coupling``). Copies of two counts, or copies and a
-  sort dispatch's values, never meet.
-
-Only the exact split ``k*N -> (k, N)`` and merge ``(k, N) -> k*N`` of the copies axis are views of it (the
-other dims kept, size-1 dims aside: row-major order then maps entry e*N + t to [e, t] and back). Copies
-of a value with more than one entry per token (a top-k's merged axis) are not made: computed in the
-original layout, as before this rule.
+Rules (values with one token axis ``"bs"`` of one entry per token, shift 0): ``x.repeat(..)`` ``k > 1`` times
+along the token axis makes copies; a view merging a feature dim of ``k > 1`` with the token axis behind it,
+``[.., k, N, ..] -> [.., k*N, ..]``, makes copies (a refinement of ``shape_rules``' view rule:
+``rule_registry.refine_rule``); ``copies_rule`` (called by ``moe_rules.routed_rule`` for every node reading
+copies) accepts the exact split back, ``[.., k*N, ..] -> [.., k, N, ..]`` (TOKEN again), and ops whose ordinary
+rule keeps the copies axis where it is, entry for entry. By that rule anything else along the copies axis couples
+tokens and refuses the graph (``Coupling``; the cases: docs/design.md, "MoE dispatch"). Copies of a value with
+more than one entry per token are not made (computed in the original layout).
 """
 
 from __future__ import annotations

@@ -1,41 +1,23 @@
 """Token-axis rules of MoE routing and expert dispatch, as Hugging Face writes them (Qwen2/3-MoE, Mixtral, Llama 4).
 
-Routing is per token: the router's logits, their softmax, ``topk`` over the
-experts, and the expert outputs weighted and summed over the top-k are each a
-function of the token's own hidden state, so the packed stream computes them
-exactly. Registered here (see ``token_rules`` for the registry):
+Routing is per token: the router's logits, their softmax, ``topk`` over the experts, and the expert outputs
+weighted and summed over the top-k are each a function of the token's own hidden state, so the packed stream
+computes them exactly. Registered here (``rule_registry`` has the registry and the contract of a rule):
 
-* ``topk``, ``sort``, ``argsort`` along a feature dim (the experts), ``one_hot``
-  of expert ids, and ``repeat_interleave`` along a token axis (``batched_mm``
-  repeats each token's row top-k times, token-major) keep the token axes;
-* ``histc`` and ``bincount`` of a token value count over every token of the
-  batch: computed in the original layout (``RuleFailed``), as a
-  load-balancing loss's statistics are;
-* ``sort`` of a 1-D integer value along its merged token axis starts the
-  grouped dispatch (``grouped_mm_experts_forward``, the default
-  ``experts_implementation``): gathers by the sort's permutation, ``histc`` +
-  ``cumsum`` group offsets, grouped matmuls per expert, and the inverse
-  permutation (``inv = empty_like(perm); inv[perm] = arange(n)``) that puts
-  each entry back. Each step's value depends on the whole stream (its length
-  is T * top_k on the packed stream, not B * S * top_k), but the result read
-  through the inverse permutation is, at each token, the same function of
-  that token's inputs whatever the order or the number of tokens sorted.
-  The steps are ``Kind.ROUTED`` values (``node_info.Route`` says what each
-  is), computed on the packed stream only. ``routed_rule`` (called by the
-  driver for every node that reads one) accepts exactly the steps above,
-  each checked; anything else reading a ROUTED value (an output, a
-  reduction or view along the sorted axis, indices or counts used as data,
-  two sorts mixed) couples tokens: the graph is refused.
+* ``topk``, ``sort``, ``argsort`` along a feature dim, ``one_hot`` of expert ids, and ``repeat_interleave`` along
+  a token axis keep the token axes;
+* ``histc`` and ``bincount`` of a token value count over every token of the batch: computed in the original
+  layout (``RuleFailed``), as a load-balancing loss's statistics are;
+* ``sort`` of a 1-D integer value along its merged token axis starts the grouped dispatch (gathers by the
+  permutation, ``histc`` + ``cumsum`` group offsets, grouped matmuls, the inverse permutation): each step is a
+  ``Kind.ROUTED`` value (``node_info.Route`` says which), computed on the packed stream only; the result read
+  through the inverse permutation is, at each token, the same function of that token's inputs whatever the
+  order or number of tokens sorted. ``routed_rule`` (called by the driver for every node that reads a ROUTED
+  value) accepts exactly those steps, each checked, and hands Llama 4's expert-major copies to
+  ``moe_copies.copies_rule``; anything else reading a ROUTED value couples tokens and refuses the graph.
 
-Llama 4's dispatch (every token copied once per expert, expert-major:
-``hidden.repeat(E, 1)``) is ``moe_copies``': its values are ROUTED too
-(``Route.what == "copies"``), and ``routed_rule`` hands every node that reads
-one to ``moe_copies.copies_rule``. A random draw shaped like a ROUTED value
-(``rand_like``) refuses the graph, as one shaped like a token value does.
-
-Capacity-limited routing (tokens dropped when an expert is full) needs a
-cumulative count along the token axis, which ``_cumulative`` refuses; none of
-the four families has one in transformers 5.24.
+Capacity-limited routing (tokens dropped when an expert is full) needs a cumulative count along the token axis,
+which ``_cumulative`` refuses (docs/design.md, "MoE dispatch").
 """
 
 from __future__ import annotations

@@ -1,42 +1,26 @@
 """Analysis of a packed graph: where the program reads, into a result, a position that packing zeroes.
 
-Packing never computes padding positions: ``unpack`` fills them with zeros
-(docs/design.md, semantics 8), where the original program had some value. A
-next-token value (``x[:, 1:]``-aligned, shift 1) is also zero where the
-token *before* its target is padding: the log-prob of a row's first valid
-token reads the logits of the padding column before it, which the packed
-stream does not have (a left-padded row, an empty prompt).
+Packing never computes padding positions: ``unpack`` fills them with zeros (docs/design.md, semantics 8), where the
+original program had some value. A next-token value (``x[:, 1:]``-aligned, shift 1) is also zero where the token
+*before* its target is padding: the log-prob of a row's first valid token reads the logits of the padding column
+before it, which the packed stream does not have (a left-padded row, an empty prompt).
 
-A graph output may hold those zeros (documented). A computation that reads
-them must not, unless it multiplies them by zero: ``(pg * response_mask).sum()``
-reads every position of ``pg``, but the mask is zero at padding and at the
-prompt's first token. This pass follows each unpacked value through the ops
-of the original layout that keep positions apart (pointwise ops, ops over
-trailing dims such as ``log_softmax``/``gather``/``sum(-1)``, slices along
-the sequence), noting every multiplication by a value computed from the
-graph's inputs alone (a loss mask, an advantage), until it is
-
-    * a graph output: fine;
-    * read by anything else (a reduction over tokens, a shift, an index): a
-      ``Read``. Per call the runner evaluates the noted factors and packs only
-      if, at every position packing zeroed, one of them is zero.
-
-A sum over the token axes taken on the packed stream (``rewrite.weighted_reductions``)
-is a ``Read`` of every position too, with the factors applied to its operand
-before it (``(routing_weights * mask[:, None]).sum(0)``).
+A graph output may hold those zeros (documented). A computation that reads them must not, unless it multiplies
+them by zero: ``(pg * response_mask).sum()`` reads every position of ``pg``, but the mask is zero at padding and at
+the prompt's first token. This pass follows each unpacked value through the ops of the original layout that keep
+positions apart (pointwise ops, ops over trailing dims, slices along the sequence), noting every multiplication by
+a value computed from the graph's inputs alone (a loss mask, an advantage), until it is a graph output (fine) or
+read by anything else (a reduction over tokens, a shift, an index): a ``Read``, whose factors the runner evaluates
+per call, packing only if one of them is zero at every position packing zeroed. A sum over the token axes taken on
+the packed stream (``rewrite.weighted_reductions``) is a ``Read`` of every position too.
 
 Contract
-    Input: the packed ``GraphModule`` (``pack_graph``'s output, after any
-    fusion), whose last ``num_packed_inputs`` placeholders are the layout's,
-    and the original graph it was packed from: a factor applied on the packed
-    stream (a mask that is itself a token input) is evaluated there, on the
-    original inputs, when it needs no gradient (no model computation).
-    Output: the ``Read``s, each with its ``unpack_tokens`` source (shift,
-    truncation), the slices along the sequence on the way, and the factors
-    with the slices in force where each applies. For a call, ``nonzero_masks``
-    evaluates where a read's factors are nonzero (from the inputs alone, no
-    layout) and ``tainted_where`` applies them to the call's layout. The graph
-    is not modified.
+    Input: the packed ``GraphModule`` (after any fusion), whose last ``num_packed_inputs`` placeholders are the
+    layout's, and the original graph it was packed from (a factor that needs no gradient is evaluated there, on the
+    original inputs). Output: the ``Read``s, each with its ``unpack_tokens`` source (shift, truncation), the slices
+    along the sequence on the way, and the factors with the slices in force where each applies. For a call,
+    ``nonzero_masks`` evaluates where a read's factors are nonzero (from the inputs alone, no layout) and
+    ``tainted_where`` applies them to the call's layout. The graph is not modified.
 """
 
 from __future__ import annotations

@@ -1,40 +1,26 @@
 """Analysis: tag every value of a Dynamo FX graph with its token axes.
 
 Contract
-    Input: a torch-level FX graph with static shapes (every node carries
-    ``meta["example_value"]``), the placeholders that hold token inputs
-    (``input_ids``, ``attention_mask``, ``position_ids``, ``inputs_embeds``) and
-    the batch's ``B`` and ``S``.
-    Output: ``TokenAxes``: for each node a ``NodeInfo`` with one tag per
-    dimension (``"b"`` the batch axis, ``"s"`` the sequence axis, ``"bs"`` the two
-    merged batch-major, or None) and a *kind*:
+    Input: a torch-level FX graph with static shapes (every node carries ``meta["example_value"]``), the
+    placeholders that hold token inputs (``input_ids``, ``attention_mask``, ``position_ids``, ``inputs_embeds``)
+    and the batch's ``B`` and ``S``.
+    Output: ``TokenAxes``: for each node a ``NodeInfo`` with one tag per dimension (``"b"`` the batch axis, ``"s"``
+    the sequence axis, ``"bs"`` the two merged batch-major, or None) and a *kind*:
 
-        TOKEN   per-token value with a batch and a sequence axis, computable on
-                the packed stream (batch axis of size 1, sequence axis of size T)
-        COLUMN  depends on the column only (e.g. ``arange(S)``, ``position_ids``
-                of shape ``[1, S]``); packed by gathering each token's column
-        BCAST   a constant expanded over the batch axis (``x[None].expand(B, ...)``,
-                as rotary tables are built from ``position_ids.shape[0]``); on
-                the packed stream the expand is to 1
+        TOKEN   per-token value with a batch and a sequence axis, computable on the packed stream
+        COLUMN  depends on the column only (``arange(S)``, ``[1, S]`` position ids); gathered at each token's column
+        BCAST   a constant expanded over the batch axis (rotary tables); on the packed stream the expand is to 1
         NONE    no token axes (parameters, scalars, constants)
-        ORIG    must be computed in the original ``[B, S]`` layout: it mixes
-                tokens (reduction, shift or slice along the sequence), or derives
-                from a value that does; ``cause`` says which node and why
-        ROUTED  a step of an MoE expert dispatch (sorted by expert, indices
-                into the token axis): computed on the packed stream only, read
-                only by the rules of ``moe_rules.routed_rule`` (anything else
-                refuses the graph), never unpacked
+        ORIG    must be computed in the original ``[B, S]`` layout: it mixes tokens (a reduction, shift or slice
+                along the sequence) or derives from a value that does; ``cause`` says which node and why
+        ROUTED  a step of an MoE expert dispatch, computed on the packed stream only, read only by
+                ``moe_rules.routed_rule`` (anything else refuses the graph), never unpacked
 
     and the graph's attention matches. The graph is not modified.
 
-Rules are per op, registered by target (``token_rules``; the shape-moving
-ones in ``shape_rules``): pointwise ops broadcast tags; linear/matmul/embedding
-keep the token axes of their token operand; view/reshape/flatten group
-dimensions and may merge ``b`` and ``s`` into ``bs`` (or split it back);
-transpose, permute, unsqueeze, expand and indexing move tags; reductions over
-feature dimensions drop them. Anything else that touches a token value is ORIG.
-This module is the driver: inputs, constants, creation ops and the ORIG
-ancestry are handled here, every other node by its rule.
+Rules are per op, registered by target (``rule_registry``; ``token_rules``, ``shape_rules``, ``moe_rules``): a rule
+gives a node's tags, computes it in the original layout (ORIG), or refuses the graph. This module is the driver:
+inputs, constants, creation ops and the ORIG ancestry are handled here, every other node by its rule.
 """
 
 from __future__ import annotations

@@ -1,29 +1,22 @@
 """Token-axis rules for reductions over every token of the batch (docs/design.md, semantics 12).
 
-A sum over the token axes of the original layout counts a shared token once
-per sequence that holds it. On the packed stream the same sum is taken with
-each token weighted by that count (``layout.packed_ops.token_weights``), so
-the value is computed there, in one pass over the packed tokens, rather than
-by unpacking the operand into ``[B, S, ...]``: an MoE router's load-balancing
-statistics, a loss's token sum or mean.
+A sum over the token axes of the original layout counts a shared token once per sequence that holds it. On the
+packed stream the same sum is taken with each token weighted by that count (``layout.packed_ops.token_weights``),
+in one pass over the packed tokens rather than by unpacking the operand into ``[B, S, ...]``: an MoE router's
+load-balancing statistics, a loss's token sum or mean.
 
-Covered: ``sum`` and ``mean`` over dims that include every token axis of the
-operand (or over all dims); ``scatter_add`` and ``index_add`` into a value
-without token axes along the operand's one token axis (expert counts);
-``histc`` with a given range. The result has no token axes (kind NONE with
-``NodeInfo.weighted``).
+Covered: ``sum`` and ``mean`` over dims that include every token axis of the operand (or over all dims);
+``scatter_add`` and ``index_add`` into a value without token axes along the operand's one token axis (expert
+counts); ``histc`` with a given range. The result has no token axes (kind NONE with ``NodeInfo.weighted``).
 
 Assumptions and what is checked elsewhere
-    * The original sums padding positions too. Packing does not compute them,
-      so the weighted sum equals the original only where a factor zeroes them
-      (a mask multiplied in); ``analysis.padding_reads`` reports each weighted
-      reduction as a read and the runner checks its factors per call.
-    * A reduction whose token operands come from the token inputs alone (a
-      mask's sum) is not weighted: it is computed in the original layout from
-      the inputs (exact at padding too); the rule raises ``RuleFailed``.
-    * Other reductions over tokens (``amax``, ``var``, ``logsumexp``, a sum over
-      the sequence of each row) are not sums of per-token terms the layout can
-      weight: ``RuleFailed``, computed in the original layout as before.
+    * The original sums padding positions too. Packing does not compute them, so the weighted sum equals the
+      original only where a factor zeroes them (a mask multiplied in); ``analysis.padding_reads`` reports each
+      weighted reduction as a read and the runner checks its factors per call.
+    * A reduction whose token operands come from the token inputs alone (a mask's sum) is not weighted: it is
+      computed in the original layout from the inputs (exact at padding too); the rule raises ``RuleFailed``.
+    * Other reductions over tokens (``amax``, ``var``, ``logsumexp``, a sum over the sequence of each row) are not
+      sums of per-token terms the layout can weight: ``RuleFailed``, computed in the original layout.
 """
 
 from __future__ import annotations

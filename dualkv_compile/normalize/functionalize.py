@@ -1,34 +1,23 @@
 """Normalize: in-place ops on private intermediate values become out-of-place (docs/design.md, semantics 9).
 
 Contract
-    Input: a Dynamo torch-level ``GraphModule`` whose tensor nodes carry
-    ``meta["example_value"]`` (fake tensors; views share their base's fake
-    storage, as the real tensors would).
-    Output: ``(graph, leftover)``. ``graph`` is ``gm`` itself when nothing is
-    mutated, else a copy (``gm`` is left as it is: the caller's fallback runs
-    it) in which every in-place op on a *private* value is replaced by its
-    out-of-place twin, cast back to the mutated value's dtype where type
-    promotion would change it (``bf16.mul_(fp32)`` stays bf16), and every
-    later read of the mutated value, or of an identity alias of it, reads the
-    new value. ``leftover`` lists the in-place ops it did not rewrite, each
-    with the nodes that share the mutated storage; ``mutation_refusal`` says
-    whether any of them touches a value the packed graph computes twice (its
-    packed and its original form), which would drop the mutation: then the
-    graph is refused and runs unchanged.
+    Input: a Dynamo torch-level ``GraphModule`` whose tensor nodes carry ``meta["example_value"]`` (fake tensors;
+    views share their base's fake storage, as the real tensors would).
+    Output: ``(graph, leftover)``. ``graph`` is ``gm`` itself when nothing is mutated, else a copy (``gm`` is left as
+    it is: the caller's fallback runs it) in which every in-place op on a *private* value is replaced by its
+    out-of-place twin, cast back to the mutated value's dtype where type promotion would change it
+    (``bf16.mul_(fp32)`` stays bf16), and every later read of the mutated value, or of an identity alias of it,
+    reads the new value. ``leftover`` lists the in-place ops it did not rewrite, each with the nodes that share the
+    mutated storage; ``mutation_refusal`` says whether any of them touches a value the packed graph computes twice
+    (its packed and its original form), which would drop the mutation: then the graph is refused and runs unchanged.
 
-A mutated value is private when its storage is shared only by the op that
-made it (not a placeholder or attribute: a caller's tensor, a parameter or a
-buffer must really be mutated), by the in-place ops (which return it) and by
-full aliases: no-op conversions such as ``.float()`` of a float32
-value, and ``detach()``. A view (a slice, a transpose, an aliasing reshape) made before its last
-mutation makes it not private: the mutation would have to be carried
-through the view. Views made after it read only the final value.
-
-Why functional: the rewrite gives a token value two translations, the packed
-one and ``unpack`` of it, and copies nodes into either. An in-place op copied
-into one of them is not seen by readers of the other, so ``logits.div_(t)``
-as a statement was lost on the packed path. Out of place, the data flow
-carries it wherever the value goes.
+A mutated value is private when its storage is shared only by the op that made it (not a placeholder or attribute:
+a caller's tensor, a parameter or a buffer must really be mutated), by the in-place ops (which return it) and by
+full aliases (no-op conversions such as ``.float()`` of a float32 value, ``detach()``). A view made before its last
+mutation makes it not private (the mutation would have to be carried through the view); views made after it read
+only the final value. Why functional: the rewrite gives a token value two translations, the packed one and
+``unpack`` of it; an in-place op copied into one is not seen by readers of the other, and out of place the data
+flow carries it wherever the value goes.
 """
 
 from __future__ import annotations

@@ -2,40 +2,21 @@
 
 Contract
     Input: a Dynamo ``GraphModule`` that may call the higher-order op
-    ``torch.ops.higher_order.tag_activation_checkpoint`` (what Dynamo makes of
-    ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)``,
-    Hugging Face's gradient checkpointing included): ``hop(body, *args,
-    **checkpoint_kwargs)``, ``body`` a ``get_attr`` of a ``GraphModule``
-    subgraph, its result read through ``getitem``.
-    Output: ``gm`` itself when it holds no region; otherwise a new
-    ``GraphModule`` (``gm`` and its subgraphs are left unchanged: the caller's
-    fallback keeps running them) computing the same values with every region's
-    body copied into the graph in place of its call. Each copied
-    ``call_function``/``call_method``/``call_module`` node carries
-    ``node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE`` and
-    ``node.meta["ac_graph_id"]`` (one id per region, increasing in graph order)
-    - what ``TagActivationCheckpoint.tag_nodes`` put on the body for plain
-    (non-selective) checkpointing before torch 2.13, and what 2.13's
-    ``_CachingTorchDispatchMode`` puts on the ATen nodes it traces. Placeholders
-    keep their ``example_value`` meta, so the token-axis analysis runs on the
-    inlined graph as on any flat graph.
-    Refused (``Refusal``): a region with a ``context_fn`` (selective
-    checkpointing: its policy decides per ATen op what to save, and the
-    rewrite changes the ATen ops, e.g. SDPA becomes the shared-prompt
-    attention op, so the policy cannot be reproduced faithfully).
+    ``torch.ops.higher_order.tag_activation_checkpoint`` (what Dynamo makes of ``torch.utils.checkpoint.checkpoint(fn,
+    *args, use_reentrant=False)``, Hugging Face's gradient checkpointing included): ``hop(body, *args,
+    **checkpoint_kwargs)``, ``body`` a ``get_attr`` of a ``GraphModule`` subgraph, its result read through
+    ``getitem``.
+    Output: ``gm`` itself when it holds no region; otherwise a new ``GraphModule`` (``gm`` and its subgraphs are left
+    unchanged: the caller's fallback keeps running them) computing the same values with every region's body copied
+    into the graph in place of its call. Each copied ``call_function``/``call_method``/``call_module`` node carries
+    the recompute tags ``recompute = CheckpointPolicy.PREFER_RECOMPUTE`` and ``ac_graph_id`` (one id per region,
+    increasing in graph order), what plain checkpointing puts on the nodes it traces. Placeholders keep their
+    ``example_value`` meta, so the token-axis analysis runs on the inlined graph as on any flat graph.
+    Refused (``Refusal``): a region with a ``context_fn`` (selective checkpointing: its per-op policy would meet
+    other ATen ops after the rewrite, e.g. SDPA become the shared-prompt attention op).
 
-Why it keeps checkpointing's memory behaviour
-    AOTAutograd traces the Dynamo graph with ``fx.traceback.preserve_node_meta``
-    through an ``fx.Interpreter``, and ``fx.proxy._COPY_META_FIELDS`` carries
-    ``recompute`` and ``ac_graph_id`` from each node to the ATen nodes it
-    becomes; Dynamo, re-tracing a ``GraphModule`` (the packed graph is
-    compiled that way), copies the same fields from the module's nodes
-    (``OutputGraph._maybe_preserve_original_meta``). The partitioners
-    (``min_cut_rematerialization_partition`` and the default one) then
-    recompute every ``must_recompute`` node in the backward, save the values
-    where one region feeds a later one (``cleanup_recompute_tags``), and
-    functionalise RNG ops in recomputed regions. No
-    ``activation_memory_budget`` setting is needed.
+The tags reach AOTAutograd's partitioners, so the packed regions are recomputed in the backward as the original
+ones were, with no ``activation_memory_budget`` setting (how: docs/design.md, "Checkpointing").
 """
 
 from __future__ import annotations

@@ -2,28 +2,20 @@
 
 Contract
     Input: a Dynamo ``GraphModule``.
-    Output: ``gm`` itself when no ``call_function`` node passes by keyword a
-    leading parameter that the rules read by position; otherwise a new
-    ``GraphModule`` (``gm`` is left unchanged: the caller's fallback keeps
-    running it) in which those calls read positionally:
-    ``F.linear(input=x, weight=w)`` becomes ``F.linear(x, w)``,
-    ``torch.sum(input=x, dim=-1)`` becomes ``torch.sum(x, dim=-1)``. The
-    leading parameters are the first two for linear, embedding, matmul/bmm,
-    the norms and ``torch.reshape`` (input and shape) and grouped matmuls,
-    the first for every other call; of a method, its sizes where the
-    rewrite reads them (``x.reshape(shape=s)`` becomes ``x.reshape(s)``;
-    ``view``, ``expand``, ``new_*`` likewise); nothing after them moves (``dim=-1``, ``bias=b`` stay
-    keywords, as other rules read them by name). A keyword moves only while
-    the call binds to exactly the same arguments both ways
-    (``torch.fx.operator_schemas.normalize_function``, given the arguments'
-    types where the call is overloaded); a call whose signature cannot be
-    resolved stays as it is.
+    Output: ``gm`` itself when no ``call_function`` node passes by keyword a leading parameter that the rules read
+    by position; otherwise a new ``GraphModule`` (``gm`` is left unchanged: the caller's fallback keeps running it)
+    in which those calls read positionally: ``F.linear(input=x, weight=w)`` becomes ``F.linear(x, w)``,
+    ``torch.sum(input=x, dim=-1)`` becomes ``torch.sum(x, dim=-1)``. The leading parameters are the first two for
+    linear, embedding, matmul/bmm, the norms, ``torch.reshape`` (input and shape) and grouped matmuls, the first
+    for every other call; of a method, its sizes where the rewrite reads them (``x.reshape(shape=s)`` becomes
+    ``x.reshape(s)``; ``view``, ``expand``, ``new_*`` likewise); nothing after them moves (``dim=-1``, ``bias=b``
+    stay keywords, as other rules read them by name). A keyword moves only while the call binds to exactly the
+    same arguments both ways (``torch.fx.operator_schemas.normalize_function``, given the arguments' types where
+    the call is overloaded); a call whose signature cannot be resolved stays as it is.
 
-Why
-    The token-axis rules and the rewrite read an op's operands by position
-    (``node.args[0]`` is the input of ``F.linear``), as Dynamo writes most
-    calls. A model that passed them by keyword made the backend raise
-    ``IndexError``, and with it the user's ``torch.compile`` call.
+Why: the token-axis rules and the rewrite read an op's operands by position (``node.args[0]`` is the input of
+``F.linear``), as Dynamo writes most calls; a model that passed them by keyword would otherwise make the backend
+raise ``IndexError``, and with it the user's ``torch.compile`` call.
 """
 
 from __future__ import annotations

@@ -1,32 +1,26 @@
 """Entropy over the vocabulary, as loss code writes it: the patterns ``fuse_linear_log_prob`` fuses.
 
 Contract
-    ``log_prob_entropy(logp, readers)`` and ``logit_entropy(x, readers)``
-    look at the FX nodes ``readers`` (users of the log-probs ``logp``, or of
-    the logits ``x``) and return an ``EntropyMatch`` when they are exactly one
-    of the patterns below, else a sentence saying why not. They change nothing.
+    ``log_prob_entropy(logp, readers)`` and ``logit_entropy(x, readers)`` look at the FX nodes ``readers`` (users
+    of the log-probs ``logp``, or of the logits ``x``) and return an ``EntropyMatch`` when they are exactly one of
+    the patterns below, else a sentence saying why not. They change nothing.
 
-Matched (Dynamo's spellings: ``torch.f(x)``, ``x.f()``, operators; every
-reduction over the last dim of a 3-D value, ``-1`` or ``2``, without
-``keepdim`` or ``dtype``; every node between the source and the result has
-one user):
+Matched (Dynamo's spellings: ``torch.f(x)``, ``x.f()``, operators; every reduction over the last dim of a 3-D
+value, ``-1`` or ``2``, without ``keepdim`` or ``dtype``; every node between the source and the result has one
+user):
 
-    from the log-probs ``logp``:  (exp(logp) * logp).sum(-1) with any number of
-        negations on ``exp(logp)``, on the ``logp`` operand, on the product or
-        on the sum: ``-(p * logp).sum(-1)``, ``(-p * logp).sum(-1)``,
-        ``(p * -logp).sum(-1)``, ``(-(p * logp)).sum(-1)``, ``torch.neg(...)``; the
-        multiply in either order. An odd number of negations gives the
-        entropy; an even number (``(p * logp).sum(-1)``, negated later or not)
-        gives minus the entropy: ``EntropyMatch.negated``. Its readers of
-        ``logp``: the ``exp`` and the multiply (or the negation of ``logp``).
-    from the logits ``x`` (veRL's ``entropy_from_logits``):
-        logsumexp(x, -1) - sum(softmax(x, -1) * x, -1), the multiply in
-        either order, ``torch.nn.functional.softmax``/``torch.softmax``/the
-        method. Its readers of ``x``: the softmax, the logsumexp and the multiply.
+    from the log-probs ``logp``:  (exp(logp) * logp).sum(-1) with any number of negations on ``exp(logp)``, on
+        the ``logp`` operand, on the product or on the sum (``-(p * logp).sum(-1)``, ``(-p * logp).sum(-1)``,
+        ``torch.neg(...)``, ...), the multiply in either order. An odd number of negations gives the entropy, an
+        even number minus the entropy (``EntropyMatch.negated``). Its readers of ``logp``: the ``exp`` and the
+        multiply (or the negation of ``logp``).
+    from the logits ``x`` (veRL's ``entropy_from_logits``): logsumexp(x, -1) - sum(softmax(x, -1) * x, -1), the
+        multiply in either order, any spelling of softmax. Its readers of ``x``: the softmax, the logsumexp and
+        the multiply.
 
-Not matched: ``torch.special.entr``, a ``dim`` other than the last, ``keepdim``,
-a ``dtype``, a mean instead of a sum, a scale inside the pattern (``0.5 * p``),
-an intermediate read by anything else (it would still be needed whole).
+Anything else is not matched (the rule: the readers compute exactly the entropy and nothing else is read whole),
+e.g. ``torch.special.entr``, another dim, ``keepdim``, a mean, a scale inside the pattern, an intermediate with
+another reader.
 """
 
 from __future__ import annotations

@@ -1,86 +1,27 @@
 """Fusion: the packed graph's next-token log-probs (and entropy) from the lm_head in chunks (``dualkv::linear_log_prob``).
 
 Contract
-    Input: a packed ``GraphModule`` (``pack_graph``'s output), a chunk
-    budget in bytes, optionally the example inputs of its original
-    placeholders (which come first among its own), and whether to fuse
-    entropies (``entropy``, default True).
-    Output: the same module, rewritten in place, and a ``FusedLogProbs``:
-    the number of fused sites, how many with an entropy, and the scalar
-    inputs baked into them. Each fused site computes the same values as
-    before (up to the rounding of the log-softmax's reduction, see
-    ``kernels.linear_log_prob`` and ``kernels.linear_log_prob_entropy``) and
-    feeds the same consumers; every other node is left as it was.
+    Input: a packed ``GraphModule`` (``pack_graph``'s output), a chunk budget in bytes, optionally the example
+    inputs of its original placeholders (which come first among its own), and whether to fuse entropies
+    (``entropy``, default True; False under sequence parallelism, where the op's entropy would cover every
+    gathered row). Output: the same module, rewritten in place, and a ``FusedLogProbs``: how many sites fused,
+    how many with an entropy, and the scalar inputs baked in (``scalar_checks``: a lifted temperature, compared by
+    the caller on every call). Each fused site computes the same values as before (up to the log-softmax's
+    rounding: ``kernels.linear_log_prob``) and feeds the same consumers; every other node is left as it was.
 
-Matched
-    ``gather_previous(logp, prev_index, index)`` where
+Matched: ``gather_previous(logp, prev_index, index)``, or ``gather_unpacked(logp, unpack_index, valid, index)``
+(veRL's rolled ids; the result keeps a picked rank, ``graph.meta.set_picked_rank``), of ``logp = log_softmax(x,
+-1)``, ``x`` from ``F.linear(h, w)`` (no bias) through nothing but identities, at most one multiply or divide by
+a number (a constant, or a lifted float) and at most one cast to float32, each node with one user. It becomes
+``linear_log_prob(h[0], w, rows, index[0], ...)``: the ``[1, T, V]`` logits and log-probs and their gradients
+are never built. With an entropy of the same log-probs or logits (``entropy_pattern``'s spellings) the op is
+``dualkv::linear_log_prob_entropy``, whose second output replaces the pattern's result; an entropy read with no
+gather becomes the same op with no rows to pick.
 
-    - ``logp`` is ``torch.log_softmax(x, dim=-1)`` (or ``dim=2``; also the
-      ``Tensor.log_softmax`` method and ``torch.nn.functional.log_softmax``,
-      no ``dtype``);
-    - ``x`` comes from ``torch._C._nn.linear(h, w)`` (``F.linear``; no bias)
-      through nothing but full-slice ``getitem`` (identities), at most one
-      multiply or divide by a number, and at most one cast to float32
-      (``.float()``, ``.to(torch.float32)``), in either order;
-    - the linear's output, every node of that chain and ``logp`` each have
-      exactly one user, except for an entropy (below).
-
-    It becomes ``linear_log_prob(h[0], w, prev_index, index[0], ...)[0]
-    .unsqueeze(0)``: ``h[0]`` and ``index[0]`` drop the packed batch axis of
-    size 1 exactly as ``gather_previous`` reads ``x[0]`` and ``index[0]``.
-    The ``[1, T, V]`` logits and log-probs, and their gradients, are never
-    built; the op's backward recomputes the logits chunk by chunk.
-
-    With an entropy (``entropy=True``): ``logp``'s other users are exactly
-    ``±(exp(logp) * logp).sum(-1)`` in any of the spellings
-    ``entropy_pattern`` lists (``-(logp.exp() * logp).sum(-1)``,
-    ``(-p * logp).sum(dim=-1)``, ``torch.neg(torch.sum(...))``, the multiply
-    in either order), or ``x``'s other users are exactly veRL's
-    ``entropy_from_logits(x)``, ``logsumexp(x, -1) - sum(softmax(x, -1) * x, -1)``.
-    Then the op is ``dualkv::linear_log_prob_entropy``, whose second output,
-    ``[T]`` (every packed row's entropy), ``.unsqueeze(0)``, replaces the
-    pattern's result (negated where the pattern computes minus the entropy,
-    ``(p * logp).sum(-1)``): the ``[1, T]`` float32 value the graph had. The
-    same pattern with no gather (a log-softmax, or veRL's softmax, read by
-    the entropy alone) becomes the same op with no rows to pick. The site
-    counts once in ``count`` and once in ``entropy``.
-
-    Also ``gather_unpacked(logp, unpack_index, valid, index)`` (labels from
-    outside the graph, veRL's rolled ids), whose chain may include one
-    ``squeeze(0)`` of the packed batch axis (veRL's ``logits.squeeze(0)``):
-    the op reads row ``unpack_index[p]`` at ``index[p]`` for each position p
-    of the original layout (``index.reshape(-1, K)``), zeros at padding
-    (``torch.where(valid)``), viewed as ``index``; the result carries
-    a picked rank (``graph.meta.set_picked_rank``) so ``analysis.padding_reads`` still sees a value that is
-    zero where the original had one.
-
-    The number is a Python constant, or a graph input: with
-    ``dynamic=True`` Dynamo lifts a float it can read from somewhere (a
-    temperature given as a function default or an attribute) as a 0-dim
-    tensor input read by ``.item()``. Such a value is taken from the
-    example inputs and baked in, like ``pack_graph``'s attention scale; the
-    result lists it in ``scalar_checks`` (placeholder index, value, what)
-    for the caller to compare on every call, since a packed graph built for
-    one temperature is wrong for another.
-
-Not matched (left unchanged, the reason logged at DEBUG on the
-"dualkv_compile" logger): any other user of the logits or log-probs (a
-KL-over-vocabulary term reads them whole; an entropy beside a third reader;
-an entropy of both the logits and the log-probs), an entropy whose graph
-dtype is not the op's (bf16/fp16 log-probs without the ``.float()``, or a
-dtype it cannot tell: no example value of the lm_head weight), an entropy
-read before the next-token ids are computed, an entropy under sequence
-parallelism (the backend passes ``entropy=False``: the op's entropy covers
-every row of the gathered hidden states, not the rank's tokens), a bias,
-two scalar ops or two casts, any other op in the chain (a softcap), a temperature
-tensor (not a lifted float), a scale read from an input with no example
-input to resolve it, a ``dtype`` argument to the log-softmax, nodes tagged
-for activation-checkpoint recomputation, a node of the chain inside an autocast
-region the graph enters itself (a region elsewhere does not matter), and, with
-autocast enabled while the pass runs (Dynamo compiles a graph for the caller's
-autocast state), a chain without the ``.float()`` before the
-log-softmax; with it, the op gets the lm_head's operands cast to the
-autocast dtype, as autocast casts them, and runs with autocast off.
+Not matched, by one rule: a site fuses only where the op computes exactly what the chain computed and nothing
+else reads the chain's values; anything else (another reader, another op in the chain, a dtype the op would not
+reproduce, recompute tags, an autocast region) stays as it is, the reason logged at DEBUG on the "dualkv_compile"
+logger (the cases: docs/design.md, "Log-prob fusion").
 """
 
 from __future__ import annotations

@@ -10,12 +10,12 @@ one of two ways:
   it specialises the float and restarts Dynamo's analysis of the whole graph
   (``TensorifyScalarRestartAnalysis``), after AOTAutograd had traced the joint graph and missed its cache
   under a key no run ever saves: most of a warm start's compile time on the CPU
-  (``benchmarks/results/compile_warm_start_cpu_2026-11-27.md``);
+  (docs/benchmarks.md, "Behind the code");
 * where it feeds tensor arithmetic (``x + eps``), it turns the read into tensor ops on the 0-dim CPU tensor
   (``scalar_tensor``, ``convert_element_type``), which Inductor compiles as C++ even in a CUDA graph. Loading
   a cached graph with C++ code makes Inductor probe the host CPU's vector instruction sets, and torch 2.11
-  probes by starting a Python process that imports torch, once per instruction set: 47 s of a 79 s warm
-  start of the Llama-1B shape on an H100 host (``benchmarks/results/compile_warm_start_h100_2026-11-27``).
+  probes by starting a Python process that imports torch, once per instruction set: most of a GPU host's
+  warm start (docs/benchmarks.md, "Behind the code").
 
 ``bake_module_floats`` replaces every such read with its value, as torch would have specialised it without
 ``dynamic=True``, and returns the per-call checks (input index, value, what) the runner already keeps for

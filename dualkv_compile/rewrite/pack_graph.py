@@ -1,32 +1,23 @@
 """Rewrite: the packed graph of a static-shape Dynamo graph.
 
 Contract
-    Input: the original ``GraphModule`` and its ``TokenAxes`` (no refusals),
-    the attention backend to call.
-    Output: a new ``GraphModule`` taking the original placeholders followed by
-    ``PACKED_INPUTS`` (``PackedInputs``' fields: the layout's index tensors, segments and their maxima)
-    and returning the original outputs, in the original layout, equal to the
-    original program's at every non-padding position (zeros at padding).
+    Input: the original ``GraphModule`` and its ``TokenAxes`` (no refusals), the attention backend to call.
+    Output: a new ``GraphModule`` taking the original placeholders followed by ``PACKED_INPUTS`` (``PackedInputs``'
+    fields: the layout's index tensors, segments and their maxima) and returning the original outputs, in the
+    original layout, equal to the original program's at every non-padding position (zeros at padding).
 
 How
-    Every node gets up to two translations. The *packed* one (TOKEN nodes)
-    runs on the packed stream: token axes ``[b, s]`` become ``[1, T]``, shape
-    arguments are re-derived from the tags (``b -> 1``, ``s -> T * f``,
-    ``bs -> T * f``), each attention becomes ``dualkv::attention_fwd`` on the
-    layout's segments, and COLUMN values (``arange(S)``, ``[1, S]`` position
-    ids) are gathered at each token's column. The *original* one is the node
-    copied unchanged; a TOKEN node's original value is ``unpack`` of its packed
-    one, emitted just before the first node that needs it (graph outputs, and
-    ops that leave the token-local region such as a shift along the sequence),
-    or, for a value of the ids, mask and positions alone, the op itself on the
-    original inputs. A sum over every token axis is taken on the packed stream,
-    each token weighted by its multiplicity (``weighted_reductions``). A
-    size read off a token value (``x.size()``) keeps its original value, as
-    a number; the ops that shape packed values re-derive their token axes
-    (``packed_shapes``).
-    Dead-code elimination then drops what nothing reads (in-place ops stay,
-    read or not), the attention masks among it, so ``[B, S, ...]`` values are
-    built only where an original-layout consumer reads them.
+    Every node gets up to two translations. The *packed* one (TOKEN nodes) runs on the packed stream: token axes
+    ``[b, s]`` become ``[1, T]``, shape arguments are re-derived from the tags (``b -> 1``, ``s -> T * f``,
+    ``bs -> T * f``: ``packed_shapes``), each attention becomes ``dualkv::attention_fwd`` on the layout's segments,
+    and COLUMN values (``arange(S)``, ``[1, S]`` position ids) are gathered at each token's column. The *original*
+    one is the node copied unchanged; a TOKEN node's original value is ``unpack`` of its packed one, emitted just
+    before the first node that needs it (graph outputs, ops that leave the token-local region such as a shift along
+    the sequence), or, for a value of the ids, mask and positions alone, the op itself on the original inputs. A
+    sum over every token axis is taken on the packed stream, each token weighted by its multiplicity
+    (``weighted_reductions``). A size read off a token value (``x.size()``) keeps its original value, as a number.
+    Dead-code elimination then drops what nothing reads (in-place ops stay, read or not), the attention masks among
+    it, so ``[B, S, ...]`` values are built only where an original-layout consumer reads them.
 """
 
 from __future__ import annotations

@@ -1,30 +1,23 @@
 """Rewrite: sizes on the packed stream and in the original layout, for ``pack_graph``.
 
 Contract
-    Functions over the packer (``pack_graph._Packer``, called ``p``) while it
-    translates a node.
+    Functions over the packer (``pack_graph._Packer``, called ``p``) while it translates a node.
 
-    ``rewrite_shapes``: the shape arguments of an op that makes a packed value
-    (view, reshape, expand, new_empty/zeros/ones/full, unflatten, slices),
-    re-derived from the result's token tags: ``b -> 1``, ``s -> T * f``,
-    ``bs -> T * f`` (``f`` entries per token), whatever the original argument
-    was (a constant, a symbol, a size read off another value). Slices along a
-    token axis are made full.
+    ``rewrite_shapes``: the shape arguments of an op that makes a packed value (view, reshape, expand,
+    new_empty/zeros/ones/full, unflatten, slices), re-derived from the result's token tags: ``b -> 1``,
+    ``s -> T * f``, ``bs -> T * f`` (``f`` entries per token), whatever the original argument was (a constant, a
+    symbol, a size read off another value). Slices along a token axis are made full.
 
-    ``emit_original_size``: ``x.size()`` / ``x.size(d)`` of a TOKEN value ``x``,
-    in the original layout, without building ``x``'s original form (that would
-    be an ``unpack`` of a ``[B, S, ...]`` value only to read its shape). A size
-    the graph's example gives as a constant (static graphs, and sizes a guard
-    specialised) is that constant: the graph's guards pin it. A symbolic one is
-    computed from the batch's sizes (``input_ids``, or the ``[B, S]`` input
-    ``unpack`` is sized by) or, along a dim without a token axis, from the
-    packed value, whose size there is the original one.
+    ``emit_original_size``: ``x.size()`` / ``x.size(d)`` of a TOKEN value ``x``, in the original layout, without
+    building ``x``'s original form (an ``unpack`` of a ``[B, S, ...]`` value only to read its shape). A size the
+    graph's example gives as a constant (static graphs, and sizes a guard specialised) is that constant: the
+    graph's guards pin it. A symbolic one is computed from the batch's sizes (``input_ids``, or the ``[B, S]``
+    input ``unpack`` is sized by) or, along a dim without a token axis, from the packed value, whose size there is
+    the original one.
 
-Why the original sizes and not T: a size is also read as a number (``1 / S``,
-``arange(S)`` as the column index, a mean's count), and there the packed
-program must read what the original read; the ops that shape a packed value
-from a size re-derive its token axes (``rewrite_shapes``), so they never use
-the original size of a token axis.
+Why the original sizes and not T: a size is also read as a number (``1 / S``, ``arange(S)`` as the column index, a
+mean's count), and there the packed program must read what the original read; the ops that shape a packed value
+from a size re-derive its token axes (``rewrite_shapes``), so they never use the original size of a token axis.
 """
 
 from __future__ import annotations

@@ -2,35 +2,26 @@
 
 Contract
     Input: a packed ``GraphModule`` (``pack_graph``, then ``fuse_linear_log_prob``) and an ``SPGroup``.
-    Output: a new ``GraphModule`` with the same placeholders and outputs. Run on every rank of the group with
-    the same original inputs and ``runtime.sequence_parallel.shard_packed_inputs`` of the same layout (the
-    per-token index inputs are this rank's chunk of a stream padded to ``world * Tl`` tokens, the segments
-    cover the padding with a root of its own), it returns on every rank the values the packed graph returns.
-    Gradients follow ``ops.sp_collectives``' convention: a parameter's gradient on a rank is ``world`` times
-    its share, so their mean over the group (what FSDP2 and DDP take) is the packed graph's gradient; a
-    gradient the graph returns for an input that is not a parameter is the packed graph's.
-    ``Refusal`` names what cannot be split (heads the degree does not divide; a value reduced over all
-    tokens that per-token code reads again).
+    Output: a new ``GraphModule`` with the same placeholders and outputs. Run on every rank of the group with the
+    same original inputs and ``runtime.sequence_parallel.shard_packed_inputs`` of the same layout, it returns on
+    every rank the values the packed graph returns. Gradients follow ``ops.sp_collectives``' convention: a
+    parameter's gradient on a rank is ``world`` times its share, so their mean over the group (what FSDP2 and DDP
+    take) is the packed graph's; a gradient returned for an input that is not a parameter is the packed graph's.
+    ``Refusal`` names what cannot be split (heads the degree does not divide; a token sum read again per token).
 
 How
-    Every per-token op already runs on whatever tokens its operands hold. The inputs enter the packed
-    stream as this rank's chunk (``pack_tokens`` of the whole padded stream, then this rank's slice;
-    ``col_index`` is given as this rank's chunk), and ``T`` (the size of ``pack_index``) becomes the
-    chunk's length ``Tl``, so reshapes follow. What reads other tokens is rewritten:
-
+    Every per-token op already runs on whatever tokens its operands hold: the inputs enter the packed stream as
+    this rank's chunk, and ``T`` (the size of ``pack_index``) becomes the chunk's length ``Tl``. What reads other
+    tokens is rewritten:
     - attention -> the steps of ``ops.ulysses_attention`` (heads exchanged for tokens, the kernel over the whole
       forest), one node each, in the attention's checkpoint region (recomputed in the backward, not saved);
-    - a read of each token's predecessor (``previous_tokens``, ``gather_previous``, the fused
-      ``linear_log_prob``'s hidden rows) reads the gathered stream (``sp_all_gather``, backward "sum"),
-      indexed by this rank's chunk of ``prev_index``;
-    - ``unpack`` (and ``gather_unpacked``, and the fused ``linear_log_prob`` reading rows by ``unpack_index``)
-      reads the gathered stream (``sp_all_gather``, backward "slice"): its result is replicated, the same on
-      every rank;
-    - a sum over tokens (``weighted_reductions``, marked by ``graph.meta.set_token_sum``) is this rank's partial sum,
-      then ``sp_all_reduce``; its token weights are this rank's chunk of the whole stream's;
-    - an input that is not a parameter and has a gradient (hidden states from an earlier graph) enters
-      through ``sp_shard``, whose backward gives it its whole gradient on every rank, as its producer
-      expects.
+    - a read of each token's predecessor (``previous_tokens``, ``gather_previous``, the fused ``linear_log_prob``'s
+      hidden rows) reads the gathered stream (``sp_all_gather``, backward "sum") at this rank's ``prev_index``;
+    - ``unpack`` (and ``gather_unpacked``, the fused op's rows by ``unpack_index``) reads the gathered stream
+      (``sp_all_gather``, backward "slice"): its result is replicated, the same on every rank;
+    - a sum over tokens (marked by ``graph.meta.set_token_sum``) is this rank's partial sum, then ``sp_all_reduce``;
+    - an input that is not a parameter and has a gradient (hidden states from an earlier graph) enters through
+      ``sp_shard``, whose backward gives it its whole gradient on every rank, as its producer expects.
 """
 
 from __future__ import annotations
