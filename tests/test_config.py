@@ -118,6 +118,7 @@ def test_mode_and_options_together_is_refused_by_torch():
     )
 
 
+@pytest.mark.slow  # make test's budget: Inductor's max-autotune compiles twice on CPU
 def test_mode_max_autotune_no_cudagraphs(monkeypatch):
     """mode= reaches the backend and the Inductor config of both the fallback and the packed compile."""
     seen = []

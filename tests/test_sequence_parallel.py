@@ -307,6 +307,7 @@ def test_sp2_matches_one_process():
     _spawn(2, _sp_rank, 2)
 
 
+@pytest.mark.slow  # 4 gloo ranks on CI's 2 cores; the 2-rank run covers the same paths but the dp x sp mesh
 def test_dp2_sp2_matches_one_process():
     """4 ranks, 2 data-parallel groups of 2 sequence-parallel ranks, each group its own batch."""
     _spawn(4, _sp_rank, 2)

@@ -165,7 +165,8 @@ def _example():
 _plain_lora_runs = {}  # the plain trainer's log, shared by both orders
 
 
-@pytest.mark.parametrize("order", ["enable_after", "enable_before"])
+# enable_before in make test-slow (make test's budget): the same trainer path with LoRA applied before dualkv.
+@pytest.mark.parametrize("order", ["enable_after", pytest.param("enable_before", marks=pytest.mark.slow)])
 def test_grpo_lora_matches_the_plain_trainer(order, tmp_path):
     """GRPOTrainer with ``peft_config=LoraConfig(...)``, 2 steps on CPU (float32), dualkv turned on after the
     trainer is built (``enable``) or on the bare model before it (``compile_scoring_forward``: TRL then wraps
