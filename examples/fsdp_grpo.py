@@ -62,7 +62,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import dualkv_compile  # noqa: E402
 from dualkv_compile.distributed import check_groups_on_rank  # noqa: E402
-from benchmarks.model_gpu import flops as step_flops  # noqa: E402  (the GPU benchmarks' FLOP model)
+from benchmarks.model.model_gpu import flops as step_flops  # noqa: E402  (the GPU benchmarks' FLOP model)
 from examples.fsdp_grpo_model import LogProbPolicy, build_model, grpo_loss, in_shared_batch, make_batch, wrap  # noqa: E402
 from examples.fsdp_grpo_report import (  # noqa: E402
     Timer, first_step, local_grads, markdown, mfu, out_of_memory_summary, profile_steps, rel,

@@ -112,7 +112,7 @@ def profile_steps(args, rank, steps) -> None:
 def mfu(summary: dict, peak_tflops: float) -> dict:
     """Mean over ranks of each side's MFU, on the logical (duplicated batch) and executed (packed) FLOPs.
 
-    Each rank carries ``flops``: its batch's model FLOPs before and after packing (``benchmarks.model_gpu.flops``:
+    Each rank carries ``flops``: its batch's model FLOPs before and after packing (``benchmarks.model.model_gpu.flops``:
     6 per linear parameter per token, 14 x head_dim x heads per attention pair per layer; checkpointing's recompute
     not counted). A group of ``sp`` ranks shares one batch, so each rank is credited 1/sp of it. The remove-padding
     baseline executes the logical FLOPs; dualkv executes the packed ones."""

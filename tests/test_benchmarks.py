@@ -10,9 +10,9 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, ROOT)  # benchmarks/ is a package of the repository
 
-import model_gpu  # noqa: E402
+from benchmarks.model import model_gpu  # noqa: E402
 
 
 def _run_json(path, meta, rows):
@@ -23,7 +23,7 @@ def _run_json(path, meta, rows):
 
 def test_model_gpu_smoke_on_cpu(tmp_path):
     """The script runs both variants on a tiny model and reports dualkv as packed."""
-    cmd = [sys.executable, "benchmarks/model_gpu.py", "--device", "cpu", "--models", "tiny", "--shapes", "4,64,16",
+    cmd = [sys.executable, "benchmarks/model/model_gpu.py", "--device", "cpu", "--models", "tiny", "--shapes", "4,64,16",
            "--reps", "1", "--out", str(tmp_path)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -107,7 +107,7 @@ def test_attention_report_gives_each_method_its_efficiency_against_cudnn():
     method's time times the ideal ratio (issue 20's measure). Here 8.0 / (5.0 * 2.0) = 0.8 and
     8.0 / (2.5 * 2.0) = 1.6; without a cuDNN row the column stays empty. "vs cuDNN from idle" is the same
     ratio over the times from an idle GPU."""
-    import attention as bench
+    from benchmarks.ops import attention as bench
 
     def row(method, mode, ms, case="c"):  # from an idle GPU: each time plus 1 ms of host work
         return dict(method=method, mode=mode, ms=ms, ms_idle=ms + 1.0, tflops=1.0, status="ok", peak_gb=None, note="",
@@ -137,13 +137,13 @@ def test_attention_report_gives_each_method_its_efficiency_against_cudnn():
 
 
 def test_torch_varlen_attention_matches_each_sequence_alone():
-    """The baseline's attention (``benchmarks/varlen_attention.py``, registered with transformers as
+    """The baseline's attention (``benchmarks/ops/varlen_attention.py``, registered with transformers as
     ``torch_varlen``): on veRL's remove-padding row each sequence attends causally within itself, as the model on
     that sequence alone; on a padded batch every valid position's logits equal SDPA's (the CPU loop; the GPU path
     is torch's varlen flash attention)."""
     import copy
 
-    import varlen_attention  # noqa: F401  (registers torch_varlen)
+    from benchmarks.ops import varlen_attention  # noqa: F401  (registers torch_varlen)
 
     from tests.helpers import grpo_batch, hf_model
     from tests.rewrite.test_gather_unpacked import remove_padding_row
@@ -162,7 +162,7 @@ def test_torch_varlen_attention_matches_each_sequence_alone():
 
 
 def test_torch_varlen_attention_names_a_mask_it_cannot_read():
-    import varlen_attention
+    from benchmarks.ops import varlen_attention
 
     q = torch.zeros(2, 4, 3, 8)
     with pytest.raises(ValueError, match=r"expected no mask or a \[B, S\] = \[2, 3\] 0/1 mask, got \(2, 1, 3, 3\)"):
@@ -173,7 +173,7 @@ def test_torch_varlen_attention_names_a_mask_it_cannot_read():
 def test_model_remove_padding_compares_with_the_strongest_baseline_on_cpu(tmp_path):
     """``model_remove_padding.py``'s CPU smoke form: the varlen baseline, dualkv with nothing shared and dualkv give
     one loss, dualkv packs, and the speedup is reported against the strongest baseline."""
-    cmd = [sys.executable, "benchmarks/model_remove_padding.py", "--device", "cpu", "--model", "tiny", "--groups", "2",
+    cmd = [sys.executable, "benchmarks/model/model_remove_padding.py", "--device", "cpu", "--model", "tiny", "--groups", "2",
            "--rollouts", "3", "--prompt", "24", "--response", "8", "--reps", "1", "--skip-weak", "--out", str(tmp_path)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -186,7 +186,7 @@ def test_model_remove_padding_compares_with_the_strongest_baseline_on_cpu(tmp_pa
 
 
 def test_step_profile_sorts_kernels_into_kinds_by_name():
-    from step_profile import kind_of
+    from benchmarks.probes.step_profile import kind_of
 
     assert kind_of("ncclDevKernel_AllToAll_RING_LL") == "communication"
     assert kind_of("_attn_fwd_gluon_kernel") == "attention"
@@ -202,7 +202,7 @@ def test_sync_sites_counts_sync_warnings_by_site_and_passes_others_through():
     every other warning reach the usual filters."""
     import warnings
 
-    from step_profile import SYNC_WARNING, SyncSites
+    from benchmarks.probes.step_profile import SYNC_WARNING, SyncSites
 
     def reads_a_device_value():
         warnings.warn(f"called a {SYNC_WARNING}", UserWarning)
@@ -223,7 +223,7 @@ def test_sync_sites_counts_sync_warnings_by_site_and_passes_others_through():
 
 def _run_peers(tmp_path, *flags):
     """``peers.py`` on CPU, 2 prompts of 16 tokens x 3 responses of 6, one timed step: (its JSON, rows by side)."""
-    cmd = [sys.executable, "benchmarks/peers.py", "--device", "cpu", "--groups", "2", "--rollouts", "3", "--prompt-len",
+    cmd = [sys.executable, "benchmarks/peers/peers.py", "--device", "cpu", "--groups", "2", "--rollouts", "3", "--prompt-len",
            "16", "--response-len", "6", "--iters", "1", "--threads", "1", "--out", str(tmp_path), *flags]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -299,7 +299,7 @@ def test_peers_tiny_moe_is_exact_and_its_flop_columns_match_a_hand_count(tmp_pat
 def test_grad_bf16_check_holds_dualkv_to_the_original_models_bf16_error(tmp_path):
     """``grad_bf16_check.py`` on 2 narrow layers under autocast: dualkv packs, and its bf16 gradients are no
     further from the float32 original's than the original model's own bf16 gradients are (1.5x, all together)."""
-    cmd = [sys.executable, "benchmarks/grad_bf16_check.py", "--device", "cpu", "--layers", "2", "--N", "4", "--P", "32",
+    cmd = [sys.executable, "benchmarks/probes/grad_bf16_check.py", "--device", "cpu", "--layers", "2", "--N", "4", "--P", "32",
            "--R", "8", "--out", str(tmp_path)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -317,7 +317,7 @@ def test_flex_user_mask_is_the_forests_dense_mask(shape):
     against, for one prompt, several groups, and a system prompt over groups."""
     from torch.nn.attention.flex_attention import create_mask
 
-    import attention_methods as am
+    from benchmarks.ops import attention_methods as am
     from dualkv_compile.layout.segments import dense_mask
 
     case = {"uniform": am.uniform_case(3, 5, 4), "groups": am.groups_case(num_groups=3, N=2, P=6, lo=1, hi=5),
@@ -332,10 +332,10 @@ def test_flex_user_mask_is_the_forests_dense_mask(shape):
 def test_compile_time_names_a_bad_model_and_takes_llama_1b():
     """``compile_time.py --model``: a Qwen3 preset of model_gpu.py or llama-1b; anything else is refused at the
     command line, naming the argument and what it takes (not a KeyError in a child process)."""
-    res = subprocess.run([sys.executable, "benchmarks/compile_time.py", "--model", "llama-8b"], cwd=ROOT,
+    res = subprocess.run([sys.executable, "benchmarks/compile/compile_time.py", "--model", "llama-8b"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "--model: expected llama-1b or one of 0.6b, 1.7b, 8b, tiny" in res.stderr, res.stderr
-    import compile_time  # benchmarks/ is on sys.path (above)
+    from benchmarks.compile import compile_time  # the repository is on sys.path (above)
 
     assert compile_time.parse(["--model", "llama-1b"]).model == "llama-1b"
     assert compile_time.LLAMA_1B["head_dim"] == 64 and compile_time.LLAMA_1B["num_hidden_layers"] == 16
@@ -344,7 +344,7 @@ def test_compile_time_names_a_bad_model_and_takes_llama_1b():
 def test_compile_time_profile_warm_needs_out(capsys):
     """``--profile-warm`` writes its report under ``--out``: without one it is refused, naming both (it profiled
     the warm process for nothing and wrote no file)."""
-    import compile_time
+    from benchmarks.compile import compile_time
 
     with pytest.raises(SystemExit) as e:
         compile_time.parse(["--model", "tiny", "--profile-warm"])
@@ -355,7 +355,7 @@ def test_compile_time_profile_warm_needs_out(capsys):
 def test_varlen_kernel_choice_is_checked():
     """``DUALKV_VARLEN_KERNEL`` picks the baseline's CUDA kernel; a value it does not know stops the import, naming
     the variable and the choices."""
-    code = "import sys; sys.path.insert(0, 'benchmarks'); import varlen_attention"
+    code = "import sys; from benchmarks.ops import varlen_attention"
     env = dict(os.environ, DUALKV_VARLEN_KERNEL="fa2")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode != 0 and "DUALKV_VARLEN_KERNEL: expected one of auto, torch, fa4, got 'fa2'" in res.stderr, res.stderr
@@ -379,7 +379,7 @@ def test_varlen_kernel_auto_picks_fa4_on_hopper_where_it_imports(monkeypatch, fa
     import importlib
     import types
 
-    import varlen_attention
+    from benchmarks.ops import varlen_attention
 
     monkeypatch.delenv("DUALKV_VARLEN_KERNEL", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -400,7 +400,7 @@ def test_varlen_kernel_auto_picks_fa4_on_hopper_where_it_imports(monkeypatch, fa
 def test_cpu_thread_profile_compare_ranks_ops_by_self_time_at_more_threads(tmp_path):
     """cpu_thread_profile --compare: rows by self time at the second file's thread count, each with its speedup and
     its excess over perfect scaling; the ops left out are summed into one row."""
-    import cpu_thread_profile
+    from benchmarks.probes import cpu_thread_profile
 
     def run(path, threads, ops, wall):
         with open(path, "w") as f:
@@ -421,7 +421,7 @@ def test_cpu_thread_profile_compare_ranks_ops_by_self_time_at_more_threads(tmp_p
 
 def test_window_attention_pair_counts():
     """window_attention.py's useful-FLOP count: the forest's window-visible pairs, by brute force over dense_mask."""
-    import window_attention
+    from benchmarks.ops import window_attention
 
     from dualkv_compile.layout import tree_segments
     from dualkv_compile.layout.segments import dense_mask
@@ -437,7 +437,7 @@ def test_model_variants_tiny_presets_pack_and_agree_on_cpu(tmp_path):
     and DeepSeek-V2 (MLA, the remove-padding row) shapes dualkv packs its calls, its loss equals the strongest
     baseline's (float32), and the table names that baseline and why; with one response per prompt nothing is shared
     and the FLOP ideal is 1."""
-    import model_variants
+    from benchmarks.model import model_variants
 
     for model in ("tiny-gpt-oss", "tiny-deepseek-v2"):
         argv = ["--device", "cpu", "--model", model, "--layers", "2", "--rollouts", "3", "--reps", "1",
@@ -465,8 +465,8 @@ def test_model_variants_flex_block_masks_are_the_padded_models_masks():
     sequences. On CPU flex has no sinks: they are set to -1e4 (no weight) and dropped from flex's call."""
     import math
 
-    import model_variants as mv
-    from model_remove_padding import remove_padding_loss
+    from benchmarks.model import model_variants as mv
+    from benchmarks.model.model_remove_padding import remove_padding_loss
     from transformers import AttentionInterface
     from transformers.integrations.flex_attention import flex_attention_forward
 
@@ -486,3 +486,40 @@ def test_model_variants_flex_block_masks_are_the_padded_models_masks():
         model.config._attn_implementation = "flex_no_sinks"
         got = float(mv.flex_loss(model, row))
     assert abs(got - expected) <= 1e-5 * abs(expected) and abs(mixed - expected) > 1e-3 * abs(expected)
+
+
+def _benchmark_import_graph():
+    """``{module: modules of benchmarks/ it imports}`` over benchmarks/, by tests/test_architecture.py's reader
+    (function-level imports included)."""
+    import pathlib
+
+    from tests.test_architecture import _imports, _module_name
+
+    modules = {_module_name(p): p for p in sorted(pathlib.Path(ROOT, "benchmarks").rglob("*.py"))}
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_benchmarks_have_no_import_cycle_between_modules_or_groups():
+    """benchmarks/ has no circle: no module imports itself back through others (ops/attention.py and
+    tuning/gluon_tune.py once imported each other; the config text they share is ops/gluon_configs.py), and no two
+    groups (ops, model, peers, ...) import each other."""
+    from tests.test_architecture import _cycles
+
+    graph = _benchmark_import_graph()
+    # The reader resolves the package imports (an empty graph would have no cycle either).
+    assert {"benchmarks.ops.attention", "benchmarks.ops.gluon_configs"} <= graph["benchmarks.tuning.gluon_tune"]
+    assert "benchmarks.ops.gluon_configs" in graph["benchmarks.ops.attention"]
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles in benchmarks/:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+    def group(module):
+        return module.split(".")[1] if module.count(".") >= 2 else module
+
+    groups = {}
+    for importer, targets in graph.items():
+        groups.setdefault(group(importer), set()).update(group(t) for t in targets if group(t) != group(importer))
+    for targets in list(groups.values()):
+        for t in targets:
+            groups.setdefault(t, set())
+    cycles = _cycles(groups)
+    assert not cycles, "groups of benchmarks/ that import each other:\n" + "\n".join(" -> ".join(c) for c in cycles)

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, ROOT)  # benchmarks/ is a package of the repository
 
 def test_sm90_resources_compiles_the_table_without_a_gpu():
     """The sm_90 resource report runs on this CPU machine (its own process: it patches Triton's driver).
     Every kernel is compiled with FMAs, even where Triton's default is off (as 3.10's will be)."""
     code = (
-        "import json, sys; sys.path.insert(0, 'benchmarks'); import sm90_resources as s; "
+        "import json, sys; from benchmarks.tuning import sm90_resources as s; "
         "from dualkv_compile.kernels.triton.attention import HOPPER_CONFIGS; "
         "print(json.dumps(s.compile_kernels(HOPPER_CONFIGS[64], 64, 4, 2, 512)))"
     )
@@ -34,7 +34,7 @@ def test_sm90_resources_compiles_the_table_without_a_gpu():
 
 
 def test_gluon_tune_parses_configs_and_names_what_is_wrong():
-    import gluon_tune
+    from benchmarks.tuning import gluon_tune
     from dualkv_compile.kernels.gluon import attention as ga
 
     assert gluon_tune.parse_configs("dkdv", "dq_mode='atomic'; stages=3, block_m=64") == [
@@ -56,7 +56,7 @@ _SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
 
 @pytest.mark.skipif(_SM90, reason="the refusal is for other machines; an sm_90 GPU runs the sweep")
 def test_gluon_tune_refuses_a_machine_without_an_sm90_gpu():
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gluon_tune.py"), "dkdv", "stages=2"],
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tuning", "gluon_tune.py"), "dkdv", "stages=2"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "needs an sm_90 GPU (H100, H200)" in run.stderr, run.stderr[-2000:]
 
@@ -73,8 +73,8 @@ def test_gluon_pick_takes_the_fastest_exact_config_of_each_kernel_and_leaves_out
     """gluon_pick.py: per kernel the least geometric mean over the finished inputs among the configs within the
     tolerance (1e-2) of Triton; a faster inexact (or NaN: None) config, one missing a finished input and a kernel
     whose default wins are left out; the text is what attention.py --gluon-configs reads."""
-    import gluon_pick
-    import gluon_tune
+    from benchmarks.tuning import gluon_pick
+    from benchmarks.tuning import gluon_tune
 
     fwd = _sweep(tmp_path / "fwd.json", "fwd", [
         ("block_m=128, block_n=128, stages=2", {"a": 4.0, "b": 1.0}, 2e-3, True),   # gmean 2.0
@@ -105,8 +105,8 @@ def test_gluon_pick_takes_the_fastest_exact_config_of_each_kernel_and_leaves_out
 def test_attention_gluon_configs_are_parsed_applied_and_recorded(tmp_path, monkeypatch, capsys):
     """attention.py --gluon-configs: the named kernels' configs replace the table entries at --head-dim (the others
     stay), the report records them; a bad kernel, field, value or repeat is refused naming the option."""
-    import attention
-    import gluon_tune
+    from benchmarks.ops import attention
+    from benchmarks.tuning import gluon_tune
     from dualkv_compile.kernels.gluon import attention as ga
 
     def keep_tables():  # restored by monkeypatch.undo() and after the test

@@ -1,13 +1,13 @@
-"""benchmarks/step_gaps.py: the device's idle gaps in a profiler trace, each charged to the host site that launched
+"""benchmarks/probes/step_gaps.py: the device's idle gaps in a profiler trace, each charged to the host site that launched
 the work ending it. Synthetic traces with known gaps (no GPU needed)."""
 
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, ROOT)  # benchmarks/ is a package of the repository
 
-from step_gaps import gap_table, idle_gaps  # noqa: E402
+from benchmarks.probes.step_gaps import gap_table, idle_gaps  # noqa: E402
 
 
 def _kernel(ts, dur, corr, cat="kernel"):
@@ -30,7 +30,7 @@ def _trace():
     # (130 us idle, launched in the other library's frame, outside dualkv), kernel 6 (no launch in the trace) at
     # 400-405 (90 us idle), and kernel 7 on a second stream inside kernel 6's time (overlap: no gap, busy unchanged).
     return {"traceEvents": [
-        _py(0, 1000, "benchmarks/peers.py(10): step"),
+        _py(0, 1000, "benchmarks/peers/peers.py(10): step"),
         _py(20, 200, "/x/dualkv_compile/runtime/runner.py(180): _padding_read"),
         _py(30, 150, "/x/site-packages/torch/_tensor.py(5): to"),
         _py(250, 100, "/x/site-packages/transformers/moe.py(9): route"),

@@ -72,7 +72,7 @@ def test_fsdp_grpo_mfu_counts_each_side_on_its_flops():
     credited half of it."""
     from types import SimpleNamespace
 
-    from benchmarks.model_gpu import flops
+    from benchmarks.model.model_gpu import flops
     from examples.fsdp_grpo_report import mfu
 
     cfg = {"hidden_size": 4, "num_hidden_layers": 2, "head_dim": 8, "num_attention_heads": 2, "num_key_value_heads": 1,

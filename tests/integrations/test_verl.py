@@ -69,17 +69,17 @@ def test_engine_step_in_bfloat16_fuses_under_autocast(tmp_path):
 
 
 def test_gpu_benchmark_runs_both_sides_with_the_ray_stub(tmp_path):
-    """``benchmarks/verl_engine_gpu.py``'s CPU smoke form, with ray replaced by its named stub (as on the GPU
-    machine, where ray cannot be carried): both sides run veRL's engine with gradient checkpointing, the plain one
+    """``benchmarks/distributed/verl_engine_gpu.py``'s CPU smoke form, with ray replaced by its named stub (as on the
+    GPU machine, where ray cannot be carried): both sides run veRL's engine with gradient checkpointing, the plain one
     on the ``torch_varlen`` attention (and profiled: that step is left out of its times), dualkv's packed with its
     log-probs and entropy fused; the comparison runs."""
     root = os.path.dirname(EXAMPLES)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "benchmarks", "verl_gpu_stubs"), root]),
-               OMP_NUM_THREADS="1")
+    stubs = os.path.join(root, "benchmarks", "distributed", "verl_gpu_stubs")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([stubs, root]), OMP_NUM_THREADS="1")
     shape = ["--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4",
              "--kv-heads", "2", "--head-dim", "16", "--vocab", "300", "--groups", "2", "--rollouts", "2",
              "--prompt-len", "12", "--response-len", "4", "--iters", "1", "--out", str(tmp_path)]
-    script = os.path.join(root, "benchmarks", "verl_engine_gpu.py")
+    script = os.path.join(root, "benchmarks", "distributed", "verl_engine_gpu.py")
     printed = {}
     for side, port, extra in (("plain", "29615", ["--profile"]), ("dualkv", "29616", [])):
         proc = subprocess.run([sys.executable, script, "--side", side, *shape, *extra], env=dict(env, MASTER_PORT=port),

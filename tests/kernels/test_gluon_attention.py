@@ -25,6 +25,7 @@ from dualkv_compile.ops.attention import resolve_backend, shared_prompt_attentio
 from segments import forest_segments, make_segments, small_forest  # noqa: E402  tests/kernels is on sys.path
 
 ROOT = Path(__file__).resolve().parents[2]
+SM90_RESOURCES = ROOT / "benchmarks" / "tuning" / "sm90_resources.py"  # the compile-only resource report
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100, H200)")
 
@@ -149,7 +150,7 @@ def test_compiles_for_sm90():
     Triton's default is off (as 3.10's will be)."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="0")
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sm90_resources.py"), "--gluon", "--head-dim", "128"],
+    run = subprocess.run([sys.executable, str(SM90_RESOURCES), "--gluon", "--head-dim", "128"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [ln for ln in run.stdout.splitlines() if "loop" in ln]
@@ -178,7 +179,7 @@ def test_compiles_the_head_dims_default_tiles_for_sm90():
     K = 64; P^T dO, dS^T Q: 4 + 4 at K = 128 rows). It once compiled the class defaults' 64-row steps (16)."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sm90_resources.py"), "--gluon", "--head-dim", "64"],
+    run = subprocess.run([sys.executable, str(SM90_RESOURCES), "--gluon", "--head-dim", "64"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout.split("shared_prompt_dkdv_kernel")

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# FlashAttention-4 (flash-attn-4, CuTe DSL) for the GPU machines, which install nothing from the network. Its wheels
+# are about 100 MB; one of them, nvidia-cutlass-dsl-libs-cu13 (92 MB), is over a device call's 64 MiB carry limit, so
+# it travels in two halves over two calls made back to back (a machine stays warm 30 s after a call; /tmp survives).
+#
+#   here:   bash benchmarks/batches/fa4_wheels.sh fetch       # -> .whl-fa4/a (the small wheels + half 1), .whl-fa4/b (half 2)
+#   call 1: carry [".whl-fa4/a"], command: bash benchmarks/batches/fa4_wheels.sh stage
+#   call 2: carry [".whl-fa4/b"], command: bash benchmarks/batches/fa4_wheels.sh install &&
+#           export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
+#           (within 30 s of call 1; then the same call can run what needs FA4; `probe` checks that it runs on sm_90)
+set -eu
+V=4.0.0b36 CUTLASS=4.8.1
+case "${1:?fetch, stage, install or probe}" in
+  fetch)
+    grep -qx '/.whl-fa4/' .git/info/exclude || echo /.whl-fa4/ >> .git/info/exclude
+    rm -rf .whl-fa4 /tmp/fa4-dl && mkdir -p .whl-fa4/a .whl-fa4/b /tmp/fa4-dl
+    P="--no-deps --pre --only-binary=:all: --python-version 3.12 --implementation cp -d /tmp/fa4-dl"
+    for n in 17 24 27 28 34; do P="$P --platform manylinux_2_${n}_x86_64"; done
+    # The machines' image has torch, einops, cuda-bindings, protobuf and typing-extensions (KINDS.md): not carried.
+    for w in "flash-attn-4==$V" "nvidia-cutlass-dsl==$CUTLASS" "nvidia-cutlass-dsl-libs-base==$CUTLASS" \
+             "nvidia-cutlass-dsl-libs-core==$CUTLASS" "nvidia-cutlass-dsl-libs-cu13==$CUTLASS" apache-tvm-ffi \
+             torch-c-dlpack-ext quack-kernels; do
+      python3 -m pip download $P --platform manylinux2014_x86_64 "$w" >/dev/null
+    done
+    big=$(ls /tmp/fa4-dl/nvidia_cutlass_dsl_libs_cu13-*.whl)
+    find /tmp/fa4-dl -name '*.whl' ! -name "$(basename "$big")" -exec cp {} .whl-fa4/a/ \;
+    split -n 2 -d "$big" "/tmp/fa4-dl/part"
+    mv /tmp/fa4-dl/part00 .whl-fa4/a/cu13.part00 && mv /tmp/fa4-dl/part01 .whl-fa4/b/cu13.part01
+    basename "$big" > .whl-fa4/a/cu13.name
+    du -sh .whl-fa4/a .whl-fa4/b ;;
+  stage)
+    mkdir -p /tmp/fa4 && cp .whl-fa4/a/* /tmp/fa4/ && ls /tmp/fa4 ;;
+  install)
+    cat /tmp/fa4/cu13.part00 .whl-fa4/b/cu13.part01 > "/tmp/fa4/$(cat /tmp/fa4/cu13.name)"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/fa4/*.whl
+    # nvidia-cutlass-dsl puts its `cutlass` package on sys.path through a .pth file, which a --target folder on
+    # PYTHONPATH never runs (a GPU run of the probe failed on "No module named 'cutlass'"): name the folder itself.
+    echo "flash-attn-4 $V installed under /tmp/site; use PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages" ;;
+  probe)  # a varlen forward and backward on this GPU, against SDPA per sequence
+    python3 - <<'PY'
+import torch
+from flash_attn.cute import flash_attn_varlen_func
+torch.manual_seed(0)
+lens = [700, 300]
+cu = torch.tensor([0, 700, 1000], dtype=torch.int32, device="cuda")
+q, k, v = (torch.randn(1000, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (16, 8, 8))
+out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=700, max_seqlen_k=700, causal=True)
+out = out[0] if isinstance(out, tuple) else out
+out.float().square().sum().backward()
+ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+    q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None], is_causal=True,
+    enable_gqa=True)[0].transpose(0, 1) for a, b in ((0, 700), (700, 1000))])
+print(torch.cuda.get_device_name(), "FA4 varlen fwd+bwd ran; max |out - sdpa|", (out - ref).abs().max().item())
+PY
+    ;;
+esac

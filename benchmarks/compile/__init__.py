@@ -1,0 +1,1 @@
+"""Compile time of a GRPO step: @policy_loss against plain Inductor, cold and warm-started."""
