@@ -1,0 +1,20 @@
+"""Recurrent layers of hybrid models on the packed prefix forest: exact torch references (docs/design.md,
+semantics 16), CPU or any device.
+
+``gated_delta``  ``forest_gated_delta_rule``: GDN linear attention (transformers' Qwen3-Next torch fallback)
+``causal_conv``  ``forest_causal_conv1d``: the short depthwise causal convolution before GDN and Mamba mixers
+``mamba2``       ``forest_mamba2_scan``: the Mamba-2 SSD scan (transformers' ``mamba2_chunk_scan``)
+``levels``       the forest's depth levels: a forest of depth d is d batched scans, each segment from its
+                 parent's final state
+
+Each takes the packed stream as one sequence (batch 1) and ``layout.segments.Segments``; a token's value is the
+one it has in every root-to-leaf sequence through it, the backward is autograd's. Nothing here is wired into
+the backend yet: such layers are still refused (semantics 16).
+"""
+
+from .causal_conv import forest_causal_conv1d
+from .gated_delta import forest_gated_delta_rule
+from .levels import forest_levels, forest_scan
+from .mamba2 import forest_mamba2_scan
+
+__all__ = ["forest_gated_delta_rule", "forest_causal_conv1d", "forest_mamba2_scan", "forest_levels", "forest_scan"]
