@@ -8,12 +8,14 @@
 3. ``analysis.analyze``: token inputs with their roles, attention, the token axes of every value, module scalars;
    a graph that cannot be rewritten is refused, the reason logged on the "dualkv_compile" logger and kept for
    ``explain()``;
-4. ``rewrite.pack_graph``: the packed graph, then ``rewrite.fuse_linear_log_prob`` (a loss's lm_head ->
-   log_softmax -> next-token gather as one chunked op, with an entropy of the same log-probs if the loss has one,
-   option ``chunked_log_probs``; not the entropy under sequence parallelism), then ``rewrite.module_floats`` (the
-   module floats it reads baked in as numbers, checked per call), then, with option ``sequence_parallel``,
-   ``rewrite.sequence_parallel`` (the packed graph split over the group);
-5. ``runtime.runner.Runner``: per call, the layout from its source (detected from ``input_ids``, or carried from
+4. ``rewrite.pack_graph``: the packed graph, its attention backend picked first (``plan.resolve_attention_backend``),
+   then ``rewrite.fuse_linear_log_prob`` (a loss's lm_head -> log_softmax -> next-token gather as one chunked op,
+   with an entropy of the same log-probs if the loss has one, option ``chunked_log_probs``; not the entropy under
+   sequence parallelism), then ``rewrite.module_floats`` (the module floats it reads baked in as numbers, checked
+   per call), then, with option ``sequence_parallel``, ``rewrite.sequence_parallel`` (the split over the group);
+5. ``plan.plan_graph``: what the runner reads about the graph, finished once (padding reads, side graphs,
+   outputs made by ``unpack``, the compile route): a ``GraphPlan``;
+6. ``runtime.runner.Runner``: per call, the layout from its source (detected from ``input_ids``, or carried from
    an earlier graph of the forward after a graph break: ``runtime.layout_source``), then the packed graph
    (compiled lazily, dynamic token counts: new layouts do not recompile it) or the fallback when nothing is
    shared, rho is below ``min_rho``, or a check fails. Outputs come back in the caller's layout, equal at every
@@ -29,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from .analysis.analyze import analyze
-from .analysis.node_info import Kind, hint as size_hint
+from .analysis.node_info import Kind
 from .analysis.token_inputs import Role, find_token_inputs
 from .config import DualKVConfig
 from .layout import carried
@@ -39,6 +41,7 @@ from .graph import Refusal
 from .graph.meta import ev
 from .normalize.inline_checkpoint import inline_checkpoint_regions
 from .normalize.positional_args import positional_args
+from .plan import plan_graph, resolve_attention_backend
 from .rewrite.fuse_linear_log_prob import fuse_linear_log_prob
 from .rewrite.module_floats import bake_module_floats
 from .rewrite.pack_graph import pack_graph
@@ -74,7 +77,7 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
             raise Refusal(why)
         if result.refusal is not None:
             raise Refusal(result.refusal)
-        backend = _resolve_attention_backend(cfg.attention_backend, axes.attention)
+        backend = resolve_attention_backend(cfg.attention_backend, axes.attention)
         packed = pack_graph(gm, axes, backend, cfg.attention_backend)
         report.attention_backends = list(packed.attention_backends)
         scalar_checks = result.scalar_checks
@@ -109,7 +112,8 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
         "dualkv: graph %d rewritten (%d attention, %d next-token log-probs fused with the lm_head, %d with the entropy)",
         report.graph_id, len(axes.attention), report.fused_log_probs, report.fused_entropy,
     )
-    return Runner(gm, result, packed, fallback, cfg, mode, report, scalar_checks, runs=runs)
+    plan = plan_graph(gm, result, packed, runs, cfg, mode, scalar_checks, report.graph_id)
+    return Runner(plan, fallback, cfg, mode, report)
 
 
 # A last dim above this on a [B, S, X] output is a vocabulary (hidden sizes reach 16,384; vocabularies start near 32K).
@@ -133,23 +137,6 @@ def _vocabulary_outputs(gm: fx.GraphModule, axes) -> list[str]:
                 "lm_head from that same function, so only they cross (docs/multi_gpu.md)"
             )
     return hints
-
-
-def _resolve_attention_backend(backend: str, attention) -> str:
-    """The concrete attention backend for this graph's attention, or ``Refusal`` naming why it cannot run it."""
-    from .ops.attention import resolve_backend, unsupported_reason
-
-    if not attention:
-        return backend  # unused: a graph without attention (the lm_head after a graph break)
-    q = ev(attention[0].q)
-    # Under dynamic=True Dynamo may make the head count and head dim symbolic too.
-    probe = torch.empty((1, size_hint(q.shape[1]), 1, size_hint(q.shape[3])), dtype=q.dtype, device=q.device)
-    why = unsupported_reason(backend, probe)
-    if why is not None:
-        # A Refusal, not a ValueError: the graph runs unchanged and its report (explain()) says why.
-        # (An exception of another kind escaped the backend and left the report reading "REFUSED: None".)
-        raise Refusal(f"attention_backend={backend!r} cannot run this graph's attention: {why}")
-    return resolve_backend(backend, probe)
 
 
 def register() -> None:

@@ -25,7 +25,8 @@ LAYERS = [
     {"normalize"},  # passes that put a Dynamo graph into the form the analysis expects
     {"analysis"},
     {"rewrite"},
-    {"runtime"},
+    {"plan"},  # compile-time work finished before the runner: layout inputs, padding reads, outputs, compile route
+    {"runtime"},  # per-call work only
     {"distributed"},
     {"backend"},
     {"policy_loss", "explain", "shared_batch"},  # user-facing entry points over the backend and the layout
@@ -105,10 +106,26 @@ def test_every_module_has_a_layer():
 
 
 def test_graph_passes_follow_the_data_path():
-    """normalize -> analysis -> rewrite -> runtime (docs/design.md, "Architecture"): each may import the ones before it only."""
-    path = ["layout", "graph", "normalize", "analysis", "rewrite", "runtime"]
+    """normalize -> analysis -> rewrite -> plan -> runtime (docs/design.md, "Architecture"): each may import the ones
+    before it only."""
+    path = ["layout", "graph", "normalize", "analysis", "rewrite", "plan", "runtime"]
     assert all(part in RANK for part in path), f"missing from LAYERS: {[p for p in path if p not in RANK]}"
     assert [RANK[part] for part in path] == sorted({RANK[part] for part in path}), [RANK[part] for part in path]
+
+
+def test_runtime_reads_at_most_two_analysis_modules():
+    """runtime/ does per-call work: what it needs from the analysis (the padding reads, side graphs, token inputs)
+    is finished at compile time in plan/, so the runtime imports at most two ``analysis`` modules."""
+    graph = _graph()
+    read = {}
+    for importer, targets in graph.items():
+        if _layer_key(importer) == "runtime":
+            for target in targets:
+                if _layer_key(target) == "analysis":
+                    read.setdefault(target, []).append(importer)
+    assert len(read) <= 2, "runtime imports these analysis modules (move the compile-time part to plan/):\n" + "\n".join(
+        f"{target} <- {', '.join(sorted(importers))}" for target, importers in sorted(read.items())
+    )
 
 
 def test_no_import_from_a_lower_layer_to_a_higher_one():

@@ -40,6 +40,7 @@ from ..config import DualKVConfig
 from ..graph import item_of_placeholder
 from ..graph import copy_graph_module
 from ..graph.meta import drop_fake_values, example_value_from_val, mark_cacheable
+from ..plan.compile_route import eligible  # decided at compile time (plan.GraphPlan.why_not_direct)
 from . import nested_compile  # its inner_compile, read per call: the one inner compiler of both routes
 
 log = logging.getLogger("dualkv_compile")
@@ -52,21 +53,6 @@ MAX_ENTRIES = 8
 
 class TooManyCompiles(RuntimeError):
     """The packed graph was compiled ``MAX_ENTRIES`` times and this call's sizes fit none of them."""
-
-
-def eligible(gm: fx.GraphModule, cfg: DualKVConfig, mode: Optional[str] = None) -> Optional[str]:
-    """None if ``gm`` can be compiled directly, else why not (then ``nested_compile``)."""
-    if cfg.packed_compile != "direct":
-        return f"options['packed_compile'] is {cfg.packed_compile!r}"
-    if cfg.inner not in ("inductor", "aot_eager"):
-        return f"inner compiler {cfg.inner!r} compiles no symbolic sizes"
-    if mode not in (None, "default"):
-        from torch._inductor import list_mode_options
-
-        if list_mode_options(mode).get("triton.cudagraphs"):
-            # CUDA graphs ("reduce-overhead", "max-autotune") learn which inputs are static (the weights) from Dynamo.
-            return f"mode {mode!r} uses CUDA graphs"
-    return None
 
 
 def plain(value) -> bool:

@@ -17,7 +17,8 @@ decoder layer, each with its own mask.
 Both return the layout, or a string saying why this call runs unpacked, and
 set ``active`` (the ``ActiveLayout`` used) and ``source`` (for the report).
 Both check that the dropped copies of every carried input equal the kept ones
-bitwise (``share_check``).
+bitwise (``share_check``). What they read about the graph (inputs by role, the
+masks' side graph) is the compile-time ``plan.layout_inputs.LayoutInputs``.
 """
 
 from __future__ import annotations
@@ -26,16 +27,12 @@ import logging
 from typing import Optional
 
 import torch
-import torch.fx as fx
 
-from ..analysis.analyze import Analysis, floating_carried
-from ..analysis.side_graphs import mask_graph
-from ..analysis.token_inputs import NAMED_ROLES, Role
 from ..config import DualKVConfig
 from ..layout import carried as active_layout
 from ..layout import SharedPromptLayout
 from ..layout.detect import detect_reading
-from ..graph.meta import ev
+from ..plan.layout_inputs import LayoutInputs
 from ..report import GraphReport
 from .mask_check import mask_mismatch, pure_mask
 
@@ -47,25 +44,24 @@ __all__ = ["FromCarried", "FromTokenIds", "LayoutSource"]
 class LayoutSource:
     """The part common to both strategies: the inputs by role, the graph's masks, the share check."""
 
-    def __init__(self, gm: fx.GraphModule, analysis: Analysis, cfg: DualKVConfig, report: GraphReport, masks: bool):
-        self.cfg, self.report = cfg, report
-        self.attention = analysis.attention
-        self.position = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
-        self.index = {t.role: self.position[t.node] for t in analysis.token_inputs if t.role in NAMED_ROLES}
+    def __init__(self, inputs: LayoutInputs, cfg: DualKVConfig, report: GraphReport):
+        self.inputs, self.cfg, self.report = inputs, cfg, report
+        self.has_attention = inputs.has_attention
         # Token-major inputs carried from an earlier graph (hidden states, logits): checked for sharing per call.
-        self.carried = [(n.name, self.position[n]) for n in analysis.token_inputs.of(Role.CARRIED)]
+        self.carried = inputs.carried
         # The first causal attention without a mask (it would attend to left padding, which packing removes).
-        self.causal_unmasked = next((m.output.name for m in self.attention if m.mask is None and m.is_causal), None)
-        self.mask_gm = mask_graph(gm, analysis.axes) if masks else None
-        self.mask_names = [m.output.name for m in self.attention if m.mask is not None]
-        self.mask_windows = [(m.window, m.chunk) for m in self.attention if m.mask is not None]
-        self.floating_index = [self.position[n] for n in floating_carried(analysis.axes)]
+        self.causal_unmasked = inputs.causal_unmasked
+        self.mask_gm = inputs.mask_gm  # with token ids: only under option verify (plan.layout_inputs)
+        self.mask_names, self.mask_windows = inputs.mask_names, inputs.mask_windows
+        self.floating_index = inputs.floating_index
+        # Copies of a token in different columns may share a packed copy unless the packed program reads
+        # values of the column (rotary tables from arange(S), cache positions).
+        self.same_columns = inputs.same_columns
         self.active: Optional[active_layout.ActiveLayout] = None
         self.source: Optional[str] = None
         # The host copies of the call's ``also_read`` tensors when its layout was read from the device with them
         # (one transfer for both), else None.
         self.read_back: Optional[tuple[torch.Tensor, ...]] = None
-        self.same_columns = True  # the runner clears it when the packed program reads no value of the column
 
     def masks(self, args):
         with torch.no_grad():
@@ -94,21 +90,20 @@ class LayoutSource:
 
 
 class FromTokenIds(LayoutSource):
-    def __init__(self, gm, analysis: Analysis, cfg: DualKVConfig, report: GraphReport):
-        super().__init__(gm, analysis, cfg, report, masks=cfg.verify)
+    def __init__(self, inputs: LayoutInputs, cfg: DualKVConfig, report: GraphReport):
+        super().__init__(inputs, cfg, report)
         # The embedding's row count, where it reads the ids directly: an id out of its range (at padding too)
         # makes the layout fail, so the original program runs and raises as the unmodified model does.
-        ids = next(n for n, i in self.position.items() if i == self.index[Role.INPUT_IDS])
-        self.vocab_size = _embedding_rows(ids)
+        self.vocab_size = inputs.vocab_size
 
     def __call__(self, args, also_read=()) -> "SharedPromptLayout | str":
         """The call's layout (or why none); ``also_read``: tensors to read to the host in the detection's one
         transfer, left in ``read_back`` when the layout was detected here (not taken from an earlier graph)."""
         self.read_back = None
-        ids = args[self.index[Role.INPUT_IDS]]
-        mask = args[self.index[Role.ATTENTION_MASK]] if Role.ATTENTION_MASK in self.index else None
-        pos = args[self.index[Role.POSITION_IDS]] if Role.POSITION_IDS in self.index else None
-        if mask is None and not self.attention:
+        ids = args[self.inputs.input_ids]
+        mask = args[self.inputs.attention_mask] if self.inputs.attention_mask is not None else None
+        pos = args[self.inputs.position_ids] if self.inputs.position_ids is not None else None
+        if mask is None and not self.has_attention:
             current = self._current(ids, args)
             if current is not None:
                 return self.share_check(args, self.active) or current
@@ -163,23 +158,10 @@ class FromTokenIds(LayoutSource):
         return mask_mismatch(self.masks(args), self.mask_names, layout, pin_padding=False, windows=self.mask_windows)
 
 
-def _embedding_rows(ids: fx.Node) -> Optional[int]:
-    """The row count of the one embedding that reads ``ids`` directly, or None (none, several, or no shape)."""
-    rows = set()
-    for user in ids.users:
-        if user.op == "call_function" and user.target in (torch.nn.functional.embedding, torch.embedding):
-            weight = ev(user.args[1] if user.target is torch.nn.functional.embedding else user.args[0])
-            if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-                rows.add(int(weight.shape[0]))
-    return rows.pop() if len(rows) == 1 else None
-
-
 class FromCarried(LayoutSource):
-    def __init__(self, gm, analysis: Analysis, cfg: DualKVConfig, report: GraphReport):
-        super().__init__(gm, analysis, cfg, report, masks=True)
-        self.mask_key: list[int] = []
-        if self.mask_gm is not None:
-            self.mask_key = [i for i, p in enumerate(self.mask_gm.graph.find_nodes(op="placeholder")) if p.users]
+    def __init__(self, inputs: LayoutInputs, cfg: DualKVConfig, report: GraphReport):
+        super().__init__(inputs, cfg, report)
+        self.mask_key = inputs.mask_key  # the inputs the masks read: a carried layout's mask check is per key
         self.size_index = self.carried[0][1]
 
     def __call__(self, args, also_read=()) -> "SharedPromptLayout | str":
@@ -200,7 +182,7 @@ class FromCarried(LayoutSource):
             why = f"the layout of {cur.describe()} does not hold here: {why}"
             self.report.not_carried.append(why)
             log.info("dualkv: graph %d: %s", self.report.graph_id, why)
-        if not self.attention:
+        if not self.has_attention:
             return why
         detected = self._detect(args, B, S, ref.device)
         if isinstance(detected, str):

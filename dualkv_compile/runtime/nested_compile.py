@@ -22,6 +22,7 @@ import torch.fx as fx
 from ..config import DualKVConfig
 from ..graph import copy_graph_module, item_of_placeholder
 from ..graph.meta import ev, unbacked_bindings
+from ..plan.compile_route import is_dynamic, symbolic
 from .autocast_regions import autocast_regions_as_with_blocks
 
 __all__ = [
@@ -43,17 +44,6 @@ def inner_compile(gm: fx.GraphModule, example_inputs, cfg: DualKVConfig, mode: O
 
         return aot_eager(gm, example_inputs)
     return gm.forward
-
-
-def _symbolic(value) -> bool:
-    """True for a SymInt or a tensor with a symbolic size."""
-    return isinstance(value, torch.SymInt) or (
-        isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in value.shape)
-    )
-
-
-def is_dynamic(gm: fx.GraphModule) -> bool:
-    return any(_symbolic(ev(n)) for n in gm.graph.find_nodes(op="placeholder"))
 
 
 def has_unbacked_sizes(gm: fx.GraphModule) -> bool:
@@ -186,7 +176,7 @@ _COALESCE_ANALYSIS_BREAKS_DYNAMIC = torch.__version__ < "2.12"  # a TorchVersion
 
 def dynamic_shape_patches(example_inputs) -> dict:
     """Inductor config patches for a graph compiled with symbolic sizes (see ``_COALESCE_ANALYSIS_BREAKS_DYNAMIC``)."""
-    if _COALESCE_ANALYSIS_BREAKS_DYNAMIC and any(_symbolic(x) for x in example_inputs):
+    if _COALESCE_ANALYSIS_BREAKS_DYNAMIC and any(symbolic(x) for x in example_inputs):
         return {"triton.coalesce_tiling_analysis": False}
     return {}
 

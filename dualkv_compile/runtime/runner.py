@@ -1,6 +1,7 @@
 """The runtime wrapper of a rewritten graph: per call, find the layout, decide, pack, run, unpack.
 
-``Runner`` takes its layout from a strategy (``layout_source``): detected from
+``Runner`` takes what it reads about the graph from its ``plan.GraphPlan``, finished
+at compile time, and its layout from a strategy (``layout_source``): detected from
 the call's token ids, or carried from an earlier graph of the forward. It runs
 the original compiled graph when no layout holds, nothing is shared, rho is
 below ``min_rho``, a module scalar changed, or the program would read a
@@ -18,74 +19,42 @@ from collections import Counter
 from typing import Callable, Optional
 
 import torch
-import torch.fx as fx
 
-from ..analysis.analyze import Analysis
-from ..analysis.padding_reads import find_padding_reads, nonzero_masks, tainted_where
-from ..analysis.side_graphs import factor_graph
-from ..analysis.token_inputs import Role
+from ..analysis.padding_reads import nonzero_masks, tainted_where
 from ..config import DualKVConfig
-from ..graph.meta import ev, has_example_value
 from ..layout import SharedPromptLayout
-from ..layout import carried as active_layout
-from ..layout.packed_ops import gather_columns, unpack_merged, unpack_tokens
+from ..plan import GraphPlan
 from ..report import GraphReport
 from ..rewrite.pack_graph import PACKED_INPUTS
 from ..rewrite.packed_inputs import PER_TOKEN_OR_SEGMENT, PackedInputs
 from .layout_source import FromCarried, FromTokenIds
-from .nested_compile import is_dynamic, nested_compile
+from .nested_compile import nested_compile
 from . import direct_compile
 from . import exactness_check
 from .sequence_parallel import agree, local_token_count, shard_packed_inputs
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["Runner", "own_views", "unpacked_output_positions"]
+__all__ = ["Runner", "own_views"]
 
 
 class Runner:
     """Runtime wrapper: layout, decide, pack, run, unpack (see the module docstring)."""
 
-    def __init__(
-        self, gm, analysis: Analysis, packed: fx.GraphModule, fallback, cfg: DualKVConfig, mode, report: GraphReport,
-        scalar_checks=(), runs: Optional[fx.GraphModule] = None,
-    ):
-        # ``packed`` is analysed (padding reads, outputs); ``runs`` (default: it) is compiled and run: under
-        # sequence parallelism, the packed graph split over the group (rewrite.sequence_parallel).
-        self.packed_gm, self.fallback, self.cfg, self.mode, self.report = packed, fallback, cfg, mode, report
-        self.run_gm = packed if runs is None else runs
-        self.input_names = [n.name for n in gm.graph.find_nodes(op="placeholder")]  # for check_exact's messages
+    def __init__(self, plan: GraphPlan, fallback, cfg: DualKVConfig, mode, report: GraphReport):
+        # ``plan.run_gm`` is compiled and run: the packed graph, or under sequence parallelism its split over the
+        # group (rewrite.sequence_parallel).
+        self.plan, self.fallback, self.cfg, self.mode, self.report = plan, fallback, cfg, mode, report
+        self.run_gm = plan.run_gm
         self.sp = cfg.sequence_parallel
-        self.scalar_checks = list(scalar_checks)
-        source = FromTokenIds if Role.INPUT_IDS in analysis.token_inputs else FromCarried
-        self.layout_source = source(gm, analysis, cfg, report)
-        # Copies of a token in different columns may share a packed copy unless the packed program reads
-        # values of the column (rotary tables from arange(S), cache positions).
-        self.layout_source.same_columns = any(n.target is gather_columns for n in packed.graph.nodes)
-        self.outer_dynamic = is_dynamic(gm)
-        self.outer_values = [ev(n) for n in gm.graph.find_nodes(op="placeholder")]
+        source = FromTokenIds if plan.inputs.input_ids is not None else FromCarried
+        self.layout_source = source(plan.inputs, cfg, report)
+        # Where the program reads a position packing zeroes, and the input-only factors that may mask it; factors
+        # no side graph evaluates before the call are unknown: they zero nothing (plan.padding_checks).
+        self.padding_reads = plan.padding.reads
         self.compiled: Optional[Callable] = None
         self.checked = False
         self.disabled: Optional[str] = None
-        self.unpacked_outputs = unpacked_output_positions(packed)
-        # Where the program reads a position packing zeroes, and the input-only factors that may mask it.
-        self.padding_reads = find_padding_reads(packed, len(PACKED_INPUTS), gm)
-        factors = list(dict.fromkeys(node for r in self.padding_reads for node, _, _ in r.factors))
-        self.factor_gms: list[fx.GraphModule] = []
-        # Factors that cannot be evaluated before the call (side_graphs: their graph's ``unusable``), with why:
-        # unknown, they zero nothing, so a call whose padding read only they could zero runs unpacked.
-        self.unknown_factors: dict[fx.Node, str] = {}
-        for f in (
-            factor_graph(packed, [n for n in factors if n.graph is packed.graph], len(PACKED_INPUTS)),
-            factor_graph(gm, [n for n in factors if n.graph is gm.graph], 0),
-        ):
-            if f is None:
-                continue
-            if f.unusable is None:
-                self.factor_gms.append(f)
-                continue
-            self.unknown_factors.update(dict.fromkeys(f.factor_nodes, f.unusable))
-            log.info("dualkv: graph %d: the masks of its padding reads cannot be evaluated on their own (%s)", report.graph_id, f.unusable)
 
     def _compile_packed(self, args: tuple):
         def count():
@@ -96,10 +65,10 @@ class Runner:
             # included, that a dynamic=None compile would specialise to their first values: all dynamic
             # then (parameters stay static: force_parameter_static_shapes). A static one: only the
             # packed layout's per-token and per-segment sizes, marked per call.
-            dynamic = True if self.outer_dynamic else None
+            dynamic = True if self.plan.outer_dynamic else None
             return nested_compile(self.run_gm, self.cfg, self.mode, dynamic=dynamic, on_compile=count)
 
-        why_not = direct_compile.eligible(self.run_gm, self.cfg, self.mode)
+        why_not = self.plan.why_not_direct  # the graph's, the options' and the mode's part, decided at compile time
         if why_not is None and not all(direct_compile.plain(a) for a in args):
             why_not = "an input is not a plain tensor or int"
         if why_not is None:
@@ -114,10 +83,10 @@ class Runner:
         """Per argument of the packed graph, which sizes are symbolic (``DirectCompile``'s ``dims``): the outer
         graph's inputs where Dynamo made them symbolic; the packed inputs along the tokens and segments (they change
         every step), and along B * S as the outer graph is (dynamic or not); the two maxima as ints that vary."""
-        n_outer = len(self.outer_values)
-        dims = [_symbolic_where(value, arg) for value, arg in zip(self.outer_values, args[:n_outer])]
+        n_outer = len(self.plan.outer_values)
+        dims = [_symbolic_where(value, arg) for value, arg in zip(self.plan.outer_values, args[:n_outer])]
         for name, arg in zip(PACKED_INPUTS, args[n_outer:]):
-            varies = name in PER_TOKEN_OR_SEGMENT or self.outer_dynamic
+            varies = name in PER_TOKEN_OR_SEGMENT or self.plan.outer_dynamic
             dims.append(tuple(varies for _ in arg.shape) if isinstance(arg, torch.Tensor) else True)
         return dims
 
@@ -125,13 +94,13 @@ class Runner:
         self.report.calls += 1
         if self.disabled:
             return self.fallback(*args)
-        for index, value, what in self.scalar_checks:
+        for index, value, what in self.plan.scalar_checks:
             if float(args[index]) != value:
                 return self._unpacked(args, f"{what} is {float(args[index])}, the packed graph was built for {value}")
         # The padding reads' masks, computed from the inputs alone, ride in the layout's one host transfer when
         # the layout is detected from this call's token ids: then the check needs no second sync.
         masks = self._factor_masks(args) if self.padding_reads and isinstance(self.layout_source, FromTokenIds) else None
-        riders = _riders(masks, args[self.layout_source.index[Role.INPUT_IDS]].device) if masks is not None else ()
+        riders = _riders(masks, args[self.plan.inputs.input_ids].device) if masks is not None else ()
         layout = self.layout_source(args, also_read=riders)
         if self.sp is not None:  # the group takes one path, on one layout (runtime.sequence_parallel)
             self._agree(args, layout)
@@ -184,24 +153,24 @@ class Runner:
         out = own_views(out, args)
         if exactness_check.due(self.cfg.check_exact, self.report.packed_calls):
             rerun = functools.partial(self.compiled, *args, *extra)
-            summary = exactness_check.check(self.fallback, args, layout, out, rerun, self.input_names, self.sp)
+            summary = exactness_check.check(self.fallback, args, layout, out, rerun, list(self.plan.input_names), self.sp)
             self.report.exactness_checks.append(f"call {self.report.calls}: {summary}")
         self.report.packed_calls += 1
         self.report.layout_source = self.layout_source.source
         # Later graphs of this forward may carry the layout to the tensors made here (layout.carried: ActiveLayout.produced).
-        self.layout_source.active.record_outputs(out, self.unpacked_outputs)
+        self.layout_source.active.record_outputs(out, self.plan.unpacked_outputs)
         return out
 
     def _factor_masks(self, args, batch_size: Optional[int] = None, seq_len: Optional[int] = None):
         """Per padding read, where its factors (evaluated on this call's inputs) are nonzero
         (``padding_reads.nonzero_masks``), and the factors that are unknown, with why."""
         if batch_size is None:
-            ids = args[self.layout_source.index[Role.INPUT_IDS]]
+            ids = args[self.plan.inputs.input_ids]
             batch_size, seq_len = int(ids.shape[0]), int(ids.shape[1])
-        factors = dict.fromkeys(self.unknown_factors)  # None: unknown, zeroes nothing
-        unknown = dict(self.unknown_factors)
+        factors = dict.fromkeys(self.plan.padding.unknown)  # None: unknown, zeroes nothing
+        unknown = dict(self.plan.padding.unknown)
         with torch.no_grad():
-            for f in self.factor_gms:
+            for f in self.plan.padding.factor_gms:
                 try:
                     factors.update(zip(f.factor_nodes, f(*args)))
                 except Exception as e:  # noqa: BLE001 - the factors are then unknown; the original program runs
@@ -320,26 +289,6 @@ def own_views(out, args):
         if seen[storage(out[i])] == 1 and out[i].untyped_storage().data_ptr() != 0:
             new[i] = torch.ops.aten._unsafe_view(out[i], out[i].shape)
     return type(out)(new)
-
-def unpacked_output_positions(packed: fx.GraphModule) -> tuple[int, ...]:
-    """Positions, among the packed graph's tensor outputs in ``layout.carried.leaves`` order, made by ``unpack``.
-
-    Their shared copies are equal by construction. Empty when an output's
-    kind (tensor or not) cannot be told, so nothing is taken for granted.
-    """
-    out = next(iter(packed.graph.find_nodes(op="output")))
-    positions, i = [], 0
-    for leaf in active_layout.leaves(out.args[0]):
-        if not isinstance(leaf, fx.Node):
-            continue
-        if leaf.op == "call_function" and leaf.target in (unpack_tokens, unpack_merged):
-            positions.append(i)
-        elif not isinstance(ev(leaf), torch.Tensor):
-            if not has_example_value(leaf):
-                return ()
-            continue  # a SymInt or other non-tensor output: not counted by _tensors
-        i += 1
-    return tuple(positions)
 
 
 def _symbolic_where(outer_value, arg):
