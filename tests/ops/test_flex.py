@@ -34,6 +34,7 @@ if _KERNEL_TESTS not in sys.path:
 
 from dualkv_compile.kernels import reference  # noqa: E402
 from dualkv_compile.ops import flex  # noqa: E402
+from dualkv_compile.kernels.flex import attention as flex_math  # noqa: E402
 from dualkv_compile.ops.attention import attention_fwd, shared_prompt_attention  # noqa: E402
 from ..kernels.flex_layouts import FIXED_FORESTS, FIXED_LAYOUTS, same_tables  # noqa: E402
 from ..kernels.segments import forest_segments, make_segments  # noqa: E402
@@ -122,7 +123,7 @@ def _cpu_flex(monkeypatch):
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(fa.flex_attention, backend=counter, dynamic=True)
-    monkeypatch.setattr(flex, "compiled_flex", lambda: compiled)
+    monkeypatch.setattr(flex_math, "compiled_flex", lambda: compiled)
     yield counter
     torch._dynamo.reset()
 
