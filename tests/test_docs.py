@@ -1,11 +1,13 @@
-"""The docs against the tree: docs/layout.md lists every package file, and every design citation names docs/design.md.
+"""The docs against the tree: docs/layout.md lists every package file, every design citation names docs/design.md,
+module docstrings are short contracts, and no device model or date sits in package code.
 
 A newcomer reads docs/layout.md to find a file's job and docs/design.md for the rules the code cites ("semantics N");
-these tests keep both true as files come and go.
+these tests keep both true as files come and go, and keep measurements in docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 
@@ -108,3 +110,57 @@ def test_every_cited_semantics_number_is_defined():
         if not DESIGN_NAME.search(text):
             bad.append(f"{path.relative_to(ROOT)}: cites semantics {sorted(set(cited))} but never names docs/design.md")
     assert not bad, "\n".join(bad)
+
+
+# Device models and dates: measurements and history belong in docs/benchmarks.md and the results, not in the code
+# (arch names such as sm_90 or Hopper, which the code dispatches on, are fine).
+DEVICE_MODEL = re.compile(r"(?<![A-Za-z0-9])(?:GB200|B100|B200|H100|H200|H800|A100|A800|V100|L40S|MI250X?|MI300X?)"
+                          r"(?![0-9])", re.IGNORECASE)
+DATE = re.compile(r"(?<!\d)20\d\d-[01]\d-[0-3]\d(?!\d)")
+MAX_MODULE_DOCSTRING = 25
+
+
+def module_docstring_lines(source: str) -> int:
+    """How many lines a module's docstring spans (its quotes included), 0 without one."""
+    body = ast.parse(source).body
+    if not body or not isinstance(body[0], ast.Expr) or not isinstance(body[0].value, ast.Constant):
+        return 0
+    if not isinstance(body[0].value.value, str):
+        return 0
+    return body[0].end_lineno - body[0].lineno + 1
+
+
+def test_module_docstring_lines_counts_the_docstring_only():
+    assert module_docstring_lines('"""One line."""\nx = 1\n') == 1
+    assert module_docstring_lines('"""First.\n\nThird.\n"""\n\nimport os\n') == 4
+    assert module_docstring_lines("import os\n") == 0
+
+
+def test_module_docstrings_are_contracts_of_at_most_25_lines():
+    """A module docstring says what the module assumes and guarantees; how it works and why go to docs/design.md,
+    measurements to docs/benchmarks.md."""
+    long = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        n = module_docstring_lines(path.read_text())
+        if n > MAX_MODULE_DOCSTRING:
+            long[path.relative_to(ROOT).as_posix()] = n
+    assert not long, f"module docstrings over {MAX_MODULE_DOCSTRING} lines: {long}"
+
+
+def test_device_patterns_find_models_and_dates_only():
+    assert DEVICE_MODEL.search("measured on an H200") and DEVICE_MODEL.search("results/foo_h100_x.md")
+    assert DATE.search("gluon_tuning_2026-11-25h") and DATE.search("(2026-11-27)")
+    assert not DEVICE_MODEL.search("a Hopper (sm_90) GPU, capability 9.0, SM count 132")
+    assert not DATE.search("T = 2048-4096 tokens, 0x2026-11")
+
+
+def test_no_device_model_or_date_in_package_code():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            for pattern in (DEVICE_MODEL, DATE):
+                m = pattern.search(line)
+                if m:
+                    found.append(f"{path.relative_to(ROOT)}:{lineno}: {m.group(0)}")
+    assert not found, ("device models or dates in package code (say the arch, and move measurements to "
+                       "docs/benchmarks.md with a link):\n" + "\n".join(found))

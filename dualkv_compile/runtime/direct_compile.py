@@ -2,7 +2,7 @@
 
 ``nested_compile`` hands the packed graph to a nested ``torch.compile``: Dynamo traces it again, op by op, to
 make symbolic sizes and guards for it. On a warm start (every graph a cache hit) that second trace was a third
-of dualkv's compile time (Qwen3-1.7B on an H100: 21.0 of 52.8 s, profiled). Here the packed graph goes to the
+of dualkv's compile time (docs/benchmarks.md, "Behind the code"). Here the packed graph goes to the
 inner compiler (AOTAutograd + Inductor) directly, with fake inputs made from the call's real ones, and the
 guards the compile put on their sizes are checked on every later call.
 

@@ -169,7 +169,7 @@ def nested_compile(gm: fx.GraphModule, cfg: DualKVConfig, mode: Optional[str], d
 
 # Before torch 2.12, Inductor's coalescing analysis of Triton tilings compared symbolic sizes by their structure
 # and could fail an assertion on equal sizes written two ways ("get_pw_red_splits", pytorch/pytorch#181563, fixed
-# in #181793): a dynamic-shape GRPO step on torch 2.11 raised InductorError on an H100 (2026-11-27). The analysis
+# in #181793): a dynamic-shape GRPO step on torch 2.11 raised InductorError on a GPU. The analysis
 # does not apply to dynamic shapes anyway (its own config comment says so), so it is turned off for them there.
 _COALESCE_ANALYSIS_BREAKS_DYNAMIC = torch.__version__ < "2.12"  # a TorchVersion: compared as a version, local part aside
 

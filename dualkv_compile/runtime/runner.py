@@ -136,8 +136,8 @@ class Runner:
             # that fails (an op the analysis let through but the packed shapes
             # break), run this graph unchanged from now on rather than fail
             # the step. Not on running out of memory: the unpacked program needs
-            # more, and the caller must see the error (it once ran a 153 GiB
-            # unpacked allocation after the packed graph's OOM, and hid why).
+            # more, and the caller must see the error (running the unpacked
+            # program after the packed graph's OOM would hide why).
             try:
                 out = self.compiled(*args, *extra)
             except torch.OutOfMemoryError:
