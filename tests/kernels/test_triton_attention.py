@@ -22,7 +22,8 @@ if not torch.cuda.is_available():
 
 from dualkv_compile.kernels import reference  # noqa: E402
 from dualkv_compile.kernels.triton import attention as ta  # noqa: E402
-from dualkv_compile.kernels.triton import schedule, tma  # noqa: E402
+from dualkv_compile.kernels.common import schedule  # noqa: E402
+from dualkv_compile.kernels.triton import tma  # noqa: E402
 from dualkv_compile.kernels.triton.attention import Config, KernelConfig  # noqa: E402
 from dualkv_compile.layout.segments import host_rows  # noqa: E402
 import segments  # noqa: E402  tests/kernels is on sys.path
@@ -422,7 +423,8 @@ def test_gpu_through_op():
 def test_gpu_new_lengths_do_not_recompile():
     """Layouts reach the kernels as tensors and descriptor offsets: new lengths and forest shapes
     (a deeper ancestor chain is a longer runtime loop) reuse the compiled kernels."""
-    from dualkv_compile.kernels.triton.bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
+    from dualkv_compile.kernels.common.row_statistics import bwd_preprocess_kernel
+    from dualkv_compile.kernels.triton.bwd import bwd_dkdv_kernel, bwd_dq_kernel
     from dualkv_compile.kernels.triton.fwd import shared_prompt_fwd_kernel
 
     kernels = (shared_prompt_fwd_kernel, bwd_preprocess_kernel, bwd_dkdv_kernel, bwd_dq_kernel)

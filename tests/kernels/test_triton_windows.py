@@ -272,7 +272,8 @@ def test_gpu_windows_realistic_and_compiled_once(D):
     Llama 4's chunks (8192) and a small odd pair: against the float32 reference on one kv head's query heads;
     the window sizes and a second layout reuse the windowed kernels (one compiled variant each)."""
     from dualkv_compile.kernels import reference
-    from dualkv_compile.kernels.triton.bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
+    from dualkv_compile.kernels.common.row_statistics import bwd_preprocess_kernel
+    from dualkv_compile.kernels.triton.bwd import bwd_dkdv_kernel, bwd_dq_kernel
     from dualkv_compile.kernels.triton.fwd import shared_prompt_fwd_kernel
 
     kernels = (shared_prompt_fwd_kernel, bwd_preprocess_kernel, bwd_dkdv_kernel, bwd_dq_kernel)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dualkv_compile.kernels.triton import schedule
+from dualkv_compile.kernels.common import schedule
 from dualkv_compile.layout.segments import Segments, derived_on_host, host_twin, register_host_twin, tree_segments
 
 LENS, PARENTS = [300, 40, 0, 70, 129, 5], [-1, 0, 0, 2, -1, 4]

@@ -6,7 +6,7 @@ import attention as bench
 from dualkv_compile.ops import attention as A
 from dualkv_compile.kernels.gluon import attention as G
 from dualkv_compile.kernels.triton import attention as TA
-from dualkv_compile.kernels.triton.schedule import tile_schedule, ancestor_walk
+from dualkv_compile.kernels.common.schedule import tile_schedule, ancestor_walk
 
 cfg = bench.Cfg(32, 8, 128, torch.bfloat16, torch.device("cuda"))
 case = bench.uniform_case(8, 2048, 2048)

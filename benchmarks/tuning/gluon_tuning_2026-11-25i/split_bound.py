@@ -5,7 +5,7 @@ import triton
 sys.path.insert(0, "benchmarks")
 import attention as bench  # noqa: E402
 from dualkv_compile.kernels.gluon import attention as ga  # noqa: E402
-from dualkv_compile.kernels.triton import schedule as sched  # noqa: E402
+from dualkv_compile.kernels.common import schedule as sched  # noqa: E402
 
 cfg = bench.Cfg(32, 8, 128, torch.bfloat16, torch.device("cuda"))
 real_walk = ga.ancestor_walk

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton.launch import LAUNCH_OPTIONS
+from ..common.launch import LAUNCH_OPTIONS
 from .block_tables import BLOCK, SENTINEL
 
 __all__ = ["triton_kernels", "triton_block_tables"]

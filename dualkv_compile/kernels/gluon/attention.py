@@ -4,14 +4,14 @@
     forward(q, k, v, segs, scale, softcap=0.0) -> (out, lse)
     backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap=0.0) -> (dq, dk, dv)
 
-The forward is ``fwd.py``. The backward is the Triton preprocess kernel (Delta = rowsum(dO * O), and a packed
-copy of the row statistics), then ``dkdv.py`` (KV-major dK/dV) and ``dq.py`` (Q-major dQ), both without atomics;
-with long prompts (``DkdvConfig.dq_mode`` "auto", head dim 128, not deterministic) the dK/dV kernel adds dQ
-itself and no Q-major pass runs. Both read the same ``out`` and ``lse`` (natural log, float32). Inputs the Gluon
+The forward is ``fwd.py``. The backward is the shared preprocess kernel (``common/row_statistics.py``: Delta =
+rowsum(dO * O), and a packed copy of the row statistics), then ``dkdv.py`` (KV-major dK/dV) and ``dq.py``
+(Q-major dQ), both without atomics; with long prompts (``DkdvConfig.dq_mode`` "auto", head dim 128, not
+deterministic) the dK/dV kernel adds dQ itself and no Q-major pass runs. Both read the same ``out`` and ``lse`` (natural log, float32). Inputs the Gluon
 kernels do not take but the Triton kernels do (a logit softcap; operands without a 2-D tensor descriptor view)
 run the Triton forward or backward, logged at debug level: same contract, same results to rounding.
 
-Assumes ``Segments`` as the Triton kernels do (``triton/schedule.py``): the schedules and ancestor walks are
+Assumes ``Segments`` as the Triton kernels do (``common/schedule.py``): the schedules and ancestor walks are
 theirs, cached across a step's layers, so the layout reaches the kernels as data and never recompiles them.
 Guarantees: ``supports`` is None only on a Hopper (sm_90) GPU with a Triton whose Gluon has Hopper's wgmma, TMA
 and warp specialisation, for bfloat16 or float16 q, k, v with one head dim of 64 or 128 and no window; anything
@@ -29,11 +29,11 @@ from typing import Optional
 import torch
 
 from ...layout.segments import Segments
+from ..common.launch import LAUNCH_OPTIONS, check_launch
+from ..common.schedule import ancestor_walk, tile_schedule
+from ..common.tma import tma_geometry
 from ..device import capability, sm_count
 from ..triton import attention as triton_attention
-from ..triton.launch import LAUNCH_OPTIONS
-from ..triton.schedule import ancestor_walk, tile_schedule
-from ..triton.tma import tma_geometry
 
 log = logging.getLogger("dualkv_compile")
 
@@ -168,7 +168,7 @@ def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0, *, conf
         log.debug("gluon attention: %s; the Triton forward runs it",
                   "softcap" if softcap else "an operand has no 2-D tensor-descriptor view")
         return triton_attention.forward(q, k, v, segs, scale, softcap)
-    triton_attention._check(q, k, segs)
+    check_launch(q, k, segs, "gluon")
     out = torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((1, Hq, T), dtype=torch.float32, device=q.device)
     if T == 0 or Hq == 0:
@@ -279,7 +279,7 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
         log.debug("gluon attention: %s; the Triton backward runs it",
                   "softcap" if softcap else "an operand has no 2-D tensor-descriptor view")
         return triton_attention.backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap)
-    triton_attention._check(q, k, segs)
+    check_launch(q, k, segs, "gluon")
     # The atomic dQ splits the head dim between the two warpgroups at a 128-byte swizzle boundary: D=128 only.
     # (No SM count off a GPU: sm90_resources.py compiles these kernels from CPU tensors, in explicit modes.)
     sms = sm_count(q.device) if q.is_cuda else 1
@@ -290,11 +290,12 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     dv = torch.empty((1, Hkv, T, D), dtype=v.dtype, device=q.device)
     if T == 0 or Hq == 0:
         return dq.to(q.dtype), dk, dv
+    from ..common.row_statistics import row_statistics
     from .dkdv import shared_prompt_dkdv_kernel
     from .dq import shared_prompt_dq_kernel
 
     lse = lse.float().contiguous()
-    delta, stats = triton_attention.row_statistics(out, dout, lse, pack=True)
+    delta, stats = row_statistics(out, dout, lse, pack=True)
     (qd, q_row, q_col), (dod, do_row, do_col), (kd, k_row, k_col), (vd, v_row, v_col) = descs
     tiles = tile_schedule(segs, T, kcfg.block_n, "kv")
     shared_prompt_dkdv_kernel[(Hkv, tiles.shape[1])](

@@ -10,8 +10,8 @@ the others: column c is visible to row r iff ``c < min(r + 1, limit)``, ``limit`
 segment (more: docs/design.md, "Gluon kernels").
 
 Assumes q ``[1, Hq, T, D]``, k and v ``[1, Hkv, T, D]``, bf16 or fp16, each with a 2-D TMA view
-(``triton/tma.tma_geometry``: head h's tile at token t is ``[h * row_h + t, h * col_h]``); ``TILES``,
-``SEG_START``, ``SEG_LEN`` and ``WALK`` as for the Triton kernel (``triton/schedule.py``), the walk built for
+(``common/tma.tma_geometry``: head h's tile at token t is ``[h * row_h + t, h * col_h]``); ``TILES``,
+``SEG_START``, ``SEG_LEN`` and ``WALK`` as for the Triton kernel (``common/schedule.py``), the walk built for
 ``BLOCK_N``. The walk's first block has a column every row of the tile sees, so the running maximum is finite
 before a row meets a block it cannot see, and no NaN arises.
 Guarantees: every valid row of the tile is written once (O by masked stores, the lse in natural log), no row of

@@ -8,7 +8,7 @@
                              then K and V of every block into ``STAGES``-deep rings
     zero_rows_past           zero the rows of a shared-memory block past its segment
 
-Assumes the Triton kernels' layout tables (``triton/schedule.py``): ``WALK`` built for ``BLOCK_N``,
+Assumes the Triton kernels' layout tables (``common/schedule.py``): ``WALK`` built for ``BLOCK_N``,
 ``SEG_START`` / ``SEG_LEN`` int32; descriptors as ``fwd.py`` says. Guarantees: the loader and the
 consumers that call ``walk_step`` with the same arguments see the same blocks in the same order, so
 no block list crosses between partitions; a slot is refilled only after both consumer warpgroups

@@ -1,18 +1,18 @@
 """The hand-written Triton kernels of shared-prompt attention, behind the op's backend protocol.
 
-    supports(q, v=None, *, window=0, chunk=0, sinks=False) -> None, or why the kernels cannot run q
+    supports(q, v=None, *, window=0, chunk=0, sinks=False, softcap=0.0) -> None, or why the kernels cannot run q
     forward(q, k, v, segs, scale, softcap=0.0, window=0, chunk=0) -> (out, lse)
     backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap=0.0, window=0, chunk=0) -> (dq, dk, dv)
 
 The launcher, with the tuning tables re-exported from ``configs.py``. The kernels (``fwd.py``, ``bwd.py``,
-``bwd_dq.py``; shared loads in ``tiles.py``) take the layout only as int32 tensors: ``schedule.py`` turns
-``Segments`` into tile schedules and ancestor walks (no host sync, cached across a step's layers), and the grids
-come from the host ints T, the number of segments and the head counts, so a new layout never recompiles them.
+``bwd_dq.py``; shared loads in ``tiles.py``; the preprocess in ``common/``) take the layout only as int32 tensors:
+``common/schedule.py`` turns ``Segments`` into tile schedules and ancestor walks (no host sync, cached across a
+step's layers), and the grids come from the host ints T, the number of segments and the head counts, so a new
+layout never recompiles them.
 
 Assumes ``Segments`` in pre-order (a query tile walks its ancestor chain; a key tile's readers are one run up to
 its subtree's end); offsets inside one head fit in int32 (``T * token_stride < 2**31``, checked). Runs on CUDA
-(compute capability 8.0+) and, for tests, on CPU under ``TRITON_INTERPRET=1``, set before the kernel modules are
-first imported.
+(compute capability 8.0+) and, for tests, on CPU under ``TRITON_INTERPRET=1``, set before the kernels' first import.
 Guarantees: ``forward`` and ``backward`` write every valid row of their outputs and raise ``ValueError`` on an
 input ``supports`` refuses; outputs come back in the inputs' dtypes (lse float32, float64 for float64 inputs),
 accumulated in float32 (float64 for float64 inputs). ``deterministic=True`` runs the KV-major dK/dV kernel with
@@ -38,15 +38,14 @@ from ..head_dims import common_head_dim, pad_head_dim
 from .configs import (  # the tuning tables, re-exported here where they lived first
     _FP32_CUDA_CONFIG, _GENERIC_CONFIGS, _INTERPRET_CONFIG, DQ_MODES, HOPPER_CONFIGS, Config, KernelConfig, config_for,
 )
-from .launch import LAUNCH_OPTIONS
-from .schedule import ancestor_walk, tile_schedule
-from .tma import block_d, descriptors, interpreting, row_stats_descriptor
+from ..common.launch import LAUNCH_OPTIONS, block_d, check_launch
+from ..common.schedule import ancestor_walk, tile_schedule
+from .tma import descriptors, interpreting, row_stats_descriptor
 from .windows import NONE, subtree_next, window_args, window_schedule
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["supports", "forward", "backward", "backward_dkdv", "row_statistics", "KernelConfig", "Config", "config_for",
-           "HOPPER_CONFIGS"]
+__all__ = ["supports", "forward", "backward", "backward_dkdv", "KernelConfig", "Config", "config_for", "HOPPER_CONFIGS"]
 
 LOG2E = 1.4426950408889634
 
@@ -103,12 +102,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, segs: Segments) -> None:
     why = supports(q)  # q and k here are already padded to the common head dim
     if why is not None:
         raise ValueError(f"triton attention cannot run this input: {why}")
-    T = q.shape[2]
-    for t in (q, k):
-        if (T - 1) * max(t.stride(2), 1) + (t.shape[3] - 1) * t.stride(3) >= 2**31:
-            raise ValueError("triton attention: offsets within one head exceed int32; make the tensor contiguous per head")
-    if -(-T // 16) + segs.seg_start.numel() > 65535:
-        raise ValueError(f"triton attention: too many tiles for one launch (T={T})")
+    check_launch(q, k, segs, "triton")
 
 
 def _dot_flags(q: torch.Tensor) -> dict:
@@ -211,25 +205,6 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def row_statistics(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, pack: bool):
-    """``(delta [1, Hq, T], stats)`` by the preprocess kernel: Delta = rowsum(dO * O) in lse's dtype and,
-    with ``pack``, the dK/dV kernels' packed copy ``stats [Hq * T, 4]``: (lse in base 2, 0, Delta, 0) per
-    head and token (else None). ``lse`` is ``[1, Hq, T]``, contiguous, in the accumulation dtype."""
-    from .bwd import bwd_preprocess_kernel
-
-    _, Hq, T, D = out.shape
-    BD = block_d(D)
-    delta = torch.empty((1, Hq, T), dtype=lse.dtype, device=out.device)
-    stats = torch.empty((Hq * T, 4), dtype=lse.dtype, device=out.device) if pack else None
-    if T and Hq:
-        pre_block = 64 if BD <= 128 else 32
-        bwd_preprocess_kernel[(Hq, -(-T // pre_block))](
-            out, dout, delta, lse, stats, T, *_strides(out), *_strides(dout), delta.stride(1),
-            HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=pre_block, PACK_STATS=pack, **LAUNCH_OPTIONS,
-        )
-    return delta, stats
-
-
 def backward_dkdv(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministic: bool = False,
                   softcap: float = 0.0, window: int = 0, chunk: int = 0, *, config: Optional[Config] = None,
                   atomic_dq: bool = False):
@@ -240,6 +215,7 @@ def backward_dkdv(dout, q, k, v, out, lse, segs: Segments, scale: float, determi
     head dim (MLA is padded by ``backward``). dk and dv come back in their float32 buffers when the
     config splits heads, else in k's dtype.
     """
+    from ..common.row_statistics import row_statistics
     from .bwd import bwd_dkdv_kernel
 
     _check(q, k, segs)

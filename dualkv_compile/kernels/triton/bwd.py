@@ -1,10 +1,10 @@
-"""Backward Triton kernels of shared-prompt attention on the packed stream: the preprocess and dK/dV kernels.
+"""Backward Triton kernels of shared-prompt attention on the packed stream: the dK/dV kernel.
 
 With P the softmax (recomputed from q, k and the saved log-sum-exp) and Delta = rowsum(dO * O): ``dV = P^T dO``,
 ``dS = P * (dO V^T - Delta)``, ``dQ = scale * dS K``, ``dK = scale * dS^T Q``.
 
-``bwd_preprocess_kernel``: Delta per query row and head; with ``PACK_STATS`` also (lse in base 2, Delta) per row
-in 16-byte rows, which the dK/dV kernel reads with one bulk copy per block (``STATS_TMA``).
+The preprocess kernel before it (Delta per query row and head, with the packed row statistics the dK/dV kernel
+reads with one bulk copy per block under ``STATS_TMA``) is shared with the Gluon backward: ``common/row_statistics.py``.
 ``bwd_dkdv_kernel`` (KV-major): one program owns ``BLOCK_N`` keys of one segment and one kv head and loops over
 every query block that reads them (the diagonal, causal and masked; then the run ``[after the diagonal,
 subtree_end)``, full blocks in one pipelined loop and the ragged last one) for the ``heads_per_kv`` query heads
@@ -33,36 +33,6 @@ from .bwd_dq import bwd_dq_kernel  # noqa: F401  (the dQ kernel's module; import
 from .tiles import acc_dtype, key_sum_chunk, last_reader, load_pair, load_tile, softcap_tanh
 
 LOG2E = tl.constexpr(1.4426950408889634)
-
-
-# As in fwd.py: arguments that follow T get no value specialisation, so new lengths reuse the kernels.
-@triton.jit(do_not_specialize=["T", "stride_deltah"])
-def bwd_preprocess_kernel(
-    O, DO, DELTA, LSE, ROW_STATS, T,
-    stride_oh, stride_ot, stride_od,
-    stride_dh, stride_dt, stride_dd,
-    stride_deltah,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PACK_STATS: tl.constexpr,
-):
-    ACC: tl.constexpr = acc_dtype(O.dtype.element_ty)
-    head = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (rows < T)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load(O + head.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_d[None, :] * stride_od,
-                mask=mask, other=0.0)
-    do = tl.load(DO + head.to(tl.int64) * stride_dh + rows[:, None] * stride_dt + offs_d[None, :] * stride_dd,
-                 mask=mask, other=0.0)
-    delta = tl.sum(o.to(ACC) * do.to(ACC), 1)
-    tl.store(DELTA + head.to(tl.int64) * stride_deltah + rows, delta, mask=rows < T)
-    if PACK_STATS:
-        # LSE is laid out like DELTA. Rows of 16 bytes (lse in base 2, 0, Delta, 0: join interleaves)
-        # for the dK/dV kernel's copy engine.
-        lse2 = tl.load(LSE + head.to(tl.int64) * stride_deltah + rows, mask=rows < T, other=0.0) * LOG2E
-        zero = tl.zeros([BLOCK_M], ACC)
-        packed = tl.reshape(tl.join(tl.join(lse2, delta), tl.join(zero, zero)), [BLOCK_M, 4])
-        ptrs = ROW_STATS + (head.to(tl.int64) * T + rows)[:, None] * 4 + tl.arange(0, 4)[None, :]
-        tl.store(ptrs, packed, mask=(rows < T)[:, None])
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from ..device import capability
-from .tma import block_d
+from ..common.launch import block_d
 
 __all__ = ["DQ_MODES", "KernelConfig", "Config", "HOPPER_CONFIGS", "config_for"]
 

@@ -6,7 +6,7 @@ blocks when the launcher built them, else through ``load_tile``. Compile-time fu
 accumulator dtype: float32, float64 for float64 inputs) and ``key_sum_chunk`` (how many query blocks the dK/dV
 kernel sums apart before adding them to a key tile's total; 0: one running sum). ``softcap_tanh`` is the tanh of a
 logit softcap from ``exp2`` (docs/design.md, "Triton kernels", says why). ``lowest_depth`` and ``last_reader`` are
-``window_rule.py``'s window bounds on depths; ``walk_down`` steps the query kernels' windowed ancestor walk one
+``common/window_rule.py``'s window bounds on depths; ``walk_down`` steps the query kernels' windowed ancestor walk one
 full block down, ``own_band`` bounds their walk over the tile's own segment.
 
 Assumes
@@ -27,13 +27,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..common.row_statistics import acc_dtype  # noqa: F401  (the accumulators' dtype, the preprocess kernel's too)
+
 LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.constexpr_function
-def acc_dtype(dtype):
-    """The accumulators' dtype for inputs of ``dtype``: float64 for float64, else float32 (bf16, fp16, fp32)."""
-    return tl.float64 if dtype == tl.float64 else tl.float32
 
 
 @triton.constexpr_function

@@ -1,12 +1,13 @@
-"""Hopper tensor descriptors (TMA) over the kernels' operands, where the hardware and the strides allow.
+"""Hopper tensor descriptors (TMA) over the Triton kernels' operands, where the hardware and the strides allow.
 
-    tma_geometry(t)                     -> (shape, strides, row_h, col_h) of a 2-D view, or None
+    interpreting()                      -> whether Triton runs kernels in its CPU interpreter
     tma_view(t, block_rows)             -> (descriptor, row_h, col_h) or None
     descriptors(cfg, block_rows, a, b)  -> (kernel arguments, TMA flag)
     row_stats_descriptor(stats, rows)   -> descriptor over the packed row statistics
 
 Assumes: operands are ``[1, H, T, D]`` views with any strides (one head's
-rows addressed as ``row_h``/``col_h`` offsets into one 2-D view); the
+rows addressed as ``row_h``/``col_h`` offsets into one 2-D view:
+``common.tma.tma_geometry``, which the Gluon kernels' descriptors share); the
 interpreter flag (``TRITON_INTERPRET``) is read at call time.
 
 Guarantees: a descriptor is only returned when every tile of every head it
@@ -23,43 +24,16 @@ from typing import Optional
 
 import torch
 
+from ..common.launch import block_d
+from ..common.tma import tma_geometry
 from ..device import capability
 
-__all__ = ["interpreting", "block_d", "tma_geometry", "tma_view", "descriptors", "row_stats_descriptor"]
+__all__ = ["interpreting", "tma_view", "descriptors", "row_stats_descriptor"]
 
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET`` set and not 0)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def block_d(head_dim: int) -> int:
-    """The head dim the kernels tile by: the next power of two, at least 16."""
-    return max(16, 1 << (head_dim - 1).bit_length())
-
-
-def tma_geometry(t: torch.Tensor) -> Optional[tuple]:
-    """``(shape, strides, row_h, col_h)`` of a 2-D view over ``t`` [1, H, T, D] in which head h's
-    token r starts at ``[h * row_h + r, h * col_h]``; None where no such view exists.
-
-    Two layouts have such a view: head-major (the head stride a multiple of the
-    token stride, e.g. contiguous [1, H, T, D]) and token-major (the token
-    stride a multiple of the head stride, e.g. a [T, H * D] projection viewed as
-    [1, H, T, D]). None for anything else, or where the copy engine's
-    alignment rules (16-byte base and row stride) do not hold.
-    """
-    _, H, T, D = t.shape
-    sh, st, sd = t.stride(1), t.stride(2), t.stride(3)
-    es = t.element_size()
-    if T < 2 or sd != 1 or t.data_ptr() % 16 or (st * es) % 16 or (D * es) % 16:
-        return None
-    if H == 1:
-        return [T, D], [st, 1], 0, 0
-    if sh % st == 0:
-        return [(H - 1) * (sh // st) + T, D], [st, 1], sh // st, 0
-    if st % sh == 0 and sh >= D and (sh * es) % 16 == 0:
-        return [T, (H - 1) * sh + D], [st, 1], 0, sh
-    return None
 
 
 def tma_view(t: torch.Tensor, block_rows: int) -> Optional[tuple]:

@@ -2,14 +2,14 @@
 
     window_schedule(segs, T, block_m, block_n, w, c)    -> int32 [5, bound], cached: the query kernels' tiles
     subtree_next(segs)                                  -> int32 [num_segments], cached: the dK/dV kernel's skips
-    NONE, window_args, lowest_depth, last_reader, windowed_work   the rule, re-exported from ``window_rule.py``
+    NONE, window_args, lowest_depth, last_reader, windowed_work   the rule, re-exported from ``common/window_rule.py``
 
-The rule (``window_rule.py``): a query at depth dq sees a key at depth dk <= dq on its path iff dk >= lowest(dq);
+The rule (``common/window_rule.py``): a query at depth dq sees a key at depth dk <= dq on its path iff dk >= lowest(dq);
 ``lowest`` is monotone, so a query tile's rows (depths dlo..dhi) see nothing below ``lowest(dlo)`` and all of what
 lies at or above ``lowest(dhi)``; in between, the band, the kernels mask per element. A walk over each ancestor's
 full blocks from its last one down visits them in descending depth, so ``window_schedule`` counts per tile the
 blocks every row sees whole and the band, and the kernel stops there (docs/design.md, "Triton kernels"). Layering:
-windows -> schedule -> window_rule (this module builds on the plain schedule and its cache).
+windows -> common.schedule -> common.window_rule (this module builds on the plain schedule and its cache).
 
 Assumes ``Segments`` (a forest in pre-order, depths as ``token_depth``) and the kernels' block sizes; "none" (0)
 is ``NONE`` = 2**30 to the kernels (``window_rule.window_args``). Guarantees: the tables are integer tensor ops of
@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from ...layout.segments import Segments, derived_on_host
-from .schedule import plans, schedule_table, walk_table
-from .window_rule import NONE, last_reader, lowest_depth, window_args, windowed_work  # the rule, re-exported
+from ..common.schedule import plans, schedule_table, walk_table
+from ..common.window_rule import NONE, last_reader, lowest_depth, window_args, windowed_work  # the rule, re-exported
 
 __all__ = ["NONE", "window_args", "window_schedule", "subtree_next", "windowed_work", "lowest_depth", "last_reader"]
 

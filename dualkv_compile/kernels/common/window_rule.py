@@ -1,4 +1,4 @@
-"""The window rule on token depth, as host tensor ops: the one module both ``schedule.py`` and ``windows.py`` read it from.
+"""The window rule on token depth, as host tensor ops: the one module ``schedule.py`` and ``triton/windows.py`` read it from.
 
     NONE                                     2**30: "no window" / "no chunks" to the kernels
     window_args(window, chunk)           -> (w, c): the kernels' runtime ints
@@ -10,11 +10,11 @@ The rule (``layout.segments``; docs/design.md, semantics 15): a query at depth d
 its path) iff dk >= lowest(dq) = max(dq - w + 1, (dq // c) * c) (a window w: dq - dk < w; chunks of c: the same
 chunk, the upper end being causal). ``lowest`` and ``last_reader`` are monotone, so a run of query depths dlo..dhi
 sees nothing below ``lowest(dlo)`` and a run of key depths klo..khi is read by no query past ``last_reader(khi)``.
-``tiles.lowest_depth`` / ``tiles.last_reader`` are the same two functions jitted for the kernels.
+``triton/tiles.lowest_depth`` / ``last_reader`` are the same two functions jitted for the kernels.
 
-Layering: this module imports only ``layout.segments``; ``schedule.py`` (the tile order) and ``windows.py`` (the
-windowed plans, built on the schedule) import it: windows -> schedule -> window_rule.
-Assumes ``Segments`` (a forest in pre-order, depths as ``token_depth``) and depths below 2**21 (``attention._check``
+Layering: this module imports only ``layout.segments``; ``schedule.py`` (the tile order) and ``triton/windows.py``
+(the windowed plans, built on the schedule) import it: triton/windows -> schedule -> window_rule.
+Assumes ``Segments`` (a forest in pre-order, depths as ``token_depth``) and depths below 2**21 (``launch.check_launch``
 bounds T), so ``NONE`` is wider than any window and the arithmetic needs no branch for "none". Guarantees: pure
 integer tensor ops on the inputs' device; no sync, no cache, no state.
 """

@@ -1,12 +1,12 @@
-"""Per-launch tile schedules of the Triton kernels, built from ``Segments`` on the device.
+"""Per-launch tile schedules of the Triton and Gluon kernels, built from ``Segments`` on the device.
 
     tile_schedule(segs, T, block, kind, window=0, chunk=0)  -> int32 [2, bound], cached
     ancestor_walk(segs, block)                              -> int32 [num_segments, 4], cached
-    schedule_table, walk_table                              the same, uncached (windows.py derives more)
+    schedule_table, walk_table                              the same, uncached (triton/windows.py derives more)
 
-Layering: windows -> schedule -> window_rule. Under a window the tile order
-takes its work estimate from ``window_rule.windowed_work``; this module never
-imports ``windows.py`` (which builds its plans on this one).
+Layering: triton/windows -> schedule -> window_rule. Under a window the tile
+order takes its work estimate from ``window_rule.windowed_work``; this module
+never imports ``triton/windows.py`` (which builds its plans on this one).
 
 Assumes ``Segments``: a prefix forest in pre-order, in stream order, so a
 segment's ancestors total ``prefix_len`` tokens and its readers (beyond its
@@ -62,7 +62,7 @@ _plans = PlanCache()
 
 
 def plans() -> PlanCache:
-    """The cache the schedules share (``windows.py`` keeps its plans there too, so ``clear_plans`` clears them)."""
+    """The cache the schedules share (``triton/windows.py`` keeps its plans there too, so ``clear_plans`` clears them)."""
     return _plans
 
 
