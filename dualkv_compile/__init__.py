@@ -15,8 +15,10 @@ from .shared_batch import shared_batch
 from .runtime.exactness_check import ExactnessError
 from . import distributed  # check_groups_on_rank: the data-parallel data-loader check
 from . import integrations  # integrations.trl.enable(trainer)
+from .integrations.hf_hybrids import install as _install_hf_hybrids
 
 _register()
+_install_hf_hybrids()  # hybrids' GDN core as one op in every Dynamo graph (integrations.hf_hybrids)
 
 __all__ = [
     "DualKVConfig",

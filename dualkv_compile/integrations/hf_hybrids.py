@@ -1,0 +1,149 @@
+"""Hugging Face hybrids' gated delta-rule core (Qwen3-Next, Qwen3.5 dense and MoE, OLMo-hybrid) as one opaque op.
+
+Assumes: a transformers modeling module whose GDN layer calls its module's ``torch_chunk_gated_delta_rule``, the
+hub wrapper (``use_kernel_func_from_hub_with_fallback``) around the torch fallback, and a wrapper that runs the
+fallback itself (flash-linear-attention not installed; a wrapper that runs another implementation is left alone).
+
+Guarantees: ``opaque_gated_delta_rule()`` registers, for each such module imported, a Dynamo polyfill
+(``torch.compiler.substitute_in_graph``) of the wrapper that calls ``ops.recurrent.gated_delta_rule`` with the
+fallback as its ``impl``: Dynamo puts one ``dualkv::gated_delta_rule`` per layer call in the graph instead of
+tracing the chunked scan, AOTAutograd does not trace into it, and its forward and backward are the fallback's
+own eager forward and autograd (exact; the torch bug this avoids: ``ops.recurrent``). Eager calls never see
+the polyfill; under ``torch.export`` it traces the fallback as the wrapper does; with ``cu_seqlens``/``seq_idx``
+it raises ``ValueError`` as the wrapper does. ``install()`` (run by ``import dualkv_compile``) registers the
+modules already imported and, through a finder first in ``sys.meta_path``, each modeling module as it is
+imported: no change to the user's code, and ``torch._dynamo.reset()`` keeps the polyfills. They are
+process-wide (Dynamo keeps one per function, whichever backend compiles): exact for every backend, but an
+Inductor compile then runs the fallback's scan eagerly inside the op, its backward recomputing the forward.
+A registration that fails is logged and the layer compiles as before. The op is the node a forest scan would
+replace (docs/design.md, semantics 16).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import inspect
+import logging
+import re
+import sys
+
+import torch
+
+from ..ops.recurrent import gated_delta_rule
+
+log = logging.getLogger("dualkv_compile")
+
+__all__ = ["install", "opaque_gated_delta_rule"]
+
+_FUNCTION = "torch_chunk_gated_delta_rule"
+_DONE: set[int] = set()  # ids of the wrappers looked at (registered or left alone)
+_KEEP: list = []  # the wrappers looked at, so that an id is never reused
+
+
+def _fallback_of(wrapper):
+    """The torch fallback that ``wrapper`` runs itself, else None (it runs flash-linear-attention, or is not the
+    hub wrapper)."""
+    fallback = getattr(wrapper, "__wrapped__", None)
+    if fallback is None or not callable(wrapper) or getattr(wrapper, "__closure__", None) is None:
+        return None
+    try:
+        runs = inspect.getclosurevars(wrapper).nonlocals.get("implementation")
+    except (TypeError, ValueError):
+        return None
+    return fallback if runs is fallback else None
+
+
+def _polyfill(fallback, impl: str):
+    """A function with the fallback's signature (and defaults) calling the opaque op."""
+    params = inspect.signature(fallback).parameters
+    default_chunk = params["chunk_size"].default
+
+    def polyfill(query, key, value, g, beta, chunk_size=default_chunk, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, **kwargs):
+        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
+            # The wrapper's own refusal (the torch fallback cannot keep packed sequences apart).
+            raise ValueError(f"`{impl}` can't keep packed sequences apart without flash-linear-attention")
+        if torch.compiler.is_exporting():  # as the wrapper: the fallback, its other keyword arguments dropped
+            return fallback(query, key, value, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return gated_delta_rule(query, key, value, g, beta, impl=impl, chunk_size=chunk_size,
+                                initial_state=initial_state, output_final_state=output_final_state,
+                                use_qk_l2norm=use_qk_l2norm_in_kernel)
+
+    return polyfill
+
+
+def _register(name: str, module) -> bool:
+    """Register the polyfill of ``module``'s GDN wrapper, if it has one that runs its torch fallback."""
+    wrapper = getattr(module, _FUNCTION, None)
+    if wrapper is None or id(wrapper) in _DONE:
+        return False
+    _DONE.add(id(wrapper))
+    _KEEP.append(wrapper)
+    fallback = _fallback_of(wrapper)
+    if fallback is None or getattr(fallback, "__module__", None) != name:
+        log.info("dualkv: %s.%s does not run its torch fallback itself: left alone", name, _FUNCTION)
+        return False
+    try:
+        # The wrapper's (unwrapped) signature is the fallback's, and the polyfill's: Dynamo checks that they agree.
+        torch.compiler.substitute_in_graph(wrapper)(_polyfill(fallback, f"{name}.{_FUNCTION}"))
+    except Exception as e:  # a changed signature, a polyfill of another library: the layer compiles as before
+        log.warning("dualkv: %s.%s stays traced by Dynamo: %s", name, _FUNCTION, e)
+        return False
+    return True
+
+
+def opaque_gated_delta_rule() -> int:
+    """Register the polyfill for every imported transformers module's GDN wrapper (module docstring)."""
+    return sum(_register(name, module) for name, module in list(sys.modules.items())
+               if name.startswith("transformers.models.") and module is not None)
+
+
+_MODELING = re.compile(r"transformers\.models\.[^.]+\.modeling_[^.]+")
+
+
+class _Loader(importlib.abc.Loader):
+    """A modeling module's own loader, then its registration (a failure is logged, never raised)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        try:
+            _register(module.__name__, module)
+        except Exception as e:  # the user's import must not fail for it: the layer then compiles as before
+            log.warning("dualkv: %s.%s stays traced by Dynamo: %s", module.__name__, _FUNCTION, e)
+
+    def __getattr__(self, name):  # get_source, get_filename, is_package, ...: the module's own loader's
+        if name == "_inner":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+class _OnImport(importlib.abc.MetaPathFinder):
+    """Finds a transformers modeling module with the finders after it and wraps its loader in ``_Loader``."""
+
+    def find_spec(self, fullname, path, target=None):
+        if not _MODELING.fullmatch(fullname):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader)
+                return spec
+        return None
+
+
+def install() -> int:
+    """``opaque_gated_delta_rule()`` now, and on every transformers modeling module imported later (once per
+    process: a finder first in ``sys.meta_path``). Returns how many wrappers it registered now."""
+    if not any(isinstance(f, _OnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnImport())
+    return opaque_gated_delta_rule()
