@@ -304,7 +304,7 @@ def test_grad_bf16_check_holds_dualkv_to_the_original_models_bf16_error(tmp_path
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     with open(tmp_path / "grad_bf16_check_deep-narrow_autocast.json") as f:
-        run = json.load(f)
+        run = json.load(f)["results"]  # the record of benchmarks/harness.py
     assert run["packed_calls"] > 0 and run["pass"] is True
     assert 0 < run["all_grads_rel"]["plain"] < 0.1  # bf16 differs from float32, and not by everything
     assert run["all_grads_rel"]["dualkv"] <= 1.5 * run["all_grads_rel"]["plain"]
@@ -444,7 +444,7 @@ def test_model_variants_tiny_presets_pack_and_agree_on_cpu(tmp_path):
                 "--compiler", "none", "--out", str(tmp_path)]
         assert model_variants.main(argv) == 0
     with open(tmp_path / "model_variants.json") as f:
-        models = json.load(f)["models"]
+        models = json.load(f)["results"]["models"]  # the record of benchmarks/harness.py
     for model, baseline in (("tiny-gpt-oss", "eager"), ("tiny-deepseek-v2", "varlen")):
         e = models[model]
         base, dk = e["rows"]
@@ -523,3 +523,48 @@ def test_benchmarks_have_no_import_cycle_between_modules_or_groups():
             groups.setdefault(t, set())
     cycles = _cycles(groups)
     assert not cycles, "groups of benchmarks/ that import each other:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_harness_stamps_one_schema_and_names_the_results_folder(tmp_path):
+    """benchmarks/harness.py: a record has exactly the fixed keys (bench, device, versions, date, command, meta, rows,
+    results), the command is the script's path from the repository root with its arguments, and a run's folder is
+    results/<bench>/<device>-<date>/."""
+    from benchmarks import harness
+
+    script = os.path.join(ROOT, "benchmarks", "ops", "attention.py")
+    stamp = harness.stamp("attention", device="cpu", script=script, argv=["--shapes", "2,8,4", "--stem", "a b"])
+    assert stamp["command"] == "python benchmarks/ops/attention.py --shapes 2,8,4 --stem 'a b'"
+    assert stamp["device"].startswith("cpu (") and stamp["bench"] == "attention" and stamp["date"].endswith(" UTC")
+    assert set(stamp["versions"]) == {"python", "torch", "triton", "transformers", "cuda"}
+    assert stamp["versions"]["torch"] == torch.__version__
+    rec = harness.record(stamp, meta={"n": 1}, rows=[{"ms": 1.0}])
+    assert tuple(rec) == harness.KEYS and rec["results"] == {} and harness.is_record(rec)
+    path = harness.write_json(str(tmp_path / "run" / "attention.json"), rec)
+    with open(path) as f:
+        back = json.load(f)
+    assert back == rec and harness.payload(back) == {"meta": {"n": 1}, "rows": [{"ms": 1.0}]}
+    assert harness.payload({"meta": {}, "cases": []}) == {"meta": {}, "cases": []}  # a JSON from before the schema
+    with pytest.raises(ValueError, match="expected a record with keys"):
+        harness.write_json(str(tmp_path / "x.json"), {"meta": {}, "rows": []})
+    gpu = dict(stamp, device="NVIDIA H200", date="2026-12-02 10:00 UTC")
+    assert harness.result_dir(gpu) == os.path.join(ROOT, "benchmarks", "results", "attention", "h200-2026-12-02")
+    assert [harness.device_slug(d) for d in ("4 x NVIDIA H100 80GB HBM3", "cpu (x86_64, 2 cores)", "AMD Instinct MI300X")] \
+        == ["4xh100", "cpu", "mi300x"]
+    assert harness.markdown_stamp(gpu)[1] == f"- command: `{stamp['command']}`"
+
+
+def test_every_benchmark_json_goes_through_the_harness():
+    """No script of benchmarks/ writes a JSON file but through harness.write_json (one schema for every result); the
+    exceptions print JSON to a parent process or append to a log of lines."""
+    import pathlib
+
+    lines_log = {"benchmarks/tuning/triton_tune.py"}  # results.jsonl: one record per line as the sweep goes
+    bad = []
+    for path in sorted(pathlib.Path(ROOT, "benchmarks").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "benchmarks/harness.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if "json.dump(" in line or ("write(json.dumps" in line and rel not in lines_log):
+                bad.append(f"{rel}:{n}: {line.strip()}")
+    assert not bad, "JSON written around benchmarks/harness.py:\n" + "\n".join(bad)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import subprocess
@@ -31,6 +30,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository
 sys.path.insert(0, ROOT)
+from benchmarks import harness  # noqa: E402
 # Llama-3.2-1B's shape (issue 36 asks for a Llama-1B row beside the Qwen3 ones): 16 layers, head dim 64, tied head.
 LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                 intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)
@@ -289,17 +289,15 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:
-        import torch
-
-        os.makedirs(args.out, exist_ok=True)
-        meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "device": args.device,
+        stamp = harness.stamp("compile_time", device=args.device, script=__file__, argv=argv)
+        meta = {"date": stamp["date"], "torch": stamp["versions"]["torch"], "device": stamp["device"],
                 "model": args.model, "layers": args.layers, "shape": args.shape,
                 "concurrent": args.concurrent, "sides": sides, "states": args.states,
                 "packed_compile": args.packed_compile}
-        with open(os.path.join(args.out, "compile_time.json"), "w") as f:
-            json.dump({"meta": meta, "rows": {f"{s}/{t}": r for (s, t), r in rows.items()}}, f, indent=2)
+        harness.write_json(os.path.join(args.out, "compile_time.json"), harness.record(
+            stamp, meta=meta, rows=[dict(side=s, state=t, **r) for (s, t), r in rows.items()]), indent=2)
         with open(os.path.join(args.out, "compile_time.md"), "w") as f:
-            f.write(f"# Compile time ({meta})\n\n{text}\n")
+            f.write("\n".join([f"# Compile time ({meta})", "", *harness.markdown_stamp(stamp), "", text]) + "\n")
     return 0
 
 

@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -50,6 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
+from benchmarks import harness  # noqa: E402
 
 
 def parse(argv=None):
@@ -179,12 +178,12 @@ def compare_pair(a: dict, b: dict) -> tuple[dict, str]:
     return entry, text
 
 
-def compare(args) -> int:
+def compare(args, argv=None) -> int:
     b = torch.load(os.path.join(args.compare, "dualkv.pt"), weights_only=False)
-    import transformers
-
-    summary = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "transformers": transformers.__version__,
-               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    stamp = harness.stamp("verl_engine_gpu", device=None, script=__file__, argv=argv)
+    summary = {"date": stamp["date"], "torch": stamp["versions"]["torch"],
+               "transformers": stamp["versions"]["transformers"],
+               "gpu": stamp["device"] if torch.cuda.is_available() else None,
                "dualkv": {k: b.get(k) for k in SIDE_KEYS},
                "against": {}, "dualkv_reports": b.get("reports")}
     lines = []
@@ -198,20 +197,20 @@ def compare(args) -> int:
     if not lines:
         raise SystemExit(f"no plain side in {args.compare}: run --side plain first")
     if args.report:
-        os.makedirs(args.report, exist_ok=True)
-        with open(os.path.join(args.report, "verl_engine_gpu.json"), "w") as f:
-            json.dump(summary, f, indent=2, default=str)
+        meta = {k: summary[k] for k in ("date", "torch", "transformers", "gpu")}
+        harness.write_json(os.path.join(args.report, "verl_engine_gpu.json"), harness.record(
+            stamp, meta=meta, results={k: v for k, v in summary.items() if k not in meta}), indent=2)
         with open(os.path.join(args.report, "verl_engine_gpu.md"), "w") as f:
             body = "\n\n".join(f"- {t}" for t in lines)
             f.write(f"# veRL engine, with and without dualkv ({summary['date']})\n\n{summary['gpu']}; torch {summary['torch']}, "
-                    f"transformers {summary['transformers']}\n\n{body}\n")
+                    f"transformers {summary['transformers']}\n{harness.markdown_stamp(stamp)[1]}\n\n{body}\n")
     return 0
 
 
 def main(argv=None) -> int:
     args = parse(argv)
     if args.compare:
-        return compare(args)
+        return compare(args, argv)
     if not args.side:
         raise SystemExit("--side plain|dualkv, or --compare DIR")
     run_side(args)

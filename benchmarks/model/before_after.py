@@ -15,9 +15,7 @@ tree, with dualkv's median step time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -25,6 +23,8 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))  # the repository
+from benchmarks import harness  # noqa: E402
 
 
 # Where a tree keeps model_cpu.py: benchmarks/model/ since the benchmarks were grouped, benchmarks/ before.
@@ -56,8 +56,11 @@ def main():
     ap.add_argument("--before", required=True)
     ap.add_argument("--after", required=True)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", default=os.path.join(HERE, "..", "results", "before_after_cpu.md"))
+    ap.add_argument("--out", default=None, help="the report's path, its record beside it (.json); default: "
+                    "benchmarks/results/before_after/cpu-<date>/before_after.md")
     args = ap.parse_args(own)
+    stamp = harness.stamp("before_after", device="cpu", script=__file__, argv=argv)
+    args.out = args.out or os.path.join(harness.result_dir(stamp), "before_after.md")
     for tree in (args.before, args.after):
         if script_of(tree) is None:
             ap.error(f"{tree!r} holds no {' or '.join(SCRIPT_PATHS)}")
@@ -74,7 +77,7 @@ def main():
     lines = [
         "# Before and after, side by side: `benchmarks/model/model_cpu.py " + " ".join(extra) + "`",
         "",
-        f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, {os.cpu_count()} cores",
+        *harness.markdown_stamp(stamp),
         f"- before: `{args.before}`; after: `{args.after}`; {args.rounds} rounds, the trees alternating",
         "",
         "| round | tree | dualkv ms (median) | inductor ms (median) | speedup over inductor-duplicated |",
@@ -88,9 +91,14 @@ def main():
     lines += ["", f"- median speedup: before **{med['before']:.2f}x**, after **{med['after']:.2f}x** "
               f"(after / before {med['after'] / med['before']:.3f})", "",
               "## The after tree's last report", "", rows["after"][-1]["report"]]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines[:8 + 2 * args.rounds + 2]))
+    harness.write_json(os.path.splitext(args.out)[0] + ".json", harness.record(
+        stamp, meta=dict(before=args.before, after=args.after, rounds=args.rounds, model_cpu_args=extra),
+        rows=[dict(round=r + 1, tree=n, **{k: v for k, v in rows[n][r].items() if k != "report"})
+              for r in range(args.rounds) for n in ("before", "after")], results=dict(median_speedup=med)))
+    print("\n".join(lines[:9 + 2 * args.rounds + 2]))
 
 
 if __name__ == "__main__":

@@ -20,10 +20,8 @@ The step's own peak is the increase over the warm-up peak.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -31,6 +29,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from benchmarks import harness  # noqa: E402
 
 
 def _rss_mb() -> float:
@@ -106,7 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--R", type=int, default=64)
     ap.add_argument("--entropy", action="store_true", help="add an entropy bonus to the loss")
     ap.add_argument("--variant", choices=["dualkv", "undecorated"])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results"))
+    ap.add_argument("--out", default=None,
+                    help="default: benchmarks/results/loss_memory_cpu/cpu-<date>/ (benchmarks/harness.py)")
     args = ap.parse_args(argv)
     if args.variant:
         print(json.dumps(run_variant(args)))
@@ -121,11 +121,13 @@ def main(argv=None) -> int:
         results[variant] = json.loads(out)
     N, P, R, V = args.N, args.P, args.R, args.vocab
     dup, packed = N * (P + R), P + N * R
+    stamp = harness.stamp("loss_memory_cpu", device="cpu", script=__file__, argv=argv)
+    args.out = args.out or harness.result_dir(stamp)
     lines = [
         "# Peak memory of a GRPO loss step on CPU: @policy_loss vs undecorated" + (" (with an entropy bonus)" if args.entropy else ""),
         "",
         f"- commit {_commit()}",
-        f"- date {datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        *harness.markdown_stamp(stamp),
         f"- tiny Qwen3 (2 layers, hidden 128), vocab {V}, fp32; one group N={N}, P={P}, R={R}: "
         f"{dup} tokens duplicated, {packed} packed (rho {dup / packed:.2f}x)",
         f"- one [tokens, V] fp32 tensor: {dup * V * 4 / 2**20:.0f} MB duplicated, {packed * V * 4 / 2**20:.0f} MB packed",
@@ -142,8 +144,11 @@ def main(argv=None) -> int:
     lines += ["", f"- step memory ratio undecorated / dualkv: {inc['undecorated'] / max(inc['dualkv'], 1):.2f}x (token reduction {dup / packed:.2f}x)"]
     text = "\n".join(lines) + "\n"
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "loss_memory_cpu_entropy.md" if args.entropy else "loss_memory_cpu.md"), "w") as f:
+    stem = "loss_memory_cpu_entropy" if args.entropy else "loss_memory_cpu"
+    harness.write_json(os.path.join(args.out, stem + ".json"), harness.record(
+        stamp, meta=dict(vocab=V, N=N, P=P, R=R, entropy=args.entropy, commit=_commit()), rows=list(results.values()),
+        results=dict(step_memory_ratio=inc["undecorated"] / max(inc["dualkv"], 1), token_reduction=dup / packed)))
+    with open(os.path.join(args.out, stem + ".md"), "w") as f:
         f.write(text)
     return 0
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import logging
 import os
 import platform
@@ -43,8 +42,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import dualkv_compile  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def progress(msg: str) -> None:
@@ -224,10 +223,13 @@ def main():
     ap.add_argument("--loss", choices=["outside", "policy"], default="outside",
                     help="outside: compile the model, loss eagerly on its logits; policy: model + token loss compiled "
                     "together (dualkv through @policy_loss, the logits stay packed)")
-    ap.add_argument("--out", default=None, help="default: benchmarks/results/model_cpu.md (--loss outside), model_cpu_policy_loss.md (--loss policy)")
+    ap.add_argument("--out", default=None, help="the report's path, its record beside it (.json); default: "
+                    "benchmarks/results/model_cpu/cpu-<date>/model_cpu.md (--loss outside), model_cpu_policy_loss.md "
+                    "(--loss policy)")
     args = ap.parse_args()
+    stamp = harness.stamp("model_cpu", device="cpu", script=__file__)
     if args.out is None:
-        args.out = os.path.join(HERE, "..", "results", "model_cpu.md" if args.loss == "outside" else "model_cpu_policy_loss.md")
+        args.out = os.path.join(harness.result_dir(stamp), "model_cpu.md" if args.loss == "outside" else "model_cpu_policy_loss.md")
     logging.getLogger("dualkv_compile").setLevel(logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -235,7 +237,8 @@ def main():
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
 
     model, cfg = build_model()
-    ids, mask = group_batch(args.P, response_lengths(args.N, args.R, args.ragged), cfg.vocab_size)
+    lens = response_lengths(args.N, args.R, args.ragged)
+    ids, mask = group_batch(args.P, lens, cfg.vocab_size)
     layout = dualkv_compile.detect(ids, mask)
     st = layout.stats()
     progress(f"batch {list(ids.shape)}: {st}")
@@ -288,13 +291,10 @@ def main():
     grad_diff = max((a - b).abs().max().item() for a, b in zip(first["dualkv"][1], first["inductor"][1]))
     grad_rel = max(((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(first["dualkv"][1], first["inductor"][1]))
 
-    import transformers
-
     info = (
-        f"- date: {datetime.date.today().isoformat()}\n"
+        "\n".join(harness.markdown_stamp(stamp)) + "\n"
         f"- machine: processor {platform.processor() or '?'!r}, {platform.machine()}, {os.cpu_count()} cores, "
         f"torch threads {torch.get_num_threads()}\n"
-        f"- torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}\n"
         f"- model: Qwen3 config, random weights, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} kv, head_dim {cfg.head_dim}, "
         f"MLP {cfg.intermediate_size}, vocab {cfg.vocab_size}, fp32\n"
@@ -324,9 +324,15 @@ def main():
         text += "\n## Where the dualkv step's time goes\n\n" + profile_dualkv(step_fn, fns["dualkv"], models["dualkv"], ids, mask, w, cfg, layout) + "\n"
     print(text)
     if args.out:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(text)
+        rows = [dict(variant=n, ms_median=med[n], ms_min=best_ms[n], first_step_s=compile_s[n]) for n in fns]
+        harness.write_json(os.path.splitext(args.out)[0] + ".json", harness.record(
+            stamp, meta=dict(loss=args.loss, N=args.N, P=args.P, R=args.R, ragged=args.ragged, runs=args.runs,
+                             warmup=args.warmup, clock=args.clock, threads=torch.get_num_threads()),
+            rows=rows, results=dict(speedup=speedup, ideal=ideal, loss_diff=loss_diff, grad_diff=grad_diff,
+                                    grad_rel=grad_rel, flops_duplicated=f_dup, flops_packed=f_pk)))
         progress(f"wrote {args.out}")
 
 

@@ -29,7 +29,6 @@ reported as OOM, any other failure by its exception type.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -42,6 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import dualkv_compile  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 MODELS = {
     "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072),
@@ -156,14 +156,14 @@ def time_step(fn, model, batch, reps, device, max_tokens=None):
     return statistics.median(times), peak, len(parts)
 
 
-def write(rows, meta, out):
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "model_gpu.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+def write(rows, meta, out, stamp):
+    """``model_gpu.{json,md,png}`` under ``out``: the harness's record of ``stamp``, the table and the plot."""
+    harness.write_json(os.path.join(out, "model_gpu.json"), harness.record(stamp, meta=meta, rows=rows))
     lines = [
         "# GRPO loss step (forward + backward), whole model: dualkv @policy_loss vs Inductor on the duplicated batch",
         "",
         f"- {meta['device']}; torch {meta['torch']}; triton {meta['triton']}; transformers {meta['transformers']}; {meta['date']}",
+        f"- command: `{stamp['command']}`",
         f"- {meta['dtype']} Qwen3-shaped models, random weights, SDPA; median of {meta['reps']} timed steps after 2 warm-up steps; tokens/s count the duplicated batch's valid tokens (logical tokens) for both",
         "- ideal: FLOPs duplicated / FLOPs packed (linear layers and lm_head 3x forward, attention 3.5x forward)",
         f"- baseline: `torch.compile` (Inductor) of the same loss on the duplicated batch, in micro-batches of at most {meta['baseline_max_tokens']} tokens (mb = their count; 1 = the whole batch in one call); dualkv: `@policy_loss`, the whole batch in one call, attention_backend 'auto' (Triton; on sm_90 from 2026-11-25 the Gluon kernels: the forward and dQ, and from run 2026-11-25j dK/dV too); triton: the same with the Triton kernels only; flex: the same with FlexAttention",
@@ -339,14 +339,17 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the script (float32)")
-    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results")))
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/model_gpu/<device>-<date>/ (benchmarks/harness.py)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="only merge these runs' model_gpu.json (later over earlier) into --out's json/md/png")
     ap.add_argument("--stack-dump-s", type=float, default=0, help="dump every thread's stack to stderr every this many seconds (diagnose a stuck compile)")
     args = ap.parse_args(argv)
     if args.merge:
         rows, meta = merge(args.merge)
-        write(rows, meta, args.out)
+        stamp = harness.stamp("model_gpu", device=meta.get("device", "cpu"), script=__file__, argv=argv)
+        write(rows, meta, args.out or harness.result_dir(stamp), stamp)
         return 0
+    stamp = harness.stamp("model_gpu", device=args.device, script=__file__, argv=argv)
+    args.out = args.out or harness.result_dir(stamp)
     if args.stack_dump_s:
         import faulthandler
 
@@ -358,8 +361,6 @@ def main(argv=None) -> int:
     for v in variants:
         if v not in ("dualkv", "flex", "triton", "baseline"):
             ap.error(f"--variants: unknown variant {v!r}; expected some of dualkv, flex, triton, baseline")
-    import transformers
-    import triton
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     t0 = time.time()
@@ -367,8 +368,8 @@ def main(argv=None) -> int:
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     meta = dict(
-        device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, triton=triton.__version__,
-        transformers=transformers.__version__, date=datetime.datetime.now().isoformat(timespec="minutes"),
+        device=stamp["device"], torch=stamp["versions"]["torch"], triton=stamp["versions"]["triton"],
+        transformers=stamp["versions"]["transformers"], date=stamp["date"],
         device_gb=torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None,
         layers_8b=args.layers_8b, reps=args.reps, baseline_max_tokens=args.baseline_max_tokens, dtype=str(dtype),
     )
@@ -392,7 +393,7 @@ def main(argv=None) -> int:
         for shape in shapes:
             if time.time() - t0 > args.budget_s:
                 log(f"budget of {args.budget_s:.0f}s spent; stopping")
-                write(rows, meta, args.out)
+                write(rows, meta, args.out, stamp)
                 return 0
             batch = make_batch(shape, args.device, vocab=vocab)
             stats = dualkv_compile.detect(batch["input_ids"], batch["attention_mask"]).stats()
@@ -425,13 +426,13 @@ def main(argv=None) -> int:
                     if cuda:
                         torch.cuda.empty_cache()
             rows.append(row)
-            write(rows, meta, args.out)
+            write(rows, meta, args.out, stamp)
         # The next model's peaks must not include this one: free it (and what its steps compiled) first.
         del model, fns
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    write(rows, meta, args.out)
+    write(rows, meta, args.out, stamp)
     log(f"done in {time.time() - t0:.0f}s")
     return 0
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import os
 import sys
 
@@ -35,6 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import dualkv_compile  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from benchmarks.model.model_gpu import log, time_step  # noqa: E402
 from benchmarks.model.model_remove_padding import clipped_token_mean, make_batch, next_token_logp  # noqa: E402
 
@@ -117,8 +116,10 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--accuracy-seeds", type=int, default=1, help="accuracy batches (seeds 1..N); errors averaged")
     ap.add_argument("--skip-timing", action="store_true", help="the accuracy comparison only")
-    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results")))
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/model_moe/<device>-<date>/ (benchmarks/harness.py)")
     args = ap.parse_args(argv)
+    args.stamp = harness.stamp("model_moe", device=args.device, script=__file__, argv=argv)
+    args.out = args.out or harness.result_dir(args.stamp)
 
     from transformers import Qwen3MoeForCausalLM
 
@@ -129,12 +130,12 @@ def main(argv=None) -> int:
     model32 = Qwen3MoeForCausalLM(config).to(args.device).train()
     model = copy.deepcopy(model32).to(dtype)
     vocab = cfg["vocab_size"]
-    meta = dict(date=datetime.date.today().isoformat(),
-                device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
-                transformers=__import__("transformers").__version__, model=args.model, layers=args.layers,
+    versions = args.stamp["versions"]
+    meta = dict(date=args.stamp["date"], device=args.stamp["device"], torch=versions["torch"],
+                transformers=versions["transformers"], model=args.model, layers=args.layers,
                 experts_implementation=getattr(model.config, "_experts_implementation", None))
     if args.device == "cuda":
-        meta["triton"] = __import__("triton").__version__
+        meta["triton"] = versions["triton"]
     os.makedirs(args.out, exist_ok=True)
 
     if not args.skip_accuracy:
@@ -181,8 +182,7 @@ def main(argv=None) -> int:
         rows.append(dict(variant=name, ms=ms, peak_gb=peak, loss=loss, packed_calls=packed, refused=refused,
                          tflops=f_dup / ms / 1e9))
         log(f"{name}: {ms:.1f} ms, peak {peak:.1f} GB, loss {loss:.6f}, packed calls {packed}, refused {refused}")
-        with open(os.path.join(args.out, "model_moe.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        harness.write_json(os.path.join(args.out, "model_moe.json"), harness.record(args.stamp, meta=meta, rows=rows))
     if all("ms" in r for r in rows):
         meta["speedup"] = rows[0]["ms"] / rows[1]["ms"]
     _write(args, meta, rows, B, S, stats)
@@ -191,8 +191,7 @@ def main(argv=None) -> int:
 
 def _write(args, meta: dict, rows: list, B, S, stats) -> None:
     """``model_moe.{json,md}`` under ``--out``: the timing rows (if any) and the accuracy table (if measured)."""
-    with open(os.path.join(args.out, "model_moe.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    harness.write_json(os.path.join(args.out, "model_moe.json"), harness.record(args.stamp, meta=meta, rows=rows))
     lines = [
         f"# MoE GRPO step, Qwen3-{args.model} shape with {args.layers} layers ({meta['device']}, torch {meta['torch']}, "
         f"transformers {meta['transformers']}, triton {meta.get('triton', '-')}, {meta['date']})",

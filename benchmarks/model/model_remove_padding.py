@@ -24,8 +24,6 @@ both (they must agree). Writes ``model_remove_padding.{json,md}`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -33,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import dualkv_compile  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from benchmarks.model.model_gpu import MODELS, TINY_VOCAB, VOCAB, flops, log, time_step  # noqa: E402
 from benchmarks.ops import varlen_attention  # noqa: E402  (registers torch_varlen)
 
@@ -125,8 +124,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--skip-weak", action="store_true", help="leave out the dense-mask SDPA baseline (its [T, T] mask is large)")
-    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results")))
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/model_remove_padding/<device>-<date>/ (benchmarks/harness.py)")
     args = ap.parse_args(argv)
+    stamp = harness.stamp("model_remove_padding", device=args.device, script=__file__, argv=argv)
+    args.out = args.out or harness.result_dir(stamp)
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -169,15 +170,14 @@ def main(argv=None) -> int:
     model.config._attn_implementation = "sdpa"
     base, dk = rows[0]["ms"], rows[-1]["ms"]
     meta = dict(
-        date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        torch=torch.__version__, transformers=__import__("transformers").__version__,
-        triton=getattr(__import__("importlib").import_module("triton"), "__version__", "?") if args.device == "cuda" else "-",
+        date=stamp["date"], device=stamp["device"], torch=stamp["versions"]["torch"],
+        transformers=stamp["versions"]["transformers"],
+        triton=stamp["versions"]["triton"] if args.device == "cuda" else "-",
         model=args.model, tokens=T, sequences=stats.num_sequences, tokens_after=stats.tokens_after, rho=stats.rho,
         depth=stats.depth, speedup=base / dk, ideal=flops_dup / flops_packed,
     )
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "model_remove_padding.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    harness.write_json(os.path.join(args.out, "model_remove_padding.json"), harness.record(stamp, meta=meta, rows=rows))
     lines = [
         f"# Remove-padding GRPO step, Qwen3-{args.model} shape ({meta['device']}, torch {meta['torch']}, "
         f"transformers {meta['transformers']}, triton {meta['triton']}, {meta['date']})",

@@ -24,17 +24,16 @@ window) and their ratio; dualkv's report (``explain()``'s summary, attention bac
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import shlex
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import dualkv_compile  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from benchmarks.ops import varlen_attention  # noqa: E402  (registers torch_varlen)
 from benchmarks.model.model_gpu import log, time_step  # noqa: E402
 from benchmarks.model.model_remove_padding import (chunked_next_token_logp, clipped_token_mean, next_token_logp,  # noqa: E402
@@ -312,16 +311,16 @@ def run_side(name, side, model, seqs, args, window) -> dict:
     return row
 
 
-def write(out: str, meta: dict, name: str, entry: dict) -> None:
-    """``model_variants.{json,md}`` under ``out``: this model's entry (with its run's meta) merged into the others."""
+def write(out: str, meta: dict, name: str, entry: dict, stamp: dict) -> None:
+    """``model_variants.{json,md}`` under ``out``: this model's entry (with its run's meta) merged into the others
+    (the record's ``results["models"]``, stamped by this run)."""
     os.makedirs(out, exist_ok=True)
     path, models = os.path.join(out, "model_variants.json"), {}
     if os.path.exists(path):
         with open(path) as f:
-            models = json.load(f).get("models", {})
+            models = harness.payload(json.load(f)).get("models", {})
     models[name] = dict(entry, meta=meta)
-    with open(path, "w") as f:
-        json.dump(dict(models=models), f, indent=1)
+    harness.write_json(path, harness.record(stamp, meta=dict(models=sorted(models)), results=dict(models=models)))
     lines = ["# GRPO step on gpt-oss and DeepSeek-V2 shapes: dualkv against the strongest baseline that runs", ""]
     for model, e in models.items():
         m, (p0, p1), (r0, r1) = e["meta"], e["prompt"], e["response"]
@@ -366,9 +365,10 @@ def main(argv=None) -> int:
                     help="every side's (dualkv's inner one); none (the baselines uncompiled, dualkv's inner "
                     "compiler eager) for a quick CPU run")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                       "results")))
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/model_variants/<device>-<date>/ (benchmarks/harness.py)")
     args = ap.parse_args(argv)
+    stamp = harness.stamp("model_variants", device=args.device, script=__file__, argv=argv)
+    args.out = args.out or harness.result_dir(stamp)
     family, cfg = MODELS[args.model]
     tiny, cuda = args.model.startswith("tiny"), args.device == "cuda"
     prompt, response = ([int(x) for x in ((text or default).split("..") * 2)[:2]] for text, default in
@@ -379,7 +379,6 @@ def main(argv=None) -> int:
     for b in names:
         if b not in SIDES[family] or b == "dualkv":
             ap.error(f"--baselines: {b!r} is not one of {list(SIDES[family])[:-1]} for {args.model}")
-    import transformers
 
     model = build_model(args.model, args.layers, args.device, torch.bfloat16 if cuda else torch.float32)
     seqs = sequences(args.groups, args.rollouts, prompt, response, cfg["vocab_size"])
@@ -387,10 +386,10 @@ def main(argv=None) -> int:
     stats = dualkv_compile.detect(row["input_ids"], None, row["position_ids"], same_columns=False).stats()
     dup, packed = flop_model(args.model, args.layers, seqs)
     log(f"{args.model} x {args.layers} layers: {stats}; FLOP ideal {dup / packed:.2f}x")
-    meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name() if cuda else "cpu",
-                torch=torch.__version__, transformers=transformers.__version__,
-                triton=__import__("triton").__version__ if cuda else "-")
-    entry = dict(command="python benchmarks/model/model_variants.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+    versions = stamp["versions"]
+    meta = dict(date=stamp["date"], device=stamp["device"], torch=versions["torch"],
+                transformers=versions["transformers"], triton=versions["triton"] if cuda else "-")
+    entry = dict(command=stamp["command"],
                  layers=args.layers, groups=args.groups, rollouts=args.rollouts, prompt=prompt, response=response,
                  tokens=stats.tokens_before, tokens_after=stats.tokens_after, rho=stats.rho, layout_stats=str(stats),
                  experts_implementation=getattr(model.config, "_experts_implementation", None), compiler=args.compiler,
@@ -398,7 +397,7 @@ def main(argv=None) -> int:
                  loss_tolerance=1e-2 if cuda else 1e-4, rows=[])
     for name in names + ["dualkv"]:  # the files written after each side: a run cut short keeps what it measured
         entry["rows"].append(run_side(name, SIDES[family][name], model, seqs, args, cfg.get("sliding_window")))
-        write(args.out, meta, args.model, entry)
+        write(args.out, meta, args.model, entry, stamp)
     ran, dk = [r for r in entry["rows"][:-1] if "ms" in r], entry["rows"][-1]
     if ran and "ms" in dk:
         best = min(ran, key=lambda r: r["ms"])
@@ -406,7 +405,7 @@ def main(argv=None) -> int:
                      loss_rel_diff=abs(dk["loss"] - best["loss"]) / max(abs(best["loss"]), 1e-12))
         entry.update(of_ideal=entry["speedup"] / entry["ideal"],
                      losses_agree=entry["loss_rel_diff"] <= entry["loss_tolerance"])
-        write(args.out, meta, args.model, entry)
+        write(args.out, meta, args.model, entry, stamp)
     with open(os.path.join(args.out, "model_variants.md")) as f:
         log(f.read())
     return 0

@@ -21,8 +21,6 @@ Rank 0 prints a table and writes ``trl_grpo_gpu.json`` / ``.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import logging
 import os
 import statistics
@@ -34,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import dualkv_compile  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from examples.trl_grpo import word_tokenizer  # noqa: E402
 
 log = logging.getLogger("trl_grpo_gpu")
@@ -160,12 +159,12 @@ def main(argv=None) -> int:
             results[side] = run(args, side == "dualkv", os.path.join(tmp, side))
             for i, s in enumerate(results[side]["steps"]):
                 log.info("  %s step %d: train %.3f s, generate %.3f s", side, i + 1, s["train_s"], s["generate_s"])
-    import transformers
     import trl
 
+    stamp = harness.stamp("trl_grpo_gpu", device=None, script=__file__, argv=argv)
     summary = {
-        "date": datetime.date.today().isoformat(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "trl": trl.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "date": stamp["date"], "torch": stamp["versions"]["torch"], "transformers": stamp["versions"]["transformers"],
+        "trl": trl.__version__, "gpu": stamp["device"] if torch.cuda.is_available() else None,
         "args": vars(args), "sides": {},
     }
     lines = ["| side | train s/step (steps 2+) | first step train s | generate s/step | peak MiB |", "|---|---:|---:|---:|---:|"]
@@ -189,12 +188,13 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "trl_grpo_gpu.json"), "w") as f:
-            json.dump(summary, f, indent=2, default=str)
+        meta = {k: summary[k] for k in ("date", "torch", "transformers", "trl", "gpu", "args")}
+        harness.write_json(os.path.join(args.out, "trl_grpo_gpu.json"), harness.record(
+            stamp, meta=meta, results={k: v for k, v in summary.items() if k not in meta}), indent=2)
         with open(os.path.join(args.out, "trl_grpo_gpu.md"), "w") as f:
             f.write(f"# TRL GRPOTrainer, with and without dualkv ({summary['date']})\n\n{summary['gpu']}; torch {summary['torch']}, "
-                    f"transformers {summary['transformers']}, trl {summary['trl']}; args {vars(args)}\n\n{text}\n")
+                    f"transformers {summary['transformers']}, trl {summary['trl']}; args {vars(args)}\n"
+                    f"{harness.markdown_stamp(stamp)[1]}\n\n{text}\n")
     return 0
 
 

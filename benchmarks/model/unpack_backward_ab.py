@@ -28,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
+from benchmarks import harness  # noqa: E402
 from benchmarks.model import model_cpu as mc  # noqa: E402
 from dualkv_compile.layout import packed_ops  # noqa: E402
 from dualkv_compile.layout.pack import gather_valid_indexed  # noqa: E402  (the form before the change, kept on CUDA)
@@ -83,6 +84,7 @@ def main():
         for n in fns:
             current[0] = n
             ts[n].append(mc.timed(mc.step, fns[n], models[n], ids, mask, w))
+    print("\n".join(harness.markdown_stamp(harness.stamp("unpack_backward_ab", device="cpu", script=__file__))))
     print(f"torch {torch.__version__}, threads {args.threads}, {args.runs} interleaved runs")
     for n in fns:
         print(f"{n}: median {statistics.median(ts[n]):.1f} ms, min {min(ts[n]):.1f}")

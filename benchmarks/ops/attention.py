@@ -43,9 +43,7 @@ configs the Gluon kernels ran with (on CUDA always).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
 import sys
 import time
@@ -59,6 +57,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+from benchmarks import harness  # noqa: E402
 from dualkv_compile.ops import attention as dk_op  # noqa: E402
 
 # The cases, methods, timing and report live in sibling modules; their names stay reachable as
@@ -231,7 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small shapes, few reps (smoke test)")
     ap.add_argument("--shapes", action="append", type=parse_shape, help="N,P,R, 'groups' or 'tree'; repeatable (default: all)")
     ap.add_argument("--methods", default=None, help="comma-separated subset of methods")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: benchmarks/results/attention/<device>-<date>/ (benchmarks/harness.py)")
     ap.add_argument("--stem", default=None, help="output file stem (default attention_<device>[_quick])")
     ap.add_argument("--budget-ms", type=float, default=400.0, help="time budget per measurement after warm-up")
     ap.add_argument("--min-reps", type=int, default=3)
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.plot_only:
-        results = json.loads(args.plot_only.read_text())
+        results = harness.payload(json.loads(args.plot_only.read_text()))
         stem = args.plot_only.with_suffix("")
         stem.with_suffix(".md").write_text(markdown(results))
         plot(results, stem.with_suffix(".png"))
@@ -287,12 +287,12 @@ def main(argv=None) -> int:
         keep = set(args.methods.split(","))
         methods = {k: v for k, v in methods.items() if k in keep}
 
+    stamp = harness.stamp("attention", device=device, script=__file__, argv=argv)
+    args.out = args.out or Path(harness.result_dir(stamp))
+    versions = stamp["versions"]
     meta = dict(
-        device=torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
-        torch=torch.__version__,
-        triton=_triton_version(),
-        cuda=torch.version.cuda,
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        device=stamp["device"], torch=versions["torch"], triton=versions["triton"], cuda=versions["cuda"],
+        date=stamp["date"],
         hq=cfg.hq, hkv=cfg.hkv, d=cfg.d, dtype=str(cfg.dtype).replace("torch.", ""),
         cuda_timing=device.type == "cuda", quick=args.quick, budget_ms=args.budget_ms, min_reps=args.min_reps, max_reps=args.max_reps,
     )
@@ -313,26 +313,17 @@ def main(argv=None) -> int:
             results["block_mask"]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             log(f"  block mask FAILED: {e}")
             torch.cuda.set_sync_debug_mode("default")
-        write_report(results, args.out, stem)
+        write_report(results, args.out, stem, stamp)
 
     t_start = time.time()
     for case in cases:
         log(f"case {case.name}: T={case.num_tokens} rows={len(case.rows)} ideal ratio {case.ideal_ratio:.2f}x")
         for name, setup in methods.items():
             results["rows"] += run_method(name, setup, case, cfg, args)
-        write_report(results, args.out, stem)  # after every case: a killed run keeps what it measured
+        write_report(results, args.out, stem, stamp)  # after every case: a killed run keeps what it measured
     log(f"done in {time.time() - t_start:.0f}s; wrote {args.out}/{stem}.{{json,md,png}}")
     print(markdown(results))
     return 0
-
-
-def _triton_version() -> Optional[str]:
-    try:
-        import triton
-
-        return triton.__version__
-    except Exception:  # noqa: BLE001
-        return None
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """The report of ``benchmarks/ops/attention.py``: its results as JSON, a Markdown table per case (speedup over SDPA on
 the duplicated batch, efficiency against SDPA-cuDNN, peak memory) and a PNG plot of the speedups.
 
-``python benchmarks/ops/attention.py --plot-only results.json`` redraws the Markdown and the plot from a results file.
+``python benchmarks/ops/attention.py --plot-only results.json`` redraws the Markdown and the plot from a results file
+(a record of ``benchmarks/harness.py`` or a JSON written before it).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from benchmarks import harness
 from benchmarks.ops.attention_timing import log
 
 
@@ -19,9 +20,13 @@ def _slug(s: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in s.lower()).strip("_")
 
 
-def write_report(results: dict, out_dir: Path, stem: str) -> None:
+def write_report(results: dict, out_dir: Path, stem: str, stamp: dict) -> None:
+    """``results`` ({meta, cases, rows, ...}) as the harness's record ``stem``.json (cases, skipped and the block
+    mask in its ``results``), its Markdown and its plot, in ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    rest = {k: v for k, v in results.items() if k not in ("meta", "rows")}
+    harness.write_json(str(out_dir / f"{stem}.json"), harness.record(stamp, meta=results["meta"], rows=results["rows"],
+                                                                    results=rest))
     (out_dir / f"{stem}.md").write_text(markdown(results))
     try:
         plot(results, out_dir / f"{stem}.png")

@@ -12,7 +12,6 @@ Error: relative to a float32 computation of the same, for both.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -21,6 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from benchmarks import harness  # noqa: E402
 from dualkv_compile.kernels.linear_log_prob import linear_log_prob_reference  # noqa: E402
 from dualkv_compile.ops.linear_log_prob import linear_log_prob  # noqa: E402
 
@@ -35,10 +35,13 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT"),
+                    help="default: benchmarks/results/linear_log_prob/<device>-<date>/ (benchmarks/harness.py)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
+    stamp = harness.stamp("linear_log_prob", device="cuda", script=__file__, argv=argv)
+    args.out = args.out or harness.result_dir(stamp)
     dev, T, H, V = "cuda", args.tokens, args.hidden, args.vocab
     g = torch.Generator(device=dev).manual_seed(0)
     hidden = (torch.randn(T, H, device=dev, generator=g)).bfloat16().requires_grad_()
@@ -57,7 +60,8 @@ def main(argv=None) -> int:
 
     h32, w32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
     truth = grads(lambda h, w, r, i: linear_log_prob_reference(h, w, r, i, **post), h32, w32)
-    result = {"tokens": T, "hidden": H, "vocab": V, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    meta = {"tokens": T, "hidden": H, "vocab": V, "device": stamp["device"], "torch": stamp["versions"]["torch"]}
+    result = {}
     for name, fn in (("unfused_inductor", unfused), ("fused", fused)):
         got = grads(fn, hidden, weight)
         errs = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, truth)]
@@ -78,9 +82,7 @@ def main(argv=None) -> int:
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         result[name] = dict(ms=statistics.median(times), peak_gb_above_inputs=peak, rel_err_out_dh_dw=errs)
         log(f"{name}: {statistics.median(times):.2f} ms fwd+bwd, peak {peak:.2f} GB above inputs, rel err (out, dh, dw) {['%.1e' % e for e in errs]}")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "linear_log_prob.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    harness.write_json(os.path.join(args.out, "linear_log_prob.json"), harness.record(stamp, meta=meta, results=result))
     return 0
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+from benchmarks import harness  # noqa: E402
 from benchmarks.ops import attention as bench  # noqa: E402  (benchmarks/ops/attention.py: cases, methods, timing, from attention_methods/_timing)
 
 
@@ -83,7 +84,8 @@ def main(argv=None) -> int:
     cfg = bench.Cfg(32, 8, 128, torch.bfloat16, torch.device("cuda"))
     cases = [bench.case_for(s, cfg.device) for s in args.shapes or [(8, 2048, 2048)]]
     methods = bench.methods_for(cfg)
-    print(f"device {torch.cuda.get_device_name()}; torch {torch.__version__}; Hq 32, Hkv 8, D 128, bf16; ms per call\n")
+    print("\n".join(harness.markdown_stamp(harness.stamp("op_overhead", device="cuda", script=__file__, argv=argv))))
+    print("- Hq 32, Hkv 8, D 128, bf16; ms per call\n")
     print("| case | method | mode | exposed | warm | device | host | gap | gap / exposed |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for case in cases:

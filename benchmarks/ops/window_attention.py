@@ -21,8 +21,6 @@ pairs x 4 x D x Hq, fwd+bwd 3.5x the forward), and each method against flex_dup_
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -30,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import dualkv_compile  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from dualkv_compile.layout import tree_segments  # noqa: E402
 from dualkv_compile.ops.attention import unsupported_reason  # noqa: E402
 
@@ -70,8 +69,10 @@ def fwd_bwd(f, inputs, dout):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", action="append", help="N,P,R,window (repeatable)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/window_attention/<device>-<date>/ (benchmarks/harness.py)")
     args = ap.parse_args(argv)
+    stamp = harness.stamp("window_attention", device="cuda", script=__file__, argv=argv)
+    args.out = args.out or harness.result_dir(stamp)
     cases = [tuple(int(x) for x in c.split(",")) for c in args.cases] if args.cases else CASES
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -141,11 +142,9 @@ def main(argv=None) -> int:
             rows.append(dict(N=N, P=P, R=R, window=w, T=T, method=name, ms=ms, ideal=dup_pairs / pairs,
                              tflops=None if ms is None else flop / ms / 1e9,
                              vs_flex_dup=None if ms is None or base is None else base / ms))
-    meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=__import__("triton").__version__, heads=(HQ, HKV), head_dim=D, dtype="bfloat16")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "window_attention.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    meta = dict(date=stamp["date"], device=stamp["device"], torch=stamp["versions"]["torch"],
+                triton=stamp["versions"]["triton"], heads=(HQ, HKV), head_dim=D, dtype="bfloat16")
+    harness.write_json(os.path.join(args.out, "window_attention.json"), harness.record(stamp, meta=meta, rows=rows))
     lines = [f"# Windowed attention, gpt-oss-20b heads ({HQ}/{HKV}, D={D}), bf16 fwd+bwd ({meta['device']}, torch {meta['torch']}, "
              f"triton {meta['triton']}, {meta['date']})", "",
              "| N x (P + R), window | method | ms | useful TFLOP/s | x flex_dup_window | pair ideal |", "| --- | --- | ---: | ---: | ---: | ---: |"]

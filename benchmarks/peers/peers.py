@@ -45,9 +45,7 @@ what it measured).
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import os
 import sys
 import time
@@ -59,6 +57,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 import dualkv_compile  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from benchmarks.model import model_gpu  # noqa: E402
 from benchmarks.model import model_moe  # noqa: E402
 from benchmarks.model.model_gpu import MODELS, TINY_VOCAB, VOCAB, time_step  # noqa: E402
@@ -260,8 +259,10 @@ def main(argv=None) -> int:
                     "device kernels by kind, launches, host ops; profile_<side>.md in --out)")
     ap.add_argument("--syncs", default="", help="comma-separated sides whose host-device syncs to count by call site "
                     "after their timing (torch.cuda.set_sync_debug_mode; syncs_<side>.md in --out; CUDA only)")
-    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "..", "results", "peers")))
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/peers/<device>-<date>/ (benchmarks/harness.py)")
     args = ap.parse_args(argv)
+    stamp = harness.stamp("peers", device=args.device, script=__file__, argv=argv)
+    args.out = args.out or harness.result_dir(stamp)
     args.profile = [s for s in args.profile.split(",") if s]
     args.syncs = [s for s in args.syncs.split(",") if s]
     for flag in ("groups", "rollouts", "prompt_len", "response_len", "iters"):
@@ -291,12 +292,12 @@ def main(argv=None) -> int:
     batch = make_batch(args.groups, args.rollouts, args.prompt_len, args.response_len, args.ragged, vocab, args.device)
     valid = int(batch["attention_mask"].sum())
     meta = dict(
-        date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        date=stamp["date"], device=stamp["device"],
         dtype=str(dtype).removeprefix("torch."), torch=torch.__version__, transformers=version("transformers"),
         trl=version("trl"), prefix_grouper=version("prefix-grouper"), flash_pref=version("flash-pref"),
         kernels=version("kernels"), flash_attn=version("flash-attn"), model=label, shape=args.shape, layers=layers,
         moe=moe, threads=torch.get_num_threads() if args.device == "cpu" else None, iters=args.iters,
-        command=" ".join(["python"] + sys.argv), tokens_duplicated=valid,
+        command=stamp["command"], tokens_duplicated=valid,
         tokens_unique=valid - (args.rollouts - 1) * args.groups * args.prompt_len,
         flop_model="model_moe.flops (top-k experts' MLPs and the router per token)" if moe else "model_gpu.flops",
         batch=f"{args.groups} prompts x {args.prompt_len} tokens, {args.rollouts} responses each of "
@@ -317,8 +318,7 @@ def main(argv=None) -> int:
         log(f"{name}: {row['status']}" + (f", {row['ms']:.1f} ms, packed {row['packed']}" if row["status"] == "ok" else "")
             + (f", grad rel {row['grad_rel']:.1e}" if "grad_rel" in row else ""))
         text = markdown(meta, rows)  # after every side: a run cut short keeps what it has
-        with open(os.path.join(args.out, "peers.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        harness.write_json(os.path.join(args.out, "peers.json"), harness.record(stamp, meta=meta, rows=rows))
         with open(os.path.join(args.out, "peers.md"), "w") as f:
             f.write(text)
     print(text)

@@ -29,6 +29,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
+from benchmarks import harness  # noqa: E402
 
 
 def _name(key: str) -> str:
@@ -86,8 +87,9 @@ def run(args) -> None:
     out = {"side": args.side, "loss": args.loss, "threads": args.threads, "steps": args.steps,
            "torch": torch.__version__, "wall_ms": wall, "self_total_ms": total, "other_cores_busy": others,
            "profiled_step_ms": span * 1e3 / args.steps, "ops": ops}
-    with open(args.json, "w") as f:
-        json.dump(out, f)
+    stamp = harness.stamp("cpu_thread_profile", device="cpu", script=__file__)
+    meta = {k: out[k] for k in ("side", "loss", "threads", "steps", "torch")}
+    harness.write_json(args.json, harness.record(stamp, meta=meta, results=out), indent=None)
     top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:20]
     print(f"{args.side} threads {args.threads}: wall median {statistics.median(wall):.1f} ms, profiled step "
           f"{span * 1e3 / args.steps:.1f} ms, its ops' self sum {total:.1f} ms; other processes kept {others:.2f} "
@@ -99,7 +101,7 @@ def run(args) -> None:
 def compare(a_path: str, b_path: str, top: int = 15) -> str:
     """The markdown table of the top ``top`` ops by self time in ``b_path`` (more threads) against ``a_path``."""
     with open(a_path) as fa, open(b_path) as fb:
-        a, b = json.load(fa), json.load(fb)
+        a, b = harness.payload(json.load(fa)), harness.payload(json.load(fb))  # records (or older flat files)
     ta, tb = a["threads"], b["threads"]
     wa, wb = statistics.median(a["wall_ms"]), statistics.median(b["wall_ms"])
     busy = ", ".join(f"{x.get('other_cores_busy', float('nan')):.2f}" for x in (a, b))

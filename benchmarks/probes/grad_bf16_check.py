@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
-import json
 import os
 import sys
 import time
@@ -31,6 +29,7 @@ import time
 import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import dualkv_compile  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from benchmarks.probes.model_bf16_check import MODELS, build_model, make_batch  # noqa: E402
 
 T0 = time.time()
@@ -120,10 +119,11 @@ def main(argv=None) -> int:
     worst_dkv = max(per, key=lambda n: per[n][1])
     worst_plain = max(per, key=lambda n: per[n][0])
     over = sum(r > 1.5 for r in ratios.values())
+    stamp = harness.stamp("grad_bf16_check", device=dev, script=__file__, argv=argv)
+    meta = {"date": stamp["date"], "torch": stamp["versions"]["torch"], "device": args.device,
+            "gpu": stamp["device"] if dev.type == "cuda" else None, "shape": args.shape, "config": shape,
+            "precision": args.precision, "inner": inner, "batch": {"N": args.N, "P": args.P, "R": args.R, "lens": lens}}
     result = {
-        "date": datetime.date.today().isoformat(), "torch": torch.__version__, "device": args.device,
-        "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None, "shape": args.shape, "config": shape,
-        "precision": args.precision, "inner": inner, "batch": {"N": args.N, "P": args.P, "R": args.R, "lens": lens},
         "packed_calls": packed, "loss": {"float32": loss32, "plain_bf16": loss_plain, "dualkv_bf16": loss_dkv},
         "all_grads_rel": {"plain": total_plain, "dualkv": total_dkv, "ratio": total_dkv / max(total_plain, 1e-30)},
         "worst_ratio": {"param": worst, "plain": per[worst][0], "dualkv": per[worst][1], "ratio": ratios[worst]},
@@ -139,9 +139,8 @@ def main(argv=None) -> int:
             f"{over} of {len(names)} parameters over 1.5x; packed calls {packed}: {'PASS' if result['pass'] else 'FAIL'}")
     print(text, flush=True)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"grad_bf16_check_{args.shape}_{args.precision}.json"), "w") as f:
-            json.dump(result, f, indent=2)
+        harness.write_json(os.path.join(args.out, f"grad_bf16_check_{args.shape}_{args.precision}.json"),
+                           harness.record(stamp, meta=meta, results=result), indent=2)
     return 0 if result["pass"] else 1
 
 

@@ -36,11 +36,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import logging
 import os
-import platform
 import sys
 import time
 import traceback
@@ -49,6 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import dualkv_compile  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 T0 = time.time()
 
@@ -195,7 +193,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=180, help="start no optional backend after this many seconds")
     ap.add_argument("--inner", default="inductor", choices=["inductor", "aot_eager", "eager"])
     ap.add_argument("--no-position-ids", dest="position_ids", action="store_false")
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results"))
+    ap.add_argument("--out", default=os.environ.get("OUT"),
+                    help="default: benchmarks/results/model_bf16_check/<device>-<date>/ (benchmarks/harness.py)")
     args = ap.parse_args()
     logging.getLogger("dualkv_compile").setLevel(logging.WARNING)
     args.explicit_backends = args.backends is not None
@@ -210,13 +209,13 @@ def main():
     torch.set_float32_matmul_precision("highest")
     device = torch.device(args.device)
 
-    import transformers
-
+    stamp = harness.stamp("model_bf16_check", device=device, script=__file__)
+    args.out = args.out or harness.result_dir(stamp)
+    versions = stamp["versions"]
     env = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu {platform.processor() or platform.machine()} x{os.cpu_count()}",
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "triton": _version("triton"), "cuda": torch.version.cuda, "inner": args.inner,
+        "date": stamp["date"], "device": stamp["device"], "torch": versions["torch"],
+        "transformers": versions["transformers"], "triton": versions["triton"], "cuda": versions["cuda"],
+        "inner": args.inner,
     }
     progress(f"env {env}")
     results = []
@@ -256,18 +255,9 @@ def main():
                 lines.append(f"{'':34} {label:22} ERROR {r['error']}")
     table = "\n".join(lines)
     print(table)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "model_bf16_check.json")
-    with open(path, "w") as f:
-        json.dump({"env": env, "results": results, "table": table}, f, indent=1)
+    path = harness.write_json(os.path.join(args.out, "model_bf16_check.json"),
+                              harness.record(stamp, meta=env, rows=results, results={"table": table}))
     progress(f"wrote {path}")
-
-
-def _version(mod):
-    try:
-        return __import__(mod).__version__
-    except Exception as e:  # noqa: BLE001
-        return f"unavailable ({type(e).__name__})"
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import dualkv_compile  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from tests.helpers import grpo_batch, hf_model  # noqa: E402
 from tests.test_shared_token_precision import _embedding_grad, dualkv_embedding_grad  # noqa: E402
 
@@ -43,6 +44,8 @@ def main(argv=None) -> int:
         return ((g[prompt].double() - truth[prompt]).norm() / truth[prompt].norm()).item()
 
     e_plain = err(_embedding_grad(model, ids, mask, pos))
+    print("\n".join(harness.markdown_stamp(harness.stamp("shared_token_precision", device=args.device,
+                                                          script=__file__, argv=argv))))
     print(f"rows {args.rows}, head dim {args.head_dim}, {args.device}, torch {torch.__version__}: "
           f"plain float32 error {e_plain:.3e}", flush=True)
     for inner in args.inners.split(","):

@@ -20,7 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from benchmarks import harness  # noqa: E402
 
 KINDS = ("fwd", "dq", "dkdv")  # the order of the --gluon-configs text
 TOL = 1e-2  # tests/kernels/test_gluon_attention.py's bound on the bf16 forward against the float reference
@@ -106,7 +110,7 @@ def main(argv=None) -> int:
     for path in args.json:
         try:
             with open(path) as f:
-                results.append(json.load(f))
+                results.append(harness.payload(json.load(f)))  # a record's results (or an older flat JSON)
         except (OSError, ValueError) as e:
             if args.compare:
                 ap.error(f"--compare: {path}: {e}")

@@ -19,7 +19,8 @@ minus the Triton preprocess and dK/dV kernels'). Timing:
 found: ``benchmarks/results/gluon_fwd_tuning_h200.md`` and
 ``gluon_bwd_tuning_h200.md``.
 
-``--json PATH`` also writes the results as JSON, rewritten after every config
+``--json PATH`` also writes the results as JSON (a record of ``benchmarks/harness.py``, the sweep in its
+``results``), rewritten after every config
 so that a run cut short keeps what it measured: per config its fields, its
 ``config_text``, whether it is the table's default, its ms and max relative
 difference from Triton per input, and ``shapes_done`` (the inputs every config
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -41,6 +41,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from benchmarks import harness  # noqa: E402
 from benchmarks.ops.gluon_configs import (  # noqa: E402, F401  (re-exported: tests read them here)
     KINDS, TABLES, config_text, ga, parse_configs, parse_kernel_configs, use_kernel_configs,
 )
@@ -77,18 +78,17 @@ def main(argv=None) -> int:
         return triton.testing.do_bench(fn, warmup=50, rep=300)
 
     default = TABLES[args.kind][D]
-    record = dict(kind=args.kind, head_dim=D, heads=[cfg.hq, cfg.hkv], device=torch.cuda.get_device_name(),
-                  torch=torch.__version__, triton=triton.__version__,
-                  default=dict(text=config_text(default), fields=dataclasses.asdict(default)),
-                  shapes_done=[], triton_ms={},
+    stamp = harness.stamp("gluon_tune", device="cuda", script=__file__, argv=argv)
+    meta = dict(kind=args.kind, head_dim=D, heads=[cfg.hq, cfg.hkv], device=stamp["device"],
+                torch=stamp["versions"]["torch"], triton=stamp["versions"]["triton"],
+                default=dict(text=config_text(default), fields=dataclasses.asdict(default)))
+    record = dict(kind=args.kind, shapes_done=[], triton_ms={},
                   configs=[dict(text=config_text(c), fields=dataclasses.asdict(c), default=c == default,
                                 ms={}, diff={}, errors={}) for c in configs])
 
-    def save():
+    def save():  # the harness's record, the sweep in its results (gluon_pick.py reads them there)
         if args.json:
-            with open(args.json + ".tmp", "w") as f:
-                json.dump(record, f, indent=1)
-            os.replace(args.json + ".tmp", args.json)
+            harness.write_json(args.json, harness.record(stamp, meta=meta, results=record))
 
     for shape in SHAPES:
         case = bench.tree_case() if shape == "tree" else bench.uniform_case(*shape)

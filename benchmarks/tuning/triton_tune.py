@@ -32,6 +32,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from benchmarks import harness  # noqa: E402
 from dualkv_compile.layout import tree_segments  # noqa: E402
 from dualkv_compile.kernels import reference  # noqa: E402
 from dualkv_compile.kernels.triton import attention as ta  # noqa: E402
@@ -200,7 +201,8 @@ def time_triton(segs, T, q, k, v, do, scale, cfg, det):
 def main():
     global OUT
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT"),
+                    help="default: benchmarks/results/triton_tune/<device>-<date>/ (benchmarks/harness.py)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--skip-sdpa", action="store_true")
@@ -211,11 +213,12 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="head dim of the sweep")
     ap.add_argument("--config", default=None, help="a Config(...) expression to time on the target shapes")
     args = ap.parse_args()
-    OUT = args.out
-    import triton
-
-    emit(kind="env", device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-         cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M"), sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    stamp = harness.stamp("triton_tune", device="cuda", script=__file__)
+    OUT = args.out or harness.result_dir(stamp)
+    os.makedirs(OUT, exist_ok=True)
+    versions = stamp["versions"]
+    emit(kind="env", device=stamp["device"], torch=versions["torch"], triton=versions["triton"], cuda=versions["cuda"],
+         date=stamp["date"], command=stamp["command"], sms=torch.cuda.get_device_properties(0).multi_processor_count)
     table = ta.config_for(torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16))
     emit(kind="table", cfg=str(table))
 
@@ -399,7 +402,9 @@ def main():
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(OUT, "summary.md"), "w") as f:
-        f.write(f"best config: {best}\n\n{text}\n")
+        f.write("\n".join(harness.markdown_stamp(stamp)) + f"\n\nbest config: {best}\n\n{text}\n")
+    harness.write_json(os.path.join(OUT, "triton_tune.json"), harness.record(
+        stamp, meta=vars(args), rows=rows, results=dict(best=str(best), log=LOG)))
 
 
 if __name__ == "__main__":
