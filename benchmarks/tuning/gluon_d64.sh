@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 36's head dim 64 on an H100: the Gluon kernels' D=64 tiles were tuned on an H200, and two rows of
-# benchmarks/ops/attention.py reach 0.931 and 0.914 of cuDNN's fwd+bwd efficiency on an H100 (N=28 rows;
-# benchmarks/results/attention_h100_2026-11-27/). One device call (nvidia-h100-x1, under 10 minutes):
+# The Gluon kernels' head dim 64 launch configs on one sm_90 GPU (ARCH, default the GPU's compute capability; the
+# Gluon kernels run on 9.0 only), under 10 minutes: issue 36 asked for it where the D=64 tiles, tuned on another
+# sm_90 card, left two rows of benchmarks/ops/attention.py at 0.931 and 0.914 of cuDNN's fwd+bwd efficiency:
 #   1. sweep the D=64 launch configs of the three kernels (benchmarks/tuning/gluon_tune.py --json; each list starts
 #      with the table's default, so the picker can tell whether anything beats it);      dkdv 135 s, dq 105 s, fwd 75 s
 #   2. pick per kernel the fastest config within 1e-2 of the Triton result, by the geometric mean over the sweep's
@@ -12,12 +12,17 @@
 # Each step runs under its own timeout (+5 s to a KILL), so a step that hangs or times out costs its limit and
 # the rest still run: at most 515 + 25 s of steps, then the tar. A sweep cut short keeps in its JSON the inputs
 # it finished; the picker uses those. steps.txt lists each step's exit status and seconds (124: timed out).
-# Usage: bash benchmarks/tuning/gluon_d64.sh OUT    (OUT.tgz: everything)
+# Usage: [ARCH=9.0] [PYTHON=python3] bash benchmarks/tuning/gluon_d64.sh OUT    (OUT.tgz: everything)
 set -u
 OUT=${1:?usage: bash benchmarks/tuning/gluon_d64.sh OUT}
+ARCH=${ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)}
+if [ "$ARCH" != 9.0 ]; then
+  echo "gluon_d64.sh: the Gluon kernels need an sm_90 GPU (ARCH 9.0), this one is '${ARCH:-none}'" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${D64_PYTHON:-python3}  # the interpreter (python3 on the device machine)
+PY=${PYTHON:-${D64_PYTHON:-python3}}  # the interpreter
 
 step() {  # step NAME LIMIT_S CMD...: CMD under a timeout, its output in OUT/NAME.txt, its status in OUT/steps.txt
   local name=$1 limit=$2 t0=$SECONDS rc
