@@ -568,3 +568,27 @@ def test_every_benchmark_json_goes_through_the_harness():
             if "json.dump(" in line or ("write(json.dumps" in line and rel not in lines_log):
                 bad.append(f"{rel}:{n}: {line.strip()}")
     assert not bad, "JSON written around benchmarks/harness.py:\n" + "\n".join(bad)
+
+
+def test_results_index_is_the_trees_and_lists_every_result():
+    """benchmarks/results/README.md is what ``python benchmarks/index.py`` makes of the tree (regenerating it gives
+    the same text): every folder results/<bench>/<device>-<date>[-<label>]/ holds a record of the harness whose
+    bench, device and date are the folder's, and its row gives device, date, command and the doc lines quoting it."""
+    from benchmarks import index
+
+    found = index.results()
+    problems = [f"results/{r['path']}: {p}" for r in found for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    assert found and all(os.path.isdir(os.path.join(index.RESULTS, r["path"])) for r in found)
+    loose = [n for b in os.listdir(index.RESULTS) if os.path.isdir(os.path.join(index.RESULTS, b))
+             for n in os.listdir(os.path.join(index.RESULTS, b)) if not os.path.isdir(os.path.join(index.RESULTS, b, n))]
+    assert not loose, f"files directly under results/<bench>/, outside a run's folder: {loose}"
+    assert sorted(os.listdir(index.RESULTS)) == sorted({r["bench"] for r in found} | {"README.md"})
+    with open(index.INDEX) as f:
+        assert f.read() == index.render(), "benchmarks/results/README.md is stale: run python benchmarks/index.py"
+    text = index.render()
+    for r in found:
+        assert f"[{r['folder']}]({r['path']}/)" in text
+    # A doc line naming a result is quoted beside it; a path that merely starts the same is not.
+    texts = {"docs/x.md": ["see `benchmarks/results/peers/cpu-2026-11-27/peers.md`", "results/peers/cpu-2026-11-27-b/"]}
+    assert index.quotes("peers/cpu-2026-11-27", texts) == [("docs/x.md", 1, texts["docs/x.md"][0])]

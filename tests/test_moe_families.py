@@ -60,7 +60,7 @@ def _traceable_expert_fallback():
     """On CPU in float32 the experts run transformers' grouped-mm fallback op. Before its backward became an op
     of its own (transformers 5.17 has a Python loop over ``offs.tolist()``), the packed graph's dynamic re-trace
     fails on it (a data-dependent guard) and the graph runs unpacked. ``torch._grouped_mm`` (bf16 on a GPU) is
-    unaffected: ``benchmarks/results/model_moe_h200.md`` ran packed with transformers 5.17."""
+    unaffected: ``benchmarks/results/model_moe/h200-2026-11-25/model_moe_h200.md`` ran packed with transformers 5.17."""
     import transformers.integrations.moe  # noqa: F401 - registers the transformers:: ops
 
     if not hasattr(torch.ops.transformers, "grouped_mm_fallback_backward"):

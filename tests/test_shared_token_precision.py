@@ -113,6 +113,6 @@ def test_shared_token_gradient_is_as_precise_as_the_uncompiled_models(device, op
     # rows). CUDA, H200, torch 2.11, 4,096 rows: Triton at head dim 32 0.62-0.64x, the reference at head dim 8
     # 0.52-0.60x; before the reference's fix, 1.84-1.88x there, measured by an earlier form of this test whose head
     # dim 8 had made `auto` run the reference, not the kernels
-    # (benchmarks/results/shared_token_precision_h100_2026-11-27.md, correction).
+    # (benchmarks/results/shared_token_precision/h100-2026-11-27/shared_token_precision_h100_2026-11-27.md, correction).
     bound = 1.05
     assert err_dualkv <= bound * err_plain, (err_dualkv.item(), err_plain.item())

@@ -8,7 +8,7 @@
 #   2. a long-context row where attention weighs more (Qwen3-8B shape, 4 layers, 1 prompt of 8K x 8 responses of
 #      1-2K), plain_varlen with each kernel and dualkv                                                  ~150 + 110 s
 # (The 1K-prompt rows are left out: on the 8B one FA4 and torch's varlen_attn gave the same step, 357.5 / 358.0 ms,
-# benchmarks/results/fa4_baseline_h100_2026-11-27.) About 400 s of steps in all.
+# benchmarks/results/peers/h100-2026-11-27-fa4.) About 400 s of steps in all.
 # Each step runs under its own timeout; steps.txt has each exit status (124: timed out).
 set -u
 OUT=${1:?usage: bash benchmarks/batches/fa4_rows.sh OUT}

@@ -36,7 +36,7 @@
 #     cold and warm, Llama-1B and Qwen3-1.7B (warm starts before it: 15.5 s and 54.1 s profiled); GPU 2 the dense
 #     8B and MoE rows (peers.py, plain_varlen and dualkv: the step time must not move); GPU 3 the GPU tests of the
 #     direct route, dynamic shapes and shared-token precision, then the nested route's Llama-1B compile times (A/B).
-#     GPU 2's step times were NOT valid (direct_compile_h100_2026-11-28): a row must not share the host with
+#     GPU 2's step times were NOT valid (benchmarks/results/compile_time/4xh100-2026-11-28-direct): a row must not share the host with
 #     compiling processes (dualkv's step waits on the host's launches); time rows alone or beside other rows
 #   BATCH final (2 GPUs): the distributed example (FSDP2 per layer, --sp 2, bf16), then dualkv's Llama-1B compile
 #     times beside the GPU tests of the packed graph's compile
@@ -98,7 +98,7 @@ case "$BATCH" in
     ( CUDA_VISIBLE_DEVICES=${GPU[3]} timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_shared_token_precision.py
       CUDA_VISIBLE_DEVICES=${GPU[3]} timeout 120 python3 benchmarks/probes/shared_token_precision.py --rows 4096 --head-dim 32 --backends auto,triton,reference
       CUDA_VISIBLE_DEVICES=${GPU[3]} timeout 100 python3 benchmarks/probes/shared_token_precision.py --rows 4096 --head-dim 8 --backends auto,reference
-      # the attention ops' host time per call (the MoE row's GPU waits on the host: moe_profile_h200_2026-11-27)
+      # the attention ops' host time per call (the MoE row's GPU waits on the host: benchmarks/results/peers/4xh200-2026-11-27-moe-profile)
       CUDA_VISIBLE_DEVICES=${GPU[3]} timeout 120 python3 benchmarks/ops/op_overhead.py --methods sdpa_cudnn_dup,dualkv_gluon \
         --shapes 16,1024,512 --profile dualkv_gluon
     ) > "$OUT/gpu3.txt" 2>&1 &

@@ -29,7 +29,7 @@ NAME = "torch_varlen"
 # The CUDA kernel: "torch" (``varlen_attn``), "fa4" (FlashAttention-4's ``flash_attn.cute.flash_attn_varlen_func``,
 # installed from carried wheels: ``benchmarks/batches/fa4_wheels.sh``) or "auto" (the default: FA4 where it imports and the GPU
 # is a Hopper or newer, else torch's; the strongest baseline is the fastest kernel that runs: on an H100 FA4 runs at
-# 1.05-1.10 of cuDNN's efficiency, torch 2.11's varlen_attn at 0.57-0.59, benchmarks/results/fa4_rows_h100_2026-11-27),
+# 1.05-1.10 of cuDNN's efficiency, torch 2.11's varlen_attn at 0.57-0.59, benchmarks/results/fa4_rows/h100-2026-11-27),
 # chosen by the environment so that every benchmark using this baseline can run any without a flag of its own. The
 # CPU loop ignores it.
 KERNELS = ("auto", "torch", "fa4")

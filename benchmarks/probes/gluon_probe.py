@@ -4,7 +4,7 @@ Issue 20 (an FA3-class Hopper kernel) asks for this check before planning: the m
 warp-specialised attention kernel needs (TMA descriptors and copies, mbarriers, async wgmma, warp_specialize,
 the NVMMA layouts), printed with their signatures, then a one-line Gluon kernel compiled and run on the GPU.
 
-    python benchmarks/probes/gluon_probe.py      # on a CUDA machine; results/gluon_probe_h200.md has the H200's answer
+    python benchmarks/probes/gluon_probe.py      # on a CUDA machine; results/gluon_probe/h200-2026-11-25/gluon_probe_h200.md has the H200's answer
 """
 import importlib, inspect, sys, torch, triton
 print("triton", triton.__version__, "torch", torch.__version__, torch.cuda.get_device_name())

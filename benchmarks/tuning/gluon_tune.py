@@ -16,8 +16,8 @@ dq, dk, dv). ``dq`` and ``dkdv`` time the whole backward with the other
 kernel at its default; ``dq`` also prints the dQ pass's share (the backward
 minus the Triton preprocess and dK/dV kernels'). Timing:
 ``triton.testing.do_bench`` (warm-up 50 ms, 300 ms). The runs and what they
-found: ``benchmarks/results/gluon_fwd_tuning_h200.md`` and
-``gluon_bwd_tuning_h200.md``.
+found: ``benchmarks/results/gluon_tune/h200-2026-11-25-fwd/gluon_fwd_tuning_h200.md`` and
+``benchmarks/results/gluon_tune/h200-2026-11-25-bwd/gluon_bwd_tuning_h200.md``.
 
 ``--json PATH`` also writes the results as JSON (a record of ``benchmarks/harness.py``, the sweep in its
 ``results``), rewritten after every config

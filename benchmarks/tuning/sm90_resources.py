@@ -14,7 +14,7 @@ their waits (DEPBAR), spill loads and stores (LDL/STL), copy-engine and
 pointer copies (UTMALDG/LDGSTS) and exponentials; and whether it was compiled
 with floating-point contraction (FMAs: ``kernels/triton/launch.py``). Spills inside a loop, or a
 wait after every HGMMA, predict a slow kernel before it is ever timed
-(benchmarks/results/triton_tuning.md, run 5).
+(benchmarks/results/triton_tune/h200-2026-11-22/triton_tuning.md, run 5).
 
 How: Triton's active driver is replaced by one that reports an sm_90 target,
 and every kernel launch becomes a compile-only warm-up; the cubin is read

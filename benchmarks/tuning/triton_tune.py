@@ -16,7 +16,7 @@
    shape) vs SDPA on the unpacked padded batch. Useful FLOPs = attention
    pairs x 4 x D x Hq, backward 2.5x forward.
 Writes JSON lines and a summary table under --out. The variants of each
-tuning run and what they measured: benchmarks/results/triton_tuning.md.
+tuning run and what they measured: benchmarks/results/triton_tune/h200-2026-11-22/triton_tuning.md.
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ def main():
     # Run 5 (2026-11-24): tensor-descriptor (TMA) loads, tiles that compile without spills or fit
     # two programs per SM (benchmarks/tuning/sm90_resources.py reports registers, spills and shared memory
     # without a GPU), and packed row statistics for the dK/dV kernel. Earlier runs' variants and
-    # what they measured: benchmarks/results/triton_tuning.md.
+    # what they measured: benchmarks/results/triton_tune/h200-2026-11-22/triton_tuning.md.
     T, S = dict(tma=True), dict(tma=True, stats_tma=True)
     fwd_variants = {"f128x128w8s3": KC(128, 128, 8, 3), "f128x128w8s3t": KC(128, 128, 8, 3, **T),
                     "f128x64w8s3t": KC(128, 64, 8, 3, **T)}
