@@ -70,7 +70,7 @@ class Config:
             raise ValueError(f"Config.head_split: expected a positive int, got {self.head_split}")
 
 
-# Hopper (sm_90), bf16/fp16, measured with benchmarks/triton_tune.py
+# Hopper (sm_90), bf16/fp16, measured with benchmarks/tuning/triton_tune.py
 # (docs/benchmarks.md, "Behind the code"). Keyed by the padded head dim.
 # D=128 and D=64 are measured: tensor-descriptor loads; the dK/dV kernel
 # in one warpgroup on 64 keys (two programs per SM; 32 query rows at D=128, where 64

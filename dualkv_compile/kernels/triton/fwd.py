@@ -136,7 +136,7 @@ def shared_prompt_fwd_kernel(
     # Region 1: the ancestors, fully visible: the full blocks of all of them (nearest ancestor
     # first), then each one's ragged last block. Two flat loops without a branch inside: a loop
     # nest or a branch around the accumulator makes ptxas serialise every wgmma of the kernel
-    # (sm_90, "C7515", seen with benchmarks/sm90_resources.py), so the chain is walked through
+    # (sm_90, "C7515", seen with benchmarks/tuning/sm90_resources.py), so the chain is walked through
     # WALK with selects. The order of the blocks is free: the online softmax is one sum.
     # Ancestor ids are clamped to 0: a -1 only appears once no block is left, and then the
     # loads of segment 0 are in bounds and unused.
