@@ -19,9 +19,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # One of each kind (dense, windowed and softcapped families run in make test's own model tests): learned
 # positions and Conv1D (gpt2), MoE (qwen3_moe), latent attention with group-limited routing (deepseek_v3),
 # learnable sinks and binding windows (gpt_oss), an encoder's LM head as a decoder with key biases (bert), a
-# linear-attention hybrid (qwen3_next), a state-space model (mamba), an assistant model that needs its target
-# model's states (gemma4_assistant).
-FAST = ["gpt2", "qwen3_moe", "deepseek_v3", "gpt_oss", "bert", "qwen3_next", "mamba", "gemma4_assistant"]
+# state-space model (mamba), an assistant model that needs its target model's states (gemma4_assistant), a model
+# torch.compile alone fails on (doge); the linear-attention hybrids run in tests/test_hybrid_compile.py.
+FAST = ["gpt2", "qwen3_moe", "deepseek_v3", "gpt_oss", "bert", "mamba", "gemma4_assistant", "doge"]
 SLOW = [f for f in sweep.families() if f not in FAST]
 
 BUGS = (sweep.INEXACT, sweep.DUALKV_RAISES, sweep.DUALKV_HANGS)
