@@ -167,6 +167,25 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+KERNEL_BACKENDS = ("flex", "triton", "gluon", "common")
+
+
+def test_kernel_backends_share_through_common_only():
+    """``kernels/<backend>/`` import no other backend's package; what the Triton and Gluon kernels share lives in
+    ``kernels/common``, which imports none of them."""
+    bad = []
+    for importer, targets in _graph().items():
+        parts = importer.split(".")
+        if len(parts) < 3 or parts[1] != "kernels" or parts[2] not in KERNEL_BACKENDS:
+            continue
+        for target in targets:
+            tparts = target.split(".")
+            if len(tparts) > 2 and tparts[1] == "kernels" and tparts[2] in KERNEL_BACKENDS and tparts[2] != parts[2] \
+                    and tparts[2] != "common":
+                bad.append(f"{importer} -> {target}")
+    assert not bad, "kernel backends importing each other (move what they share to kernels/common):\n" + "\n".join(bad)
+
+
 def test_a_cycle_through_importlib_is_seen():
     """The checker on a deliberately cyclic fixture: ``a`` loads ``b`` with ``importlib.import_module(".b",
     __package__)``, ``b`` imports ``a`` back (the shape the rule registry had)."""

@@ -42,7 +42,7 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None, *, window: int = 0, chunk: int = 0,
-             sinks: bool = False) -> Optional[str]:
+             sinks: bool = False, softcap: float = 0.0) -> Optional[str]:
     if q.device.type != "cpu":
         return f"cpu_flash runs on CPU tensors, got {q.device.type}"
     if q.dtype not in _DTYPES:

@@ -168,7 +168,7 @@ def attention_with_mask(q, k, v, mask: torch.Tensor, scale: Optional[float] = No
 
 # The kernel-module protocol the op dispatches through (see ops/attention.py).
 def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None, *, window: int = 0, chunk: int = 0,
-             sinks: bool = False) -> Optional[str]:
+             sinks: bool = False, softcap: float = 0.0) -> Optional[str]:
     return None
 
 

@@ -5,27 +5,28 @@ implementations (they trace under ``torch.compile`` with dynamic shapes), the ba
 forward's autograd formula. ``backend`` names the implementation, resolved before tracing (``resolve_backend``)
 so that the compiled graph holds a concrete choice: "reference" (dense, the oracle; any device), "cpu_flash"
 (CPU), "flex", "triton" and "gluon" (CUDA; Gluon on Hopper, sm_90), or "auto" (CPU: cpu_flash, reference for
-float64; CUDA: the first of gluon, triton, flex that supports the input, flex before triton with a window). A
-request for a backend that cannot run the input raises ``ValueError``.
+float64; CUDA: the first of gluon, triton, flex that supports the input, flex before triton with a window); a
+backend that cannot run the input is refused (``ValueError``). The name resolved runs, but for one choice made
+per call (``backend_for_call``: Gluon's operands without a descriptor view run on Triton).
 
 Tensors: q ``[1, Hq, T, D]``, k ``[1, Hkv, T, D]``, v ``[1, Hkv, T, Dv]`` (SDPA's layout with batch 1), Hq a
 multiple of Hkv; Dv may differ from D (MLA). The op returns the output ``[1, Hq, T, Dv]`` in q's dtype; ``lse``
 (float32, float64 for float64 inputs, ``[1, Hq, T]``) is saved for the backward. ``softcap`` (0.0: none) caps
-the scaled score s to ``softcap * tanh(s / softcap)`` before the mask, in every backend; ``window`` and ``chunk``
-(0: none) narrow the mask on token depth (``layout.segments.dense_mask``; docs/design.md, semantics 15);
-``sinks`` (None or ``[Hq]``), gpt-oss's learnable sinks, are applied around the backend's ``(out, lse)`` by
-``kernels.sinks`` and get their gradient from the op's backward.
+the scaled score s to ``softcap * tanh(s / softcap)`` before the mask (all but Gluon); ``window`` and ``chunk``
+(0: none) narrow the mask on token depth (``layout.segments.dense_mask``; docs/design.md, semantics 15); ``sinks``
+(None or ``[Hq]``, gpt-oss's) go around the backend's ``(out, lse)`` (``kernels.sinks``), with their gradient.
 
-Each backend is a module with ``supports(q, v=None, *, window=0, chunk=0, sinks=False)`` (None, or why not),
-``forward(q, k, v, segs, scale, softcap=0.0, window=0, chunk=0) -> (out, lse)`` and ``backward(dout, q, k, v, out,
-lse, segs, scale, deterministic, softcap=0.0, window=0, chunk=0) -> (dq, dk, dv)``; ``backward`` takes P from the
-saved ``lse`` and Delta from the saved ``out``, or ``supports`` refuses sinks. Called eagerly the op runs the same
+Each backend is a module with ``supports(q, v=None, *, window=0, chunk=0, sinks=False, softcap=0.0)`` (None, or
+why), ``forward(q, k, v, segs, scale, softcap=0.0, window=0, chunk=0) -> (out, lse)`` and ``backward(dout, q, k, v,
+out, lse, segs, scale, deterministic, softcap=0.0, window=0, chunk=0) -> (dq, dk, dv)``; ``backward`` takes P from
+the saved ``lse`` and Delta from the saved ``out``, or ``supports`` refuses sinks. Called eagerly the op runs the same
 functions under a plain ``autograd.Function`` (``eager_attention``); ``backend="flex"`` calls ``flex.attention``
 under autograd, so FlexAttention's fused backward runs (why both: docs/design.md, "The attention op").
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Optional
@@ -42,7 +43,7 @@ from .backend_calls import backward_with_stats as _backward_impl, forward_with_s
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["shared_prompt_attention", "BACKENDS", "resolve_backend"]
+__all__ = ["shared_prompt_attention", "BACKENDS", "resolve_backend", "unsupported_reason", "backend_for_call"]
 
 BACKENDS = ("auto", "reference", "cpu_flash", "flex", "triton", "gluon")
 
@@ -76,12 +77,12 @@ def _impl(backend: str):
 
 
 def resolve_backend(backend: str, q: torch.Tensor, v: Optional[torch.Tensor] = None, *, window: int = 0, chunk: int = 0,
-                    sinks: bool = False) -> str:
-    """The concrete backend for ``backend`` on q's device, dtype and head dims (and v's) with these windows and
-    sinks; ``ValueError`` if it cannot run."""
+                    sinks: bool = False, softcap: float = 0.0) -> str:
+    """The concrete backend for ``backend`` on q's device, dtype and head dims (and v's) with these windows, sinks
+    and softcap; ``ValueError`` if it cannot run (a softcap under "auto": Triton, as Gluon has none)."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    feats = dict(window=window, chunk=chunk, sinks=sinks)
+    feats = dict(window=window, chunk=chunk, sinks=sinks, softcap=softcap)
     if backend == "auto":
         if q.device.type != "cuda":
             from ..kernels import cpu_flash
@@ -106,15 +107,29 @@ def resolve_backend(backend: str, q: torch.Tensor, v: Optional[torch.Tensor] = N
 
 
 def unsupported_reason(backend: str, q: torch.Tensor, v: Optional[torch.Tensor] = None, *, window: int = 0, chunk: int = 0,
-                       sinks: bool = False) -> Optional[str]:
-    """None if the concrete ``backend`` can run q (and v) with these windows and sinks; else why not (its device
-    first, then its dtype, then its head dims, then the windows and sinks)."""
+                       sinks: bool = False, softcap: float = 0.0) -> Optional[str]:
+    """None if the concrete ``backend`` can run q (and v) with these windows, sinks and softcap; else why not (its
+    device first, then its dtype, then its head dims, then the features)."""
     if backend == "auto":
         return None
     try:
-        return _impl(backend).supports(q, v, window=window, chunk=chunk, sinks=sinks)
+        return _impl(backend).supports(q, v, window=window, chunk=chunk, sinks=sinks, softcap=softcap)
     except ValueError as e:  # an unknown name, or the module is missing
         return str(e)
+
+
+def backend_for_call(backend: str, **operands: torch.Tensor):
+    """The module that runs one call of the concrete ``backend`` on these operands (q, k, v; the backward's q,
+    dout, k, v): ``backend``'s own, except Gluon on an operand without the 2-D tensor-descriptor view its kernels
+    load through (``operands_reason``: strides, alignment or a one-token stream, known per call only, so no
+    resolution before tracing can name it). That call runs the Triton kernels, the same contract, logged."""
+    impl = _impl(backend)
+    if backend == "gluon":
+        why = impl.operands_reason(**operands)
+        if why is not None:
+            log.debug("backend='gluon': %s; the Triton kernels run this call", why)
+            return _impl("triton")
+    return impl
 
 
 def _segments(seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len) -> Segments:
@@ -143,7 +158,8 @@ def attention_fwd(
     # The kernels index k and v by q's head count and v's head dim: shapes that disagree would read out of bounds.
     check_qkv(q, k, v, q.shape[2])
     segs = _segments(seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len)
-    return _forward(_impl(backend), q, k, v, segs, scale, softcap, window, chunk, sinks, lse_dtype(q))
+    return _forward(backend_for_call(backend, q=q, k=k, v=v), q, k, v, segs, scale, softcap, window, chunk, sinks,
+                    lse_dtype(q))
 
 
 def lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -183,7 +199,8 @@ def attention_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     check_qkv(q, k, v, q.shape[2])
     segs = _segments(seg_start, seg_len, parent, prefix_len, subtree_end, max_seg_len, max_prefix_len)
-    return _backward_impl(_impl(backend), dout, q, k, v, out, lse, segs, scale, deterministic, softcap, window, chunk, sinks)
+    impl = backend_for_call(backend, q=q, dout=dout, k=k, v=v)
+    return _backward_impl(impl, dout, q, k, v, out, lse, segs, scale, deterministic, softcap, window, chunk, sinks)
 
 
 @attention_bwd.register_fake
@@ -257,15 +274,15 @@ def shared_prompt_attention(
     if why is not None:
         raise ValueError(why)
     scale, softcap = float(scale), float(softcap)
-    concrete = resolve_backend(backend, q, v, window=window, chunk=chunk, sinks=sinks is not None)
+    concrete = resolve_backend(backend, q, v, window=window, chunk=chunk, sinks=sinks is not None, softcap=softcap)
     if concrete == "flex":
         from . import flex
 
         return flex.attention(q, k, v, segs, scale, softcap, window=window, chunk=chunk, sinks=sinks)
     if eager_attention.applies(q, k, v) and (sinks is None or type(sinks) in (torch.Tensor, torch.nn.Parameter)):
         # the same kernels, without the custom op's eager autograd wrapper
-        return eager_attention.EagerAttention.apply(q, k, v, segs, scale, softcap, _impl(concrete), lse_dtype(q),
-                                                    window, chunk, sinks)
+        return eager_attention.EagerAttention.apply(q, k, v, segs, scale, softcap, functools.partial(
+            backend_for_call, concrete), lse_dtype(q), window, chunk, sinks)
     out, _ = attention_fwd(q, k, v, *segs, scale, softcap, concrete, window, chunk, sinks)
     return out
 

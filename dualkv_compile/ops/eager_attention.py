@@ -36,14 +36,16 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 class EagerAttention(torch.autograd.Function):
-    """``out`` of the op's forward through ``impl`` (with windows and sinks); its backward is the op's backward."""
+    """``out`` of the op's forward (with windows and sinks); its backward is the op's backward. ``pick(**operands)``
+    gives the backend module that runs each (``ops.attention.backend_for_call``, as the custom ops ask it)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, segs: Segments, scale: float, softcap: float, impl, lse_dtype: torch.dtype,
+    def forward(ctx, q, k, v, segs: Segments, scale: float, softcap: float, pick, lse_dtype: torch.dtype,
                 window: int = 0, chunk: int = 0, sinks=None):
-        out, lse = forward_with_sinks(impl, q, k, v, segs, scale, softcap, window, chunk, sinks, lse_dtype)
+        out, lse = forward_with_sinks(pick(q=q, k=k, v=v), q, k, v, segs, scale, softcap, window, chunk, sinks,
+                                      lse_dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.segs, ctx.scale, ctx.softcap, ctx.impl, ctx.window, ctx.chunk = segs, scale, softcap, impl, window, chunk
+        ctx.segs, ctx.scale, ctx.softcap, ctx.pick, ctx.window, ctx.chunk = segs, scale, softcap, pick, window, chunk
         return out
 
     @staticmethod
@@ -51,6 +53,6 @@ class EagerAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv, dsinks = backward_with_stats(
-            ctx.impl, dout, q, k, v, out, lse, ctx.segs, ctx.scale, torch.are_deterministic_algorithms_enabled(),
+            ctx.pick(q=q, dout=dout, k=k, v=v), dout, q, k, v, out, lse, ctx.segs, ctx.scale, torch.are_deterministic_algorithms_enabled(),
             ctx.softcap, ctx.window, ctx.chunk, sinks)
         return dq, dk, dv, None, None, None, None, None, None, None, dsinks if sinks is not None else None

@@ -315,15 +315,15 @@ class _Packer:
         return self.g.call_function(operator.getitem, (res, 0), name=m.output.name + "_packed")
 
     def _backend_for(self, m: AttentionMatch, dtype: torch.dtype) -> str:
-        """The concrete backend of this attention: the graph's, or, for windows or sinks it cannot run, what
-        ``auto`` picks for them when the user asked for ``auto``; ``Refusal`` when none can."""
+        """The concrete backend of this attention: the graph's, or, for windows, sinks or a softcap it cannot run,
+        what ``auto`` picks for them when the user asked for ``auto``; ``Refusal`` when none can."""
         qv, vv = _ev(m.q), _ev(m.v)
         probe_q, probe_v = (torch.empty((1, 1, 1, int(t.shape[-1])), dtype=dtype, device=t.device) for t in (qv, vv))
-        feats = dict(window=int(m.window), chunk=int(m.chunk), sinks=m.sinks is not None)
+        feats = dict(window=int(m.window), chunk=int(m.chunk), sinks=m.sinks is not None, softcap=float(m.softcap))
         why = _attention_op.unsupported_reason(self.backend, probe_q, probe_v, **feats)
         if why is None:
             return self.backend
-        if self.requested == "auto" and (feats["window"] or feats["chunk"] or feats["sinks"]):
+        if self.requested == "auto" and any(feats.values()):
             try:
                 picked = _attention_op.resolve_backend("auto", probe_q, probe_v, **feats)
             except ValueError as e:
@@ -405,7 +405,7 @@ def pack_graph(gm: fx.GraphModule, axes: TokenAxes, backend: str, requested: Opt
     """The packed ``GraphModule`` of ``gm`` (see the module docstring for its contract).
 
     ``backend``: the graph's concrete attention backend; ``requested``: what the user asked for (``backend``
-    if None): under "auto" an attention with windows or sinks that ``backend`` cannot run takes what "auto"
+    if None): under "auto" an attention with windows, sinks or a softcap that ``backend`` cannot run takes what "auto"
     picks for it. The packed module's ``attention_backends`` lists each attention's backend.
     """
     if axes.refusals:

@@ -359,16 +359,31 @@ def test_new_lengths_do_not_recompile():
 @pytest.mark.cuda
 @hopper
 def test_softcap_and_untileable_operands_run_the_triton_forward():
+    """A softcap is refused by the Gluon backend by name, so "auto" resolves it to Triton, whose kernels run it;
+    an operand without a descriptor view runs the Triton kernels for that call (``backend_for_call``). The Gluon
+    module itself never runs another backend."""
     from dualkv_compile.kernels.gluon import attention as ga
     from dualkv_compile.kernels.triton import attention as ta
+    from dualkv_compile.ops.attention import backend_for_call
 
     segs, T = make_segments([(300, [100, 7])], "cuda")
     q, k, v = qkv(T, 4, 2, 64, torch.bfloat16, seed=4)
     for softcap in (0.0, 30.0):
-        out, lse = ga.forward(q, k, v, segs, 0.125, softcap)
+        out = shared_prompt_attention(q, k, v, segs, 0.125, softcap=softcap)  # auto: gluon, then triton
         ref, _ = reference.reference_forward(q.double(), k.double(), v.double(), segs, 0.125, softcap)
         assert rel(out, ref) < 1e-2
-    assert torch.equal(ga.forward(q, k, v, segs, 0.125, 30.0)[0], ta.forward(q, k, v, segs, 0.125, 30.0)[0])
+    assert torch.equal(ga.forward(q, k, v, segs, 0.125)[0], shared_prompt_attention(q, k, v, segs, 0.125))
+    assert resolve_backend("auto", q, v, softcap=30.0) == "triton" and "softcap" in ga.supports(q, v, softcap=30.0)
+    assert torch.equal(shared_prompt_attention(q, k, v, segs, 0.125, softcap=30.0),
+                       ta.forward(q, k, v, segs, 0.125, 30.0)[0])
+    with pytest.raises(ValueError, match="softcap"):
+        ga.forward(q, k, v, segs, 0.125, 30.0)
+    with pytest.raises(ValueError, match=r"backend='gluon' cannot run this input: .*softcap"):
+        shared_prompt_attention(q, k, v, segs, 0.125, backend="gluon", softcap=30.0)
+    skewed = torch.empty(1, 4, T, 65, dtype=torch.bfloat16, device="cuda")[..., 1:].copy_(q)  # rows not 16-byte aligned
+    assert backend_for_call("gluon", q=skewed, k=k, v=v) is ta
+    assert torch.equal(shared_prompt_attention(skewed, k, v, segs, 0.125, backend="gluon"),
+                       ta.forward(skewed, k, v, segs, 0.125)[0])
 
 
 @pytest.mark.cuda

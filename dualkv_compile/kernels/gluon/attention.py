@@ -1,21 +1,23 @@
 """The warp-specialised Hopper kernels of shared-prompt attention (Gluon), behind the op's backend protocol.
 
-    supports(q, v=None, *, window=0, chunk=0, sinks=False) -> None, or why the Gluon kernels cannot run q
+    supports(q, v=None, *, window=0, chunk=0, sinks=False, softcap=0.0) -> None, or why the kernels cannot run q
+    operands_reason(**operands) -> None, or which operand has no 2-D tensor-descriptor view (asked per call)
     forward(q, k, v, segs, scale, softcap=0.0) -> (out, lse)
     backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap=0.0) -> (dq, dk, dv)
 
 The forward is ``fwd.py``. The backward is the shared preprocess kernel (``common/row_statistics.py``: Delta =
 rowsum(dO * O), and a packed copy of the row statistics), then ``dkdv.py`` (KV-major dK/dV) and ``dq.py``
 (Q-major dQ), both without atomics; with long prompts (``DkdvConfig.dq_mode`` "auto", head dim 128, not
-deterministic) the dK/dV kernel adds dQ itself and no Q-major pass runs. Both read the same ``out`` and ``lse`` (natural log, float32). Inputs the Gluon
-kernels do not take but the Triton kernels do (a logit softcap; operands without a 2-D tensor descriptor view)
-run the Triton forward or backward, logged at debug level: same contract, same results to rounding.
+deterministic) the dK/dV kernel adds dQ itself and no Q-major pass runs. Both read the same ``out`` and ``lse``
+(natural log, float32). Every operand loads through a 2-D tensor descriptor (``common/tma.py``).
 
 Assumes ``Segments`` as the Triton kernels do (``common/schedule.py``): the schedules and ancestor walks are
 theirs, cached across a step's layers, so the layout reaches the kernels as data and never recompiles them.
 Guarantees: ``supports`` is None only on a Hopper (sm_90) GPU with a Triton whose Gluon has Hopper's wgmma, TMA
-and warp specialisation, for bfloat16 or float16 q, k, v with one head dim of 64 or 128 and no window; anything
-else gets the reason (the device first, then Triton, the dtype, the head dims), and the op's "auto" moves on.
+and warp specialisation, for bfloat16 or float16 q, k, v with one head dim of 64 or 128, no window and no
+softcap; anything else gets the reason (the device first, then Triton, the dtype, the head dims, the features),
+and the op's "auto" moves on. ``forward`` and ``backward`` raise ``ValueError`` on an input ``supports`` or
+``operands_reason`` refuses: they run these kernels or none (``ops.attention`` decides what runs instead).
 Measured speeds and the tile choices below: docs/benchmarks.md.
 """
 
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from typing import Optional
 
 import torch
@@ -33,11 +34,8 @@ from ..common.launch import LAUNCH_OPTIONS, check_launch
 from ..common.schedule import ancestor_walk, tile_schedule
 from ..common.tma import tma_geometry
 from ..device import capability, sm_count
-from ..triton import attention as triton_attention
 
-log = logging.getLogger("dualkv_compile")
-
-__all__ = ["supports", "forward", "backward", "KernelTiles", "FwdConfig", "FWD_CONFIGS", "DqConfig", "DQ_CONFIGS",
+__all__ = ["supports", "operands_reason", "forward", "backward", "KernelTiles", "FwdConfig", "FWD_CONFIGS", "DqConfig", "DQ_CONFIGS",
            "DkdvConfig", "DKDV_CONFIGS", "DQ_MODES", "resolve_dq_mode"]
 
 LOG2E = 1.4426950408889634
@@ -113,14 +111,36 @@ def _supports_input(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Option
     return None
 
 def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None, *, window: int = 0, chunk: int = 0,
-             sinks: bool = False) -> Optional[str]:
-    """None if the Gluon kernels can run q (and v) with these windows (and sinks); else the reason."""
+             sinks: bool = False, softcap: float = 0.0) -> Optional[str]:
+    """None if the Gluon kernels can run q (and v) with these windows, sinks and softcap; else the reason."""
     why = _supports_input(q, v)
     if why is not None:
         return why
     if window or chunk:
         return f"the Gluon kernels do not implement sliding or chunked windows yet (window={window}, chunk={chunk})"
+    return _softcap_reason(softcap)
+
+
+def _softcap_reason(softcap: float) -> Optional[str]:
+    if softcap:
+        return f"the Gluon kernels do not implement a logit softcap (softcap={softcap}; the Triton kernels do)"
     return None
+
+
+def operands_reason(**operands: torch.Tensor) -> Optional[str]:
+    """None if every operand (by name: q, k, v; the backward's q, dout, k, v) has the 2-D tensor-descriptor view
+    the kernels load through (``common.tma.tma_geometry``), else which has none. It depends on one call's strides,
+    alignment and length (a one-token stream has none), which ``supports`` never sees: ``ops.attention`` asks."""
+    for name, t in operands.items():
+        if tma_geometry(t) is None:
+            return (f"{name} (shape {list(t.shape)}, strides {list(t.stride())}) has no 2-D tensor-descriptor view "
+                    "(16-byte aligned rows, head- or token-major, at least two tokens)")
+    return None
+
+
+def _refuse(why: Optional[str]) -> None:
+    if why is not None:
+        raise ValueError(f"gluon attention cannot run this input: {why}")
 
 
 def _gl_dtype(dtype: torch.dtype):
@@ -157,17 +177,11 @@ def _backward_descriptors(tiles: KernelTiles, q, dout, k, v) -> list:
 
 def forward(q, k, v, segs: Segments, scale: float, softcap: float = 0.0, *, config: Optional[FwdConfig] = None):
     """``(out [1, Hq, T, D] in q's dtype, lse [1, Hq, T] float32)``."""
-    why = supports(q, v)
-    if why is not None:
-        raise ValueError(f"gluon attention cannot run this input: {why}")
+    _refuse(supports(q, v) or _softcap_reason(softcap) or operands_reason(q=q, k=k, v=v))
     _, Hq, T, D = q.shape
     Hkv = k.shape[1]
     cfg = config or FWD_CONFIGS[D]
-    descs = None if softcap else [_descriptor(t, r) for t, r in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))]
-    if descs is None or any(d is None for d in descs):
-        log.debug("gluon attention: %s; the Triton forward runs it",
-                  "softcap" if softcap else "an operand has no 2-D tensor-descriptor view")
-        return triton_attention.forward(q, k, v, segs, scale, softcap)
+    descs = [_descriptor(t, r) for t, r in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))]
     check_launch(q, k, segs, "gluon")
     out = torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((1, Hq, T), dtype=torch.float32, device=q.device)
@@ -265,20 +279,14 @@ def backward(dout, q, k, v, out, lse, segs: Segments, scale: float, deterministi
     "auto"; head dim 128, never ``deterministic``) the dK/dV kernel adds dQ into a float32 buffer instead and
     no dQ kernel runs; the order of those float32 adds, so dQ's last bits, varies from run to run. dK and dV
     are the same bits either way, and ``deterministic=True`` always gives the same bits. A softcap, or an
-    operand without a 2-D descriptor view, runs the whole Triton backward."""
-    why = supports(q, v)
-    if why is not None:
-        raise ValueError(f"gluon attention cannot run this input: {why}")
+    operand without a 2-D descriptor view, is refused (``ValueError``), as in the forward."""
+    _refuse(supports(q, v) or _softcap_reason(softcap) or operands_reason(q=q, dout=dout, k=k, v=v))
     _, Hq, T, D = q.shape
     Hkv = k.shape[1]
     cfg = config or DQ_CONFIGS[D]
     kcfg = dkdv_config or DKDV_CONFIGS[D]
     # The dK/dV kernel's descriptors; the dQ kernel's (same tensors, its own blocks) only if it runs.
-    descs = None if softcap else _backward_descriptors(kcfg, q, dout, k, v)
-    if descs is None or any(d is None for d in descs):
-        log.debug("gluon attention: %s; the Triton backward runs it",
-                  "softcap" if softcap else "an operand has no 2-D tensor-descriptor view")
-        return triton_attention.backward(dout, q, k, v, out, lse, segs, scale, deterministic, softcap)
+    descs = _backward_descriptors(kcfg, q, dout, k, v)
     check_launch(q, k, segs, "gluon")
     # The atomic dQ splits the head dim between the two warpgroups at a 128-byte swizzle boundary: D=128 only.
     # (No SM count off a GPU: sm90_resources.py compiles these kernels from CPU tensors, in explicit modes.)

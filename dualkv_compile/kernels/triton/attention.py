@@ -88,8 +88,8 @@ def _supports_input(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Option
 
 
 def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None, *, window: int = 0, chunk: int = 0,
-             sinks: bool = False) -> Optional[str]:
-    """None if the Triton kernels can run q (and v) with these windows (and sinks); else the reason."""
+             sinks: bool = False, softcap: float = 0.0) -> Optional[str]:
+    """None if the Triton kernels can run q (and v) with these windows, sinks and softcap; else the reason."""
     # Windows of any size run (windows.py); sinks apply around the kernels (ops/backend_calls.py), whose
     # backward reads the saved out and lse as sinks need.
     return _supports_input(q, v)
