@@ -30,6 +30,7 @@ __all__ = ["GraphPlan", "plan_graph"]
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class GraphPlan:
+    packed_gm: fx.GraphModule  # the packed graph the plan read (padding reads, outputs)
     run_gm: fx.GraphModule  # compiled on the first packed call and run
     input_names: tuple[str, ...]  # the outer graph's placeholders (check_exact's messages)
     inputs: LayoutInputs
@@ -48,6 +49,7 @@ def plan_graph(
     """The plan of one rewritten graph (see the module docstring); ``graph_id`` names it in the log."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     return GraphPlan(
+        packed_gm=packed,
         run_gm=runs,
         input_names=tuple(n.name for n in placeholders),
         inputs=plan_layout_inputs(gm, analysis, packed, cfg),

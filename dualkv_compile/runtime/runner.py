@@ -45,7 +45,7 @@ class Runner:
         # ``plan.run_gm`` is compiled and run: the packed graph, or under sequence parallelism its split over the
         # group (rewrite.sequence_parallel).
         self.plan, self.fallback, self.cfg, self.mode, self.report = plan, fallback, cfg, mode, report
-        self.run_gm = plan.run_gm
+        self.packed_gm, self.run_gm = plan.packed_gm, plan.run_gm
         self.sp = cfg.sequence_parallel
         source = FromTokenIds if plan.inputs.input_ids is not None else FromCarried
         self.layout_source = source(plan.inputs, cfg, report)
