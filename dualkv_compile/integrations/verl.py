@@ -13,15 +13,17 @@ call and the log-prob and entropy computation run as one ``torch.compile(..., ba
 backbone on the packed stream (each shared prompt once), the log-probs picked at veRL's rolled labels
 (``gather_unpacked``), only per-token values leaving the graph; the result goes back into veRL's flow (un-padding,
 nested tensors, loss, outputs) unchanged and equals veRL's own path to rounding (docs/design.md, semantics 14).
-What it leaves to veRL (``use_remove_padding=False``, ``use_fused_kernels``, veRL's Ulysses, top-k distillation,
-``calculate_sum_pi_squared``, multimodal inputs, a per-sample temperature tensor) runs the original
-``forward_step``, the reason logged once. Sharing is found within a micro-batch: the rollouts of a prompt must
-land in one. The lm_head inside its FSDP unit, the math against veRL's, the micro-batch settings:
-docs/design.md, "Trainer integrations".
+What it leaves to veRL (a value head, ``use_remove_padding=False``, ``use_fused_kernels``, veRL's Ulysses, top-k
+distillation, ``calculate_sum_pi_squared``, multimodal inputs, a per-sample temperature tensor) runs the original
+``forward_step``, the reason logged once. Sharing is found within a micro-batch: with ``use_dynamic_bsz`` the
+engine's ``prepare_micro_batches`` is replaced too, its budget and count rules kept, so that rows with equal prompts
+land in one micro-batch (``layout.micro_batches``; ``last_micro_batches()`` explains the last plan). The lm_head
+inside its FSDP unit, the math against veRL's, the micro-batch settings: docs/design.md, "Trainer integrations".
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 from contextlib import contextmanager, nullcontext
@@ -31,14 +33,18 @@ import torch
 
 from ..backend import dualkv_backend
 from ..config import DualKVConfig
+from ..layout.micro_batches import MicroBatches, balance_micro_batches, min_micro_batches, prompt_groups
 from ..shared_batch import shared_batch
 from .hf_checkpointing import checkpoint_inside_hooks
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["enable", "disable", "log_probs_and_entropy", "sdpa_for_flash_attention"]
+__all__ = ["enable", "disable", "last_micro_batches", "log_probs_and_entropy", "sdpa_for_flash_attention"]
 
-_STATE: dict[str, Any] = {"original": None, "options": {}, "config": DualKVConfig(), "declined": set()}
+_STATE: dict[str, Any] = {"original": None, "prepare": None, "batch": None, "options": {}, "config": DualKVConfig(),
+                          "declined": set(), "micro_batches": None}
+# The engine whose forward_backward_batch is running (prepare_micro_batches is a module function: it is not told).
+_ENGINE: contextvars.ContextVar = contextvars.ContextVar("dualkv_verl_engine", default=None)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -162,14 +168,21 @@ def sdpa_for_flash_attention(module):
         config._attn_implementation = impl
 
 
-def _decline(reason: str) -> None:
-    if reason not in _STATE["declined"]:
-        _STATE["declined"].add(reason)
-        log.info("dualkv (veRL): this step runs veRL's own forward_step: %s", reason)
+def _decline(reason: str, what: str = "forward_step") -> None:
+    if (what, reason) not in _STATE["declined"]:
+        _STATE["declined"].add((what, reason))
+        log.info("dualkv (veRL): this step runs veRL's own %s: %s", what, reason)
 
 
 def _why_not(engine, micro_batch) -> Optional[str]:
+    """What leaves a (micro-)batch's step to veRL's ``forward_step``, None if nothing."""
     from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead
+
+    if isinstance(engine, FSDPEngineWithValueHead):
+        return "a value head (the critic's outputs are values, not log-probs)"
+    if getattr(engine, "use_ulysses_sp", False):
+        return "veRL's Ulysses sequence parallelism slices the row before the model"
 
     def flag(key, default=False):
         return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
@@ -179,8 +192,6 @@ def _why_not(engine, micro_batch) -> Optional[str]:
     for key in ("use_fused_kernels", "distillation_use_topk", "distillation_only", "calculate_sum_pi_squared"):
         if flag(key):
             return f"{key} is on"
-    if getattr(engine, "use_ulysses_sp", False):
-        return "veRL's Ulysses sequence parallelism slices the row before the model"
     if len(micro_batch.get("multi_modal_inputs", [])):
         return "multimodal inputs"
     if isinstance(micro_batch["temperature"], torch.Tensor):
@@ -253,27 +264,110 @@ def _forward_step(engine, micro_batch, loss_function, forward_only):
     return loss, {"model_output": detached, "loss": loss.detach().item(), "metrics": metrics}
 
 
+def _prompt_lengths(data) -> Optional[list[int]]:
+    """Each row's prompt tokens, as veRL's ``no_padding_2_padding`` reads them (nested ``prompts``, or the
+    attention mask over the ``prompts`` columns); None where the batch has neither."""
+    prompts, mask = data.get("prompts", None), data.get("attention_mask", None)
+    if isinstance(prompts, torch.Tensor) and prompts.is_nested:
+        return prompts.offsets().diff().tolist()
+    if isinstance(prompts, torch.Tensor) and isinstance(mask, torch.Tensor) and not mask.is_nested:
+        return mask[:, : prompts.shape[1]].sum(1).tolist()
+    return None
+
+
+def _prepare_micro_batches(data, dp_group=None, num_batches_divided_by=None, same_micro_num_in_dp=True,
+                           min_num_micro_batch=None, use_dynamic_bsz_balance=True):
+    """veRL's ``prepare_micro_batches`` (``verl.workers.engine.utils``) with ``use_dynamic_bsz``: its budget
+    (``max_token_len_per_gpu`` x sp valid tokens) and its count rules (the data-parallel ranks' maximum), over whole
+    groups (``layout.micro_batches``); returns veRL's pair, the micro-batches and the row indices that restore the
+    order. Without ``use_dynamic_bsz``, or for a batch whose steps run veRL's ``forward_step``, veRL's own."""
+    from verl.utils import tensordict_utils as tu
+
+    kwargs = dict(dp_group=dp_group, num_batches_divided_by=num_batches_divided_by,
+                  same_micro_num_in_dp=same_micro_num_in_dp, min_num_micro_batch=min_num_micro_batch,
+                  use_dynamic_bsz_balance=use_dynamic_bsz_balance)
+    engine = _ENGINE.get()
+    if engine is None or not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+        return _STATE["prepare"](data, **kwargs)
+    sp = int(tu.get_non_tensor_data(data=data, key="sp_size", default=1))
+    ids, prompts = data["input_ids"], _prompt_lengths(data)
+    why = _why_not(engine, data) or (
+        "force_group_size > 1" if tu.get_non_tensor_data(data=data, key="force_group_size", default=1) > 1 else None
+    ) or ("input_ids are not nested" if not ids.is_nested else None) or (
+        "no prompts to group the rows by" if prompts is None else None)
+    if why is not None:
+        _decline(why, "token-balanced micro-batches (it may split a group)")
+        return _STATE["prepare"](data, **kwargs)
+    lengths = ids.offsets().diff().tolist()
+    groups, shared = prompt_groups(ids.values(), lengths, prompts)
+    budget = int(data["max_token_len_per_gpu"]) * sp
+    count, rows = min_micro_batches(lengths, groups, budget, shared=shared), len(lengths)
+    if min_num_micro_batch is not None:
+        count = max(count, min_num_micro_batch)
+    if torch.distributed.is_initialized() and same_micro_num_in_dp and dp_group is not None:
+        from verl.utils.device import get_device_name
+
+        # One collective for both, before any rank may raise: the common count, and the fewest rows of a rank.
+        agreed = torch.tensor([count, -rows], dtype=torch.long, device=get_device_name())
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=dp_group)
+        count, rows = int(agreed[0]), -int(agreed[1])
+    if num_batches_divided_by is not None:
+        count = -(-count // num_batches_divided_by) * num_batches_divided_by
+    if count > rows:
+        raise ValueError(f"dynamic batch size: {count} micro-batches for the data-parallel ranks, a rank holds {rows} rows")
+    plan = balance_micro_batches(lengths, groups, budget, shared=shared, count=count)
+    _STATE["micro_batches"] = plan
+    for kind in ("over the budget", "split across"):
+        first = next((r for r in plan.reasons if kind in r), None)
+        if first is not None and ("micro-batches", kind) not in _STATE["declined"]:
+            _STATE["declined"].add(("micro-batches", kind))
+            log.info("dualkv (veRL): dynamic batch size: %s (last_micro_batches().explain() has the plan)", first)
+    return [tu.index_select_tensor_dict(data, list(part)) for part in plan.rows], [list(part) for part in plan.rows]
+
+
+def _forward_backward_batch(engine, data, loss_function, forward_only=False):
+    """The engine's own ``forward_backward_batch``, with the engine known to ``_prepare_micro_batches``."""
+    token = _ENGINE.set(engine)
+    try:
+        return _STATE["batch"](engine, data, loss_function, forward_only)
+    finally:
+        _ENGINE.reset(token)
+
+
+def last_micro_batches() -> Optional[MicroBatches]:
+    """The last plan the dynamic batch sizing made in this process (``.explain()`` says why), None before any."""
+    return _STATE["micro_batches"]
+
+
 def enable(**options: Any) -> None:
     """Route every ``FSDPEngineWithLMHead`` of this process through dualkv (module docstring); idempotent.
 
     ``options``: as ``torch.compile(..., backend="dualkv", options=...)``; ``ValueError`` names a bad one."""
     config = DualKVConfig.from_options(dict(options))  # validate now, not at the first step
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    import verl.workers.engine.fsdp.transformer_impl as impl
 
     _STATE["options"], _STATE["config"] = dict(options), config
     if _STATE["original"] is None:
-        _STATE["original"] = FSDPEngineWithLMHead.forward_step
-        FSDPEngineWithLMHead.forward_step = _forward_step
-        log.info("dualkv (veRL): FSDPEngineWithLMHead.forward_step runs the model and its log-probs through dualkv")
+        _STATE["original"] = impl.FSDPEngineWithLMHead.forward_step
+        impl.FSDPEngineWithLMHead.forward_step = _forward_step
+        # The engine's forward_backward_batch reads prepare_micro_batches from its module's globals at each call;
+        # the engine's own (FSDPEngine's) runs inside ours, which tells it the engine.
+        _STATE["prepare"], impl.prepare_micro_batches = impl.prepare_micro_batches, _prepare_micro_batches
+        _STATE["batch"] = impl.FSDPEngineWithLMHead.forward_backward_batch
+        impl.FSDPEngineWithLMHead.forward_backward_batch = _forward_backward_batch
+        log.info("dualkv (veRL): FSDPEngineWithLMHead.forward_step runs the model and its log-probs through dualkv; "
+                 "dynamic batch sizing keeps each prompt's rows in one micro-batch")
 
 
 def disable() -> None:
-    """Restore veRL's ``forward_step``."""
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    """Restore veRL's ``forward_step`` and ``prepare_micro_batches``."""
+    import verl.workers.engine.fsdp.transformer_impl as impl
 
     if _STATE["original"] is not None:
-        FSDPEngineWithLMHead.forward_step = _STATE["original"]
-        _STATE["original"] = None
+        impl.FSDPEngineWithLMHead.forward_step = _STATE["original"]
+        impl.FSDPEngineWithLMHead.forward_backward_batch = _STATE["batch"]
+        impl.prepare_micro_batches = _STATE["prepare"]
+        _STATE["original"] = _STATE["prepare"] = _STATE["batch"] = None
 
 
 # Imported by veRL as ``external_lib``: that import is the switch.

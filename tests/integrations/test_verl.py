@@ -2,7 +2,8 @@
 
 Runs in ``make test-verl`` (``.venv-verl``: veRL 0.9.1 over the suite's environment, see the Makefile);
 under plain ``make test`` veRL is not installed and this module is skipped. Each side runs
-``examples/verl_engine_step.py`` in a fresh process (one gloo rank, FSDP2 over every decoder layer).
+``examples/verl_engine_step.py`` in a fresh process (one gloo rank, FSDP2 over every decoder layer); the dynamic
+batch size test runs this module as that process (``python -m tests.integrations.test_verl OUT.pt [--dualkv]``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import torch
 pytest.importorskip("verl", reason="veRL is installed in .venv-verl only: `make test-verl` runs this module")
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+
+# The balancer against veRL's own rearrange_micro_batches, collected here so that `make test-verl` runs it.
+from tests.test_micro_batches import test_balance_within_a_factor_of_verls_rearrange_micro_batches  # noqa: E402,F401
 
 
 def _run(tmp_path, *flags, port):
@@ -98,3 +102,124 @@ def test_gpu_benchmark_runs_both_sides_with_the_ray_stub(tmp_path):
     assert any("1 attention - rewritten" in r and "packed" in r for r in dualkv["reports"]), dualkv["reports"]
     assert any("entropy fused" in r for r in dualkv["reports"]), dualkv["reports"]
     assert "torch_varlen" in open(tmp_path / "verl_engine_gpu.md").read()
+
+
+# Shuffled rows of 5 groups (prompt length, response lengths) under a budget of 72 valid tokens per micro-batch:
+# the last group (85 valid tokens) is over it, a micro-batch of its own; the other four (40, 41, 31, 26) fit two by
+# two. veRL's own rearrangement makes 4 micro-batches of it and splits groups.
+DYNAMIC_GROUPS = [(9, [4, 6, 3]), (6, [5, 2, 7, 3]), (12, [3, 4]), (5, [6, 1, 4]), (14, [8, 7, 8, 6])]
+BUDGET = 72
+
+
+def dynamic_batch(seed=0):
+    """[left-padded prompt | right-padded response] rows of DYNAMIC_GROUPS in a shuffled order, and each row's group.
+    Prompts begin with their group's own token and a group's responses with tokens of their own, so the forest
+    shares exactly each group's prompt."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for k, (p, rs) in enumerate(DYNAMIC_GROUPS):
+        prompt = torch.cat([torch.tensor([1 + k]), torch.randint(10, 101, (p - 1,), generator=g)])
+        rows += [(k, prompt, torch.cat([torch.tensor([50 + j]), torch.randint(10, 101, (r - 1,), generator=g)]))
+                 for j, r in enumerate(rs)]
+    rows = [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
+    P, R = max(p for p, _ in DYNAMIC_GROUPS), max(max(rs) for _, rs in DYNAMIC_GROUPS)
+    ids, mask = torch.zeros(len(rows), P + R, dtype=torch.long), torch.zeros(len(rows), P + R, dtype=torch.long)
+    response_mask = torch.zeros(len(rows), R, dtype=torch.long)
+    for b, (_, prompt, resp) in enumerate(rows):
+        ids[b, P - len(prompt):P], ids[b, P:P + len(resp)] = prompt, resp
+        mask[b, P - len(prompt):P + len(resp)] = 1
+        response_mask[b, :len(resp)] = 1
+    return ids, mask, (mask.cumsum(1) - 1).clamp(min=0), response_mask, [k for k, _, _ in rows]
+
+
+def dynamic_bsz_step(out, dualkv):
+    """One forward/backward of veRL's engine with ``use_dynamic_bsz=True`` at BUDGET; saves outputs, gradients and,
+    with dualkv, its plan and each micro-batch's packed token count (the first layer's graph)."""
+    sys.path[:0] = [EXAMPLES, os.path.dirname(EXAMPLES)]
+    from verl_engine_step import build_engine, loss_function, verl_batch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.distributed.init_process_group("gloo")
+    import verl_cpu_platform
+    from verl.utils import tensordict_utils as tu
+
+    verl_cpu_platform.install()
+    tiny = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    engine = build_engine(tiny, dualkv=dualkv, attn="sdpa", bf16=False)
+    ids, mask, pos, response_mask, group = dynamic_batch()
+    data = verl_batch(ids, mask, pos, response_mask)
+    tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=BUDGET)
+    packed = []
+    if dualkv:
+        import dualkv_compile
+        import dualkv_compile.integrations.verl as dualkv_verl
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+        step = FSDPEngineWithLMHead.forward_step
+
+        def recorded(self, micro_batch, **kwargs):
+            result = step(self, micro_batch, **kwargs)
+            first = min((r for r in dualkv_compile.reports() if r.packed_calls), key=lambda r: r.graph_id)
+            packed.append((first.last_stats.tokens_before, first.last_stats.tokens_after))
+            return result
+
+        FSDPEngineWithLMHead.forward_step = recorded
+    outputs = engine.forward_backward_batch(data, loss_function=loss_function, forward_only=False)
+    result = {"outputs": outputs, "group": group, "packed": packed,
+              "grads": {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                        for n, p in engine.module.named_parameters()}}
+    if dualkv:
+        plan = dualkv_verl.last_micro_batches()
+        result.update(plan=plan.rows, explain=plan.explain(), unpacked=[str(r) for r in dualkv_compile.reports()
+                                                                        if r.rewritten and r.packed_calls < r.calls])
+    torch.save(result, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_dynamic_batch_size_keeps_groups_whole_packed_and_exact(tmp_path):
+    """``use_dynamic_bsz=True`` at a budget that makes several micro-batches, rows of each prompt shuffled: dualkv's
+    plan keeps every group in one micro-batch (the one over the budget alone), each micro-batch packs to its groups'
+    prompts once plus their responses, and the log-probs, entropy (in the batch's order), loss and every gradient
+    equal the engine's own, which splits groups, to 1e-5."""
+    runs = {}
+    for side, port in (("plain", 29617), ("dualkv", 29618)):
+        out = tmp_path / f"dynamic_{side}.pt"
+        env = dict(os.environ, MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, "-m", "tests.integrations.test_verl", str(out), *(["--dualkv"] if side == "dualkv" else [])],
+                              env=env, cwd=os.path.dirname(EXAMPLES), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[side] = torch.load(out, weights_only=False)
+    plain, dualkv = runs["plain"], runs["dualkv"]
+    group, plan = dualkv["group"], dualkv["plan"]
+    assert len(plan) == 3 and sorted(i for part in plan for i in part) == list(range(len(group))), dualkv["explain"]
+    where = {}
+    for m, part in enumerate(plan):
+        for i in part:
+            where.setdefault(group[i], set()).add(m)
+    assert all(len(ms) == 1 for ms in where.values()), dualkv["explain"]
+    assert [group[i] for i in plan[next(m for m, part in enumerate(plan) if group[part[0]] == 4)]] == [4] * 4
+    assert "over the budget of 72: a micro-batch of its own" in dualkv["explain"]
+    # veRL's own rearrangement: 4 micro-batches, of which the group of 85 valid tokens must be split over two.
+    assert len(plain["outputs"]["loss"]) == 4
+    # Each micro-batch packed to its groups' prompts once plus their responses: what the forest allows.
+    expected = [sum(p + sum(rs) for k, (p, rs) in enumerate(DYNAMIC_GROUPS) if k in {group[i] for i in part}) for part in plan]
+    assert [after for _, after in dualkv["packed"]] == expected and not dualkv["unpacked"], dualkv["packed"]
+    p_out, d_out = plain["outputs"]["model_output"], dualkv["outputs"]["model_output"]
+    offsets = p_out["log_probs"].offsets()
+    # A row's last log-prob is read at veRL's label rolled over the whole micro-batch: the next row's first token,
+    # which the arrangement decides (veRL's loss never reads it). Every other one is compared.
+    read = torch.ones(int(offsets[-1]), dtype=torch.bool)
+    read[offsets[1:] - 1] = False
+    for key in ("log_probs", "entropy"):
+        assert d_out[key].offsets().equal(offsets), key
+        a, b = p_out[key].values(), d_out[key].values()
+        a, b = (a[read], b[read]) if key == "log_probs" else (a, b)
+        assert _rel(b, a) <= 1e-5, key
+    assert sum(dualkv["outputs"]["loss"]) == pytest.approx(sum(plain["outputs"]["loss"]), rel=1e-5)
+    for name, g in plain["grads"].items():
+        assert _rel(dualkv["grads"][name], g) <= 1e-5, name
+
+
+if __name__ == "__main__":
+    dynamic_bsz_step(sys.argv[1], dualkv="--dualkv" in sys.argv[2:])
