@@ -258,8 +258,9 @@ def _sequence_slice(i: slice, size: int, tag: str, src: NodeInfo) -> Optional[tu
     start = hint(_ev(i.start)) if isinstance(i.start, fx.Node) else i.start
     if i.step not in (None, 1):
         raise RuleFailed("strided slice along a token axis")
-    start = 0 if start is None else start
-    stop = size if stop is None else (stop + size if stop < 0 else min(stop, size))
+    # Python's slice bounds: a negative one counts from the end, either is clamped to the axis.
+    start = 0 if start is None else max(start + size, 0) if start < 0 else min(start, size)
+    stop = size if stop is None else max(stop + size, 0) if stop < 0 else min(stop, size)
     if (start, stop) == (0, size):
         return None
     if tag != "s" or src.kind is not Kind.TOKEN or src.slen != size or src.shift != 0:

@@ -98,6 +98,13 @@ GETITEM = [
      out("b s", TOKEN, shift=1, slen=S - 1)),
     ("full-slice", fn(operator.getitem, X0, (slice(None), slice(0, S), Ellipsis)), [In((B, S, D), "b s -", TOKEN, slen=S)],
      out("b s -", TOKEN, slen=S)),
+    # apply_mask_to_padding_states' attention_mask[:, -T:] (Qwen3-Next, Mamba, LFM2): the whole axis.
+    ("full-slice-negative-start", fn(operator.getitem, X0, (slice(None), slice(-S, None))),
+     [In((B, S), "b s", TOKEN, slen=S)], out("b s", TOKEN, slen=S)),
+    ("last-columns", fn(operator.getitem, X0, (slice(None), slice(-2, None))), [In((B, S, D), "b s -", TOKEN, slen=S)],
+     fails("slice along a token axis (other than one next-token shift)")),
+    ("next-tokens-negative-start", fn(operator.getitem, X0, (slice(None), slice(1 - S, None))),
+     [In((B, S), "b s", TOKEN, slen=S)], out("b s", TOKEN, shift=1, slen=S - 1)),
     ("feature-index", fn(operator.getitem, X0, (Ellipsis, 0)), [x], out("b s", TOKEN)),
     ("feature-slice", fn(operator.getitem, X0, (Ellipsis, slice(None, D // 2))), [x], out("b s -", TOKEN)),
     ("new-axis", fn(operator.getitem, X0, (slice(None), None, slice(None))), [x], out("b - s -", TOKEN)),
