@@ -4,7 +4,7 @@
 
 1. the fallback: the graph unchanged, compiled by the inner compiler (``runtime.nested_compile``), what every
    refused graph or call runs;
-2. ``normalize``: ``inline_checkpoint``, ``positional_args``, then ``functionalize`` (on copies);
+2. ``normalize``: ``inline_checkpoint``, ``positional_args``, ``causal_conv``, then ``functionalize`` (on copies);
 3. ``analysis.analyze``: token inputs with their roles, attention, the token axes of every value, module scalars;
    a graph that cannot be rewritten is refused, the reason logged on the "dualkv_compile" logger and kept for
    ``explain()``;
@@ -41,6 +41,7 @@ from .graph import Refusal
 from .graph.meta import ev
 from .normalize.inline_checkpoint import inline_checkpoint_regions
 from .normalize.positional_args import positional_args
+from .normalize.causal_conv import fuse_causal_conv1d
 from .plan import plan_graph, resolve_attention_backend
 from .rewrite.fuse_linear_log_prob import fuse_linear_log_prob
 from .rewrite.module_floats import bake_module_floats
@@ -67,6 +68,8 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
         gm = inline_checkpoint_regions(gm)
         # Operands passed by keyword (F.linear(input=x, weight=w)) made positional, as the rules read them.
         gm = positional_args(gm)
+        # Hybrid layers' conv1d(x, w, b, padding=K-1)[..., :T] as one causal convolution (the token axis kept).
+        gm = fuse_causal_conv1d(gm)
         # In-place ops on private values made out-of-place (on a copy); the others are checked after the analysis.
         gm, mutations = functionalize_mutations(gm)
         result = analyze(gm, example_inputs, carried.current())

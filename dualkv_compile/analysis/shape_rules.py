@@ -14,6 +14,7 @@ token axes (``_size``).
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Optional
 
@@ -94,6 +95,11 @@ def _view(node, info, B, S) -> NodeInfo:
                 raise RuleFailed(f"reshape merging {kinds}")
             out[real_outs[0]] = merged
             continue
+        tokens = math.prod(in_shape[d] for d, _ in tagged)
+        if "".join(kinds) in ("s", "bs") and len(tagged) > 1 and out_shape[real_outs[0]] % tokens == 0:
+            # [b, s, f] -> [b*s*g, f/g]: merged token-major, g entries per token (OLMo-hybrid's per-head gate).
+            out[real_outs[0]] = "".join(kinds)
+            continue
         if len(tagged) == 1 and len(real_ins) == 1:  # split
             kind = kinds[0]
             sizes = [out_shape[o] for o in real_outs]
@@ -105,6 +111,17 @@ def _view(node, info, B, S) -> NodeInfo:
             if kind in ("s", "bs") and sizes[0] % (S if kind == "s" else B * S) == 0:
                 # [.., N*f] -> [.., N*g, f/g]: the first dim keeps whole tokens (token-major), g per token.
                 out[real_outs[0]] = kind
+                continue
+        if len(tagged) == 1 and len(real_outs) > 1 and kinds[0] in ("s", "bs"):
+            # [b*s*g, f/g] -> [b, s, f]: g entries per token gathered back into one token (the reverse of the
+            # merged per-token split above).
+            d, kind = tagged[0]
+            first = [out_shape[o] for o in real_outs[:2]]
+            if kind == "bs" and first == [B, S] and in_shape[d] % (B * S) == 0:
+                out[real_outs[0]], out[real_outs[1]] = "b", "s"
+                continue
+            if kind == "s" and first[0] == S and in_shape[d] % S == 0:
+                out[real_outs[0]] = "s"
                 continue
         raise RuleFailed(f"reshape {in_shape} -> {out_shape} that splits a token axis")
     t = tuple(out)

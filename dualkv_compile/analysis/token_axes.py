@@ -39,6 +39,7 @@ from .moe_rules import routed_rule
 from .shape_rules import is_size_query
 from .token_inputs import Role, TokenInputs
 from .rule_registry import rule_for
+from . import recurrent_rules  # noqa: F401  (registers the recurrent layers' rules)
 # With moe_rules and shape_rules above: every rule module imported, so the registry is complete.
 from .token_rules import POINTWISE_FUNCS, POINTWISE_METHODS
 

@@ -6,6 +6,7 @@ keeps running the original. They run in this order, before ``analysis``:
 
 ``inline_checkpoint``  activation-checkpoint regions inlined, their nodes tagged for recomputation
 ``positional_args``    operands passed by keyword made positional, as the per-op rules read them
+``causal_conv``        hybrid layers' ``conv1d(..., padding=K-1)[..., :T]`` as one causal convolution
 ``functionalize``      in-place ops on private values made out-of-place (docs/design.md, semantics 9)
 
 What every pass shares (``Refusal``, node meta, copying, matchers) is the

@@ -39,10 +39,12 @@ from ..graph.meta import (
     set_unpacked_rank,
 )
 from .output_aliases import aliased_outputs
+from .recurrent_layers import emit_recurrent
 from .packed_inputs import PackedInputs
 from .packed_shapes import emit_original_size, rewrite_shapes
 from .weighted_reductions import emit_weighted
 from ..analysis.node_info import Kind, shape_of
+from ..analysis.recurrent_rules import recurrent_kind
 from ..analysis.shape_rules import is_size_query
 from ..analysis.token_axes import TokenAxes
 from ..analysis.token_inputs import Role
@@ -222,6 +224,8 @@ class _Packer:
     def emit_packed(self, n: fx.Node) -> fx.Node:
         if n in self.attn:
             return self.emit_attention(self.attn[n])
+        if recurrent_kind(n) is not None:  # never the op itself on the packed stream: it would join the sequences
+            return emit_recurrent(self, n)
         lookup = self.packed_of
         # Where next-token values meet shift-0 values (the analysis allows
         # that for pointwise ops and gathers only), read the latter at each

@@ -37,6 +37,12 @@ VIEW = [
     ("merge-s-features", meth("view", X0, B, S * D), [x], out("b s", TOKEN)),
     ("split-s-features", meth("view", X0, B, S, D), [In((B, S * D), "b s", TOKEN)], out("b s -", TOKEN)),
     # A merged axis of k entries per token split into [tokens * g, k / g]: the first dim keeps whole tokens.
+    # [b, s, f] -> [b*s*g, f/g] in one reshape (OLMo-hybrid's per-head gate): merged token-major, g per token.
+    ("merge-split-per-token", meth("reshape", X0, B * S * 2, D // 2), [x], out("bs -", TOKEN)),
+    ("merge-split-not-token-major", meth("reshape", X0, B * S // 2, 2 * D), [x], fails("splits a token axis")),
+    ("per-token-entries-back", meth("reshape", X0, B, S, D), [In((B * S * 2, D // 2), "bs -", TOKEN)], out("b s -", TOKEN)),
+    ("per-token-entries-back-wrong-split", meth("reshape", X0, S, B, D), [In((B * S * 2, D // 2), "bs -", TOKEN)],
+     fails("splits a token axis")),
     ("split-bs-per-token", meth("view", X0, B * S, 2, D), [In((B * S * 2, D), "bs -", TOKEN)], out("bs - -", TOKEN)),
     ("split-bs-two-per-token", meth("view", X0, B * S * 2, 2), [In((B * S * 4,), "bs", TOKEN)], out("bs -", TOKEN)),
     ("split-s-two-per-token", meth("view", X0, B, 2 * S, 2), [In((B, 4 * S), "b s", TOKEN)], out("b s -", TOKEN)),

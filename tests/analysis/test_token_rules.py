@@ -1,7 +1,7 @@
 """The per-op token-axis rules (analysis/token_rules.py, analysis/shape_rules.py), one table per rule family, and the driver.
 
 Each row of ``TABLES`` (the rows live in ``rows_token_rules.py`` and
-``rows_shape_rules.py``, written in the row language of ``rule_rows.py``;
+``rows_shape_rules.py`` and ``rows_recurrent_rules.py``, written in the row language of ``rule_rows.py``;
 the MoE rows in ``test_moe_rules.py`` and ``test_moe_copies.py``) applies one op to placeholders and
 names the ``NodeInfo`` its rule gives or the failure it raises. Every
 registered rule key has a row and every row targets a registered rule. The
@@ -22,6 +22,7 @@ from dualkv_compile.analysis.token_axes import analyze_token_axes
 from dualkv_compile.analysis.token_inputs import Role, TokenInput, TokenInputs
 from dualkv_compile.analysis.rule_registry import REFINEMENTS, RULES, refine_rule, rule_for
 
+from .rows_recurrent_rules import CAUSAL_CONV, GATED_DELTA_ROWS
 from .rows_shape_rules import CAT, COMPLEX, GETITEM, MOVE, SIZE, SLICE_SCATTER, SPLIT, STACK, VIEW
 from .rows_token_rules import (
     COUPLING, CUMULATIVE, DROPOUT, EMBEDDING, LIKE, LINEAR, MATMUL, MIN_MAX, NEW_LIKE, NORMS, REDUCTIONS, SCATTER, SOFTMAX,
@@ -54,6 +55,8 @@ TABLES = {
     "stack": STACK,
     "split": SPLIT,
     "size": SIZE,
+    "causal_conv": CAUSAL_CONV,
+    "gated_delta": GATED_DELTA_ROWS,
 }
 
 

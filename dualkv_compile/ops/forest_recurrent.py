@@ -1,0 +1,100 @@
+"""The recurrent layers of hybrid models as the graphs call them, unpacked and on the packed forest.
+
+``causal_conv1d(x, weight, bias)``: the short depthwise causal convolution of GDN, Mamba and LFM2 layers as one
+call (``normalize.causal_conv`` writes it for transformers' ``conv1d(x, w, b, padding=K-1, groups=C)[..., :T]``):
+the same two ops, so the unpacked program is unchanged. ``forest_causal_conv1d(x, weight, bias, prev_index)`` is
+its packed form: the K-1 inputs before a token are read back along its path through the forest (``prev_index``,
+``rewrite.packed_inputs``: a root's first token maps to itself, where the path ends and zeros follow), in torch
+ops the packed graph's compiler traces.
+
+``dualkv::forest_gated_delta_rule``: the packed form of ``dualkv::gated_delta_rule`` (``ops.recurrent``), each
+segment's scan from its parent's final state (``kernels.recurrent.forest_gated_delta_rule``, the chunked form
+where the layer's is chunked). Opaque: its levels are built on the host. The backward is the reference's
+autograd (the forward recomputed inside; nothing but the inputs saved), the children's state gradients summed
+into their parent's final state. Exact against transformers' torch fallback (tests/kernels/test_forest_recurrence).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.recurrent import forest_gated_delta_rule as _forest_gdn
+from ..kernels.recurrent.causal_conv import causal_conv1d_along_paths
+from ..layout.segments import Segments
+
+__all__ = ["causal_conv1d", "forest_causal_conv1d", "forest_gated_delta_rule"]
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.conv1d(x, weight, bias, padding=K-1, groups=C)[..., :T]`` for x ``[B, C, T]``, weight ``[C, 1, K]``."""
+    K = weight.shape[-1]
+    return F.conv1d(x, weight, bias, padding=K - 1, groups=x.shape[1])[..., : x.shape[-1]]
+
+
+def forest_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         prev_index: torch.Tensor) -> torch.Tensor:
+    """``causal_conv1d`` of each root-to-leaf sequence of the packed ``x [1, C, T]``, once per packed token."""
+    return causal_conv1d_along_paths(x, weight.reshape(weight.shape[0], weight.shape[-1]), bias, prev_index)
+
+
+def _segs(seg_start, seg_len, parent, prefix_len, subtree_end) -> Segments:
+    return Segments(seg_start, seg_len, parent, prefix_len, subtree_end, 0, 0)
+
+
+def _run(q, k, v, g, beta, segs, chunk_size: int, use_qk_l2norm: bool):
+    return _forest_gdn(q, k, v, g, beta, segs, use_qk_l2norm=use_qk_l2norm,
+                       chunk_size=None if chunk_size <= 0 else chunk_size)
+
+
+@torch.library.custom_op("dualkv::forest_gated_delta_rule", mutates_args=())
+def forest_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    seg_start: torch.Tensor, seg_len: torch.Tensor, parent: torch.Tensor, prefix_len: torch.Tensor,
+    subtree_end: torch.Tensor, chunk_size: int, use_qk_l2norm: bool,
+) -> torch.Tensor:
+    """The packed GDN core: q, k ``[1, T, Hk, Dk]``, v ``[1, T, Hv, Dv]``, g, beta ``[1, T, Hv]``; ``chunk_size``
+    <= 0 steps token by token. Returns ``[1, T, Hv, Dv]`` in q's dtype, contiguous."""
+    segs = _segs(seg_start, seg_len, parent, prefix_len, subtree_end)
+    return _run(q, k, v, g, beta, segs, chunk_size, use_qk_l2norm).contiguous()
+
+
+@forest_gated_delta_rule.register_fake
+def _(q, k, v, g, beta, seg_start, seg_len, parent, prefix_len, subtree_end, chunk_size, use_qk_l2norm):
+    return q.new_empty(tuple(v.shape[:2]) + (v.shape[2], v.shape[3]))
+
+
+@torch.library.custom_op("dualkv::forest_gated_delta_rule_bwd", mutates_args=())
+def forest_gated_delta_rule_bwd(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    seg_start: torch.Tensor, seg_len: torch.Tensor, parent: torch.Tensor, prefix_len: torch.Tensor,
+    subtree_end: torch.Tensor, chunk_size: int, use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k, v, g and beta: the reference's autograd, its forward recomputed."""
+    segs = _segs(seg_start, seg_len, parent, prefix_len, subtree_end)
+
+    def run(*xs):
+        return _run(*xs, segs, chunk_size, use_qk_l2norm)
+
+    _, pullback = torch.func.vjp(run, q, k, v, g, beta)
+    return tuple(gr.contiguous() for gr in pullback(grad_out))
+
+
+@forest_gated_delta_rule_bwd.register_fake
+def _(grad_out, q, k, v, g, beta, seg_start, seg_len, parent, prefix_len, subtree_end, chunk_size, use_qk_l2norm):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:10])
+    ctx.args = inputs[10:]
+
+
+def _backward(ctx, grad_out):
+    grads = forest_gated_delta_rule_bwd(grad_out.contiguous(), *ctx.saved_tensors, *ctx.args)
+    return (*grads,) + (None,) * 7
+
+
+forest_gated_delta_rule.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,47 @@
+"""Rewrite: the packed form of a hybrid model's recurrent layer (docs/design.md, semantics 16).
+
+Contract
+    Input: the packer (``pack_graph._Packer``) and a TOKEN node that ``analysis.recurrent_rules`` tagged: a
+    ``causal_conv1d`` or a ``dualkv::gated_delta_rule``. Output: its packed form, on the packed operands and the
+    layout's inputs: ``forest_causal_conv1d`` reading each token's K-1 predecessors along its path
+    (``prev_index``), ``dualkv::forest_gated_delta_rule`` scanning each segment from its parent's final state (the
+    chunk size the layer's op was given, its q/k normalisation), returned as the ``(output, empty state)`` pair
+    the original op returns. Never the op itself on the packed stream: that would run every sequence of the
+    stream as one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..analysis.recurrent_rules import GATED_DELTA
+from ..ops.forest_recurrent import causal_conv1d, forest_causal_conv1d
+from ..ops.forest_recurrent import forest_gated_delta_rule  # noqa: F401  (registers the op)
+
+__all__ = ["emit_recurrent"]
+
+
+def emit_recurrent(packer, n: fx.Node) -> fx.Node:
+    """The packed form of the recurrent node ``n`` (see the module docstring)."""
+    g, i = packer.g, packer.inp
+    if n.target is causal_conv1d:
+        x, weight, bias = n.args
+        args = (packer.packed_of(x), packer.packed_of(weight), None if bias is None else packer.packed_of(bias),
+                i["prev_index"])
+        return g.call_function(forest_causal_conv1d, args, name=n.name + "_packed")
+    if n.target is GATED_DELTA:
+        q, k, v, gate, beta, _state, chunk, _final, l2norm, _impl = n.args
+        operands = tuple(packer.packed_of(a) for a in (q, k, v, gate, beta))
+        segs = tuple(i[f] for f in ("seg_start", "seg_len", "parent", "prefix_len", "subtree_end"))
+        out = g.call_function(torch.ops.dualkv.forest_gated_delta_rule.default,
+                              operands + segs + (int(chunk) if chunk else 0, bool(l2norm)))
+        empty = g.call_method("new_empty", (out, (0,)), {"dtype": torch.float32})
+        return g.call_function(_pair, (out, empty), name=n.name + "_packed")
+    raise AssertionError(f"{n.name}: {n.target} has no packed form here")
+
+
+def _pair(out: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(output, final state)`` tuple ``dualkv::gated_delta_rule`` returns (its state empty in training)."""
+    return out, state
+

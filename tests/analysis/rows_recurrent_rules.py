@@ -1,0 +1,53 @@
+"""Rule rows of analysis/recurrent_rules.py: the causal convolution and the gated delta rule of hybrid layers
+(``test_token_rules.TABLES`` runs them). Written in the row language of ``rule_rows.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dualkv_compile.analysis.recurrent_rules import GATED_DELTA
+from dualkv_compile.ops.forest_recurrent import causal_conv1d
+
+from .rule_rows import B, D, NONE, S, TOKEN, In, X, X0, X1, X2, X3, X4, fails, fn, out
+
+C, K, H = 6, 3, 2
+IMPL = "transformers.models.qwen3_next.modeling_qwen3_next.torch_chunk_gated_delta_rule"
+
+
+
+def other_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False):
+    """A GDN function the forest reference does not know (its math could be anything)."""
+    out = value * torch.sigmoid(g)[..., None] * beta[..., None]
+    return out, None
+
+
+channels_first = In((B, C, S), "b - s", TOKEN)
+conv_weight, conv_bias = In((C, 1, K)), In((C,))
+
+CAUSAL_CONV = [
+    ("keeps-token-axes", fn(causal_conv1d, X0, X1, None), [channels_first, conv_weight], out("b - s", TOKEN)),
+    ("bias", fn(causal_conv1d, X0, X1, X2), [channels_first, conv_weight, conv_bias], out("b - s", TOKEN)),
+    ("tokens-not-last", fn(causal_conv1d, X0, X1, None), [In((B, S, C), "b s -", TOKEN), In((S, 1, K))],
+     fails("the causal convolution's input laid out")),
+    ("next-token-input", fn(causal_conv1d, X0, X1, None), [In((B, C, S - 1), "b - s", TOKEN, shift=1), conv_weight],
+     fails("the causal convolution's input laid out")),
+    ("token-weight", fn(causal_conv1d, X0, X1, None), [channels_first, In((C, 1, K), "- - -", TOKEN)],
+     fails("weight varies with the tokens")),
+]
+
+heads = In((B, S, H, D), "b s - -", TOKEN)
+gate = In((B, S, H), "b s -", TOKEN, value=-torch.rand(B, S, H))
+GATED_DELTA_ROWS = [
+    ("keeps-token-axes", fn(GATED_DELTA, X0, X1, X2, X3, X4, None, 64, False, True, IMPL),
+     [heads, heads, heads, gate, gate], out("b s - -", TOKEN)),
+    ("final-state", fn(GATED_DELTA, X0, X1, X2, X3, X4, None, 64, True, True, IMPL),
+     [heads, heads, heads, gate, gate], fails("cached state")),
+    ("initial-state", fn(GATED_DELTA, X0, X1, X2, X3, X4, X(5), 64, False, True, IMPL),
+     [heads, heads, heads, gate, gate, In((B, H, D, D))], fails("cached state")),
+    ("other-impl", fn(GATED_DELTA, X0, X1, X2, X3, X4, None, 64, False, True, f"{__name__}.other_gated_delta_rule"),
+     [heads, heads, heads, gate, gate], fails("no forest form")),
+    ("constant-values", fn(GATED_DELTA, X0, X1, X2, X3, X4, None, 64, False, True, IMPL),
+     [heads, heads, In((B, S, H, D), "- - - -", NONE), gate, gate], fails("the gated delta rule's v laid out")),
+]
