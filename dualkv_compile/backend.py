@@ -80,6 +80,11 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
             raise Refusal(why)
         if result.refusal is not None:
             raise Refusal(result.refusal)
+        recurrent = [(n, kind, why) for n, kind, why in result.recurrent if axes.info[n].kind is Kind.TOKEN]
+        if recurrent and cfg.sequence_parallel is not None:
+            raise Refusal(f"{recurrent[0][0].name}: a {recurrent[0][1]} under sequence parallelism (a rank's tokens "
+                          "would need the state of the tokens before them on other ranks): not supported yet")
+        report.recurrent_layers = [(kind, why) for _, kind, why in recurrent]
         backend = resolve_attention_backend(cfg.attention_backend, axes.attention)
         packed = pack_graph(gm, axes, backend, cfg.attention_backend)
         report.attention_backends = list(packed.attention_backends)

@@ -35,6 +35,8 @@ class GraphReport:
     hints: list[str] = dataclasses.field(default_factory=list)  # what the caller may change to save memory or time
     exactness_checks: list[str] = dataclasses.field(default_factory=list)  # option check_exact: each check's summary
     attention_backends: list[str] = dataclasses.field(default_factory=list)  # the backend of each attention, in order
+    # Each recurrent layer on the packed forest: its kind, and why a left-padded call must run unpacked (or None).
+    recurrent_layers: list[tuple[str, Optional[str]]] = dataclasses.field(default_factory=list)
     local_tokens: Optional[int] = None  # under sequence parallelism: packed tokens this rank held on its last packed call
 
     def __str__(self) -> str:
@@ -47,6 +49,12 @@ class GraphReport:
         if self.attention_backends:
             counts = {b: self.attention_backends.count(b) for b in dict.fromkeys(self.attention_backends)}
             lines.append("  attention backends: " + ", ".join(f"{b} x{n}" for b, n in counts.items()))
+        if self.recurrent_layers:
+            kinds = [k for k, _ in self.recurrent_layers]
+            counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+            lines.append("  recurrent layers on the forest: " + ", ".join(f"{k} x{n}" for k, n in counts.items()))
+            for why in dict.fromkeys(w for _, w in self.recurrent_layers if w):
+                lines.append(f"  left-padded calls run unpacked: {why}")
         if self.fused_log_probs:
             lines.append(f"  next-token log-probs computed from the lm_head in chunks ({self.fused_log_probs} fused)")
         if self.fused_entropy:

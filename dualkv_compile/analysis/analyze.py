@@ -6,8 +6,9 @@ Contract
     while it is compiled (``layout.carried.current()``; None if none).
     Output: an ``Analysis``, frozen: the token axes of every node
     (``TokenAxes``), the attention matches with their scalar inputs resolved,
-    the per-call checks of those scalars, and the reason the graph cannot be
-    rewritten (None when it can). Nobody edits it afterwards.
+    the per-call checks of those scalars, the reason the graph cannot be
+    rewritten (None when it can), and its recurrent layers with whether the
+    padding before a row's tokens is neutral to each (``padding_neutral``). Nobody edits it afterwards.
     Raises ``Refusal`` when there is nothing to analyse (no token inputs and
     no batch shape to find them by, a KV cache, flex_attention with an outside
     block mask, a ``[1, 1]`` batch).
@@ -25,6 +26,7 @@ from ..graph.meta import ev as _ev
 from ..layout.carried import ActiveLayout
 from .attention_match import AttentionMatch, find_attention, resolve_scalar_inputs
 from .node_info import Kind
+from .padding_neutral import padding_neutrality
 from .token_axes import TokenAxes, analyze_token_axes
 from .token_inputs import Role, TokenInputs, complete_token_inputs, find_token_inputs
 
@@ -37,6 +39,8 @@ class Analysis:
     # (input index, value, what) per module scalar baked into the packed graph: the runner checks each per call.
     scalar_checks: tuple[tuple[int, float, str], ...]
     refusal: Optional[str]
+    # (node, layer kind, why its padding is not neutral or None) per recurrent layer (analysis.padding_neutral).
+    recurrent: tuple = ()
 
     @property
     def attention(self) -> list[AttentionMatch]:
@@ -64,7 +68,7 @@ def analyze(gm: fx.GraphModule, example_inputs, current_layout: Optional[ActiveL
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     resolved, checks, scalar_refusals = resolve_scalar_inputs(axes.attention, placeholders, example_inputs)
     axes = dataclasses.replace(axes, attention=resolved, refusals=axes.refusals + tuple(scalar_refusals))
-    return Analysis(axes, tuple(checks), "; ".join(axes.refusals) or None)
+    return Analysis(axes, tuple(checks), "; ".join(axes.refusals) or None, padding_neutrality(gm, axes))
 
 
 def floating_carried(axes: TokenAxes) -> list[fx.Node]:

@@ -7,7 +7,8 @@ its split over a Ulysses group), ``scalar_checks`` every module scalar baked in,
 compile's. Guarantees: a ``GraphPlan`` none of whose fields depends on a call: the layout source's inputs
 (``layout_inputs``), the padding reads with their factors' side graphs (``padding_checks``), the outputs
 ``unpack`` makes (``outputs``), the outer graph's symbolic inputs and whether the packed graph may be compiled
-directly (``compile_route``). ``runtime`` does the rest per call.
+directly (``compile_route``), the recurrent layers on the packed stream (``analysis.padding_neutral``).
+``runtime`` does the rest per call.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.fx as fx
 
 from ..analysis.analyze import Analysis
 from ..config import DualKVConfig
+from ..analysis.node_info import Kind
 from ..graph.meta import ev
 from .compile_route import eligible, is_dynamic
 from .layout_inputs import LayoutInputs, plan_layout_inputs
@@ -40,6 +42,8 @@ class GraphPlan:
     outer_dynamic: bool  # Dynamo made a size of the outer graph symbolic
     outer_values: tuple[Any, ...]  # the outer graph's placeholders' example values (which sizes are symbolic)
     why_not_direct: Optional[str]  # None: runtime.direct_compile may compile run_gm, if the call's inputs are plain
+    # (layer kind, why a left-padded call must run unpacked or None) per recurrent layer on the packed stream
+    recurrent: tuple[tuple[str, Optional[str]], ...] = ()
 
 
 def plan_graph(
@@ -59,4 +63,5 @@ def plan_graph(
         outer_dynamic=is_dynamic(gm),
         outer_values=tuple(ev(n) for n in placeholders),
         why_not_direct=eligible(runs, cfg, mode),
+        recurrent=tuple((kind, why) for n, kind, why in analysis.recurrent if analysis.axes.info[n].kind is Kind.TOKEN),
     )

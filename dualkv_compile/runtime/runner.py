@@ -27,6 +27,7 @@ from ..plan import GraphPlan
 from ..report import GraphReport
 from ..rewrite.pack_graph import PACKED_INPUTS
 from ..rewrite.packed_inputs import PER_TOKEN_OR_SEGMENT, PackedInputs
+from .recurrence_check import recurrence_mismatch
 from .layout_source import FromCarried, FromTokenIds
 from .nested_compile import nested_compile
 from . import direct_compile
@@ -121,6 +122,11 @@ class Runner:
         why = self._padding_read(args, layout, masks)
         if why is not None:
             return self._unpacked(args, why)
+        if self.plan.recurrent:
+            mask_at = self.plan.inputs.attention_mask
+            why = recurrence_mismatch(self.plan.recurrent, layout, None if mask_at is None else args[mask_at])
+            if why is not None:
+                return self._unpacked(args, why)
         extra = PackedInputs.of(layout)
         if self.sp is not None:
             extra = shard_packed_inputs(extra, layout.num_tokens, self.sp)
