@@ -60,3 +60,18 @@ def test_operands_without_a_descriptor_view_run_the_triton_kernels_per_call():
     assert why is not None and why.startswith("dout ")
     assert op.backend_for_call("gluon", q=good, dout=skewed, k=good, v=good) is ta
     assert op.backend_for_call("triton", q=one_token, k=one_token, v=one_token) is ta  # only Gluon's choice
+
+
+def test_triton_refuses_windows_on_a_gpu_until_its_windowed_backward_passes_there(hopper_probe):
+    """On an H200 the windowed dQ kernel returned garbage (benchmarks/logs/gpu_tests/gpu_tests_2026-12-02_h200.md): a window
+    on a GPU is refused by name, auto picks flex, and the reason says why."""
+    q = hopper_probe
+    why = op.unsupported_reason("triton", q, q, window=37)
+    assert why is not None and "windowed backward" in why
+    assert op.unsupported_reason("triton", q, q, chunk=48) is not None
+    assert op.unsupported_reason("triton", q, q, sinks=True) is None  # no window: as before
+    assert op.resolve_backend("auto", q, q, window=37) == "flex"
+    with pytest.raises(ValueError, match="windowed backward"):
+        op.resolve_backend("triton", q, q, window=37)
+    cpu = torch.empty(1, 4, 1, 128, dtype=torch.bfloat16)
+    assert op.unsupported_reason("triton", cpu, cpu, window=37) is None  # the interpreter's windows pass the oracle
