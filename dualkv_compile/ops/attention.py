@@ -89,9 +89,9 @@ def resolve_backend(backend: str, q: torch.Tensor, v: Optional[torch.Tensor] = N
 
             # float64 stays on the reference, the oracle (cpu_flash runs float64 too, when asked for by name).
             return "cpu_flash" if q.dtype != torch.float64 and cpu_flash.supports(q, v, **feats) is None else "reference"
-        # Windows: flex first, its windowed kernel tested on a GPU (tests/ops/test_flex.py); Triton's windows are
-        # checked on the interpreter, so it takes them by name or where flex cannot (docs/design.md, "The attention op").
-        order = ("gluon", "flex", "triton") if window or chunk else ("gluon", "triton", "flex")
+        # Windows too: the Triton kernels' windows pass the oracle on a GPU as on the interpreter and run faster
+        # than flex's (docs/design.md, "The attention op"); flex where neither Gluon nor Triton runs.
+        order = ("gluon", "triton", "flex")
         for name in order:
             why = unsupported_reason(name, q, v, **feats)
             if why is None:

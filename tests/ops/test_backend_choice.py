@@ -36,7 +36,8 @@ def test_gluon_refuses_a_softcap_and_auto_names_triton(hopper_probe):
     for name in ("triton", "flex", "reference"):
         assert op.unsupported_reason(name, q, q, softcap=30.0) is None, name
     assert op.resolve_backend("auto", q, q, softcap=30.0) == "triton"
-    assert op.resolve_backend("auto", q, q, window=64, softcap=30.0) == "flex"  # windows: flex first, as without
+    assert op.resolve_backend("auto", q, q, window=64, softcap=30.0) == "triton"  # windows and a softcap: Triton's
+    assert op.resolve_backend("auto", q, q, window=64) == "triton"  # Gluon has no windows: Triton's (GPU-tested)
     with pytest.raises(ValueError, match=r"backend='gluon' cannot run this input: .*logit softcap"):
         op.resolve_backend("gluon", q, q, softcap=30.0)
     # The Gluon module runs its kernels or none: no Triton behind its back.
@@ -60,18 +61,3 @@ def test_operands_without_a_descriptor_view_run_the_triton_kernels_per_call():
     assert why is not None and why.startswith("dout ")
     assert op.backend_for_call("gluon", q=good, dout=skewed, k=good, v=good) is ta
     assert op.backend_for_call("triton", q=one_token, k=one_token, v=one_token) is ta  # only Gluon's choice
-
-
-def test_triton_refuses_windows_on_a_gpu_until_its_windowed_backward_passes_there(hopper_probe):
-    """On an H200 the windowed dQ kernel returned garbage (benchmarks/logs/gpu_tests/gpu_tests_2026-12-02_h200.md): a window
-    on a GPU is refused by name, auto picks flex, and the reason says why."""
-    q = hopper_probe
-    why = op.unsupported_reason("triton", q, q, window=37)
-    assert why is not None and "windowed backward" in why
-    assert op.unsupported_reason("triton", q, q, chunk=48) is not None
-    assert op.unsupported_reason("triton", q, q, sinks=True) is None  # no window: as before
-    assert op.resolve_backend("auto", q, q, window=37) == "flex"
-    with pytest.raises(ValueError, match="windowed backward"):
-        op.resolve_backend("triton", q, q, window=37)
-    cpu = torch.empty(1, 4, 1, 128, dtype=torch.bfloat16)
-    assert op.unsupported_reason("triton", cpu, cpu, window=37) is None  # the interpreter's windows pass the oracle

@@ -90,15 +90,9 @@ def _supports_input(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> Option
 def supports(q: torch.Tensor, v: Optional[torch.Tensor] = None, *, window: int = 0, chunk: int = 0,
              sinks: bool = False, softcap: float = 0.0) -> Optional[str]:
     """None if the Triton kernels can run q (and v) with these windows, sinks and softcap; else the reason."""
-    # Windows of any size run (windows.py) under the interpreter; sinks apply around the kernels
-    # (ops/backend_calls.py), whose backward reads the saved out and lse as sinks need.
-    why = _supports_input(q, v)
-    if why is None and (window or chunk) and q.device.type == "cuda":
-        # On an H200 the windowed dQ kernel returned garbage (tests/kernels/test_gpu_sinks_windows.py, window 37,
-        # head dim 128): refused on GPUs until it passes there; the forward and the interpreter agree with the oracle.
-        return (f"the Triton kernels' windowed backward fails its GPU test (window={window}, chunk={chunk}); "
-                "flex runs windows on a GPU")
-    return why
+    # Windows of any size run (windows.py); sinks apply around the kernels (ops/backend_calls.py), whose
+    # backward reads the saved out and lse as sinks need.
+    return _supports_input(q, v)
 
 
 # --------------------------------------------------------------------------- launches
