@@ -66,7 +66,9 @@ VOCAB = 101
 GROUPS = [(6, [3, 5, 2]), (4, [4, 1])]  # prompts 6 and 4 (left-padded to one length), responses 3+5+2 and 4+1
 WINDOW = 4  # sliding windows and attention chunks: shorter than the prompts, so that they bind
 TOL = 1e-5
-ZERO_GRAD = 1e-4  # a gradient below this fraction of the largest one is compared against that fraction (_worst)
+ZERO_GRAD = 1e-3  # a gradient below this fraction of the largest one is compared against that fraction (_worst):
+# Qwen3-Next's A_log gradient is ~1e-7 of the largest and moves 3% with one more padding column in the unmodified
+# model alone (float32 rounding of a sum that cancels), so only a floor above rounding compares it meaningfully
 
 PACKED, REFUSED, COMPILE_FAILS, NOT_BUILDABLE = "packed and exact", "refused", "torch.compile alone fails", "not buildable"
 INEXACT, DUALKV_RAISES, DUALKV_HANGS = "INEXACT", "dualkv raises", "dualkv does not finish"
