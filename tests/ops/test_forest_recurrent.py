@@ -1,0 +1,68 @@
+"""``ops.forest_recurrent``: the packed forms of the hybrid layers as the packed graph calls them, against the
+forest references of ``kernels.recurrent`` (themselves checked against transformers' torch paths run per sequence:
+tests/kernels/test_forest_recurrence.py), forward and backward, on random forests of depth 1-3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dualkv_compile.kernels.recurrent import forest_causal_conv1d as ref_conv, forest_gated_delta_rule as ref_gdn
+from dualkv_compile.layout.segments import previous_token_index
+from dualkv_compile.ops.forest_recurrent import forest_causal_conv1d, forest_gated_delta_rule
+from ..kernels.segments import forest_segments, small_forest
+
+FORESTS = [([5], [-1]), ([2, 1, 1, 5, 3], [-1, 0, 1, 1, 0])] + [small_forest(seed, 40, 9) for seed in (1, 4, 7)]
+
+
+def _segs_args(segs):
+    return segs.seg_start, segs.seg_len, segs.parent, segs.prefix_len, segs.subtree_end
+
+
+def _gdn_inputs(T, seed, Hk=2, Hv=4, D=4):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(1, T, Hk, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, T, Hv, D, generator=g, dtype=torch.float64, requires_grad=True)
+    decay = (-torch.rand(1, T, Hv, generator=g, dtype=torch.float64)).requires_grad_()
+    beta = torch.rand(1, T, Hv, generator=g, dtype=torch.float64, requires_grad=True)
+    return [q, k, v, decay, beta]
+
+
+@pytest.mark.parametrize("chunk", [0, 4])
+@pytest.mark.parametrize("forest", FORESTS, ids=lambda f: f"{len(f[0])}nodes")
+def test_gated_delta_op_is_the_reference_and_its_autograd(forest, chunk):
+    segs, T = forest_segments(*forest)
+    xs = _gdn_inputs(T, seed=len(forest[0]))
+    out = forest_gated_delta_rule(*xs, *_segs_args(segs), chunk, True)
+    want = ref_gdn(*xs, segs, use_qk_l2norm=True, chunk_size=chunk or None)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    got = torch.autograd.grad((out * w).sum(), xs)
+    exp = torch.autograd.grad((want * w).sum(), xs)
+    for name, a, b in zip(("q", "k", "v", "g", "beta"), got, exp):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_gated_delta_op_registrations():
+    """torch.library.opcheck: schema, fake implementation, autograd, AOT dispatch."""
+    segs, T = forest_segments(*FORESTS[1])
+    xs = [x.detach().float().requires_grad_() for x in _gdn_inputs(T, seed=0)]
+    torch.library.opcheck(forest_gated_delta_rule, (*xs, *_segs_args(segs), 4, True))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("forest", FORESTS, ids=lambda f: f"{len(f[0])}nodes")
+def test_causal_conv_along_prev_index_is_the_reference(forest, bias):
+    segs, T = forest_segments(*forest)
+    g = torch.Generator().manual_seed(T)
+    C, K = 5, 4  # K - 1 = 3 reaches past one-token parents into grandparents
+    x = torch.randn(1, C, T, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(C, 1, K, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(C, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
+    out = forest_causal_conv1d(x, w, b, previous_token_index(segs, T))
+    want = ref_conv(x, w.reshape(C, K), b, segs)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    leaves = [x, w] + ([b] if bias else [])
+    wt = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    for a, e in zip(torch.autograd.grad((out * wt).sum(), leaves), torch.autograd.grad((want * wt).sum(), leaves)):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
