@@ -120,8 +120,8 @@ def test_hf_gdn_layer_compiles_as_one_op():
     assert not any("solve_triangular" in t for t in targets)
 
 
-# Packed where the forest takes every layer; Qwen3.5 is still refused for its rotary's in-place setitem (issue 51).
-EXPECTED = {"qwen3_next": PACKED, "olmo_hybrid": PACKED, "qwen3_5_text": REFUSED, "qwen3_5_moe_text": REFUSED}
+# Packed: the forest takes every layer (Qwen3.5 once its rotary's setitems are out of place: normalize.functionalize).
+EXPECTED = {"qwen3_next": PACKED, "olmo_hybrid": PACKED, "qwen3_5_text": PACKED, "qwen3_5_moe_text": PACKED}
 
 
 @pytest.mark.parametrize("family", sorted(EXPECTED))

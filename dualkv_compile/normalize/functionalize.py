@@ -15,7 +15,9 @@ A mutated value is private when its storage is shared only by the op that made i
 a caller's tensor, a parameter or a buffer must really be mutated), by the in-place ops (which return it) and by
 full aliases (no-op conversions such as ``.float()`` of a float32 value, ``detach()``). A view made before its last
 mutation makes it not private (the mutation would have to be carried through the view); views made after it read
-only the final value. Why functional: the rewrite gives a token value two translations, the packed one and
+only the final value. A mutated view ``base[i, ...]`` whose base is read otherwise only through views ``base[j,
+...]``, ``j != i``, is copied first (no reader could see its writes), and ``x[..., a:b] = v`` becomes a
+``slice_scatter``. Why functional: the rewrite gives a token value two translations, the packed one and
 ``unpack`` of it; an in-place op copied into one is not seen by readers of the other, and out of place the data
 flow carries it wherever the value goes.
 """
@@ -167,6 +169,72 @@ def _functional_form(n: fx.Node) -> Optional[tuple[str, Any, tuple, dict]]:
     return None
 
 
+def _setitem_form(n: fx.Node, graph: fx.Graph, fake_mode) -> Optional[tuple[str, Any, tuple, dict]]:
+    """``x[..., a:b:c] = v`` as ``slice_scatter(x, v, dim, a, b, c)`` (one sliced dim, ``v`` of the slice's shape,
+    cast to x's dtype as the assignment does); None for any other index or value."""
+    x, idx, value = n.args
+    dst, src = _ev(x), _ev(value) if isinstance(value, fx.Node) else None
+    cut = _single_slice(idx)
+    if cut is None or not isinstance(src, torch.Tensor) or src.device != dst.device:
+        return None
+    dim, start, stop, step = cut
+    with fake_mode:
+        if tuple(dst[idx].shape) != tuple(src.shape):
+            return None
+    with graph.inserting_before(n):
+        cast = graph.call_method("to", (value, dst.dtype))
+    set_example_value(cast, _fake_run("call_method", "to", cast.args, {}, fake_mode))
+    return "call_function", torch.slice_scatter, (x, cast, dim, start, stop, step), {}
+
+
+def _single_slice(idx) -> Optional[tuple[int, Any, Any, Any]]:
+    """``(dim, start, stop, step)`` of a basic index that slices one dim (Ellipsis and full slices elsewhere)."""
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if any(not (isinstance(i, slice) or i is Ellipsis) for i in idx) or sum(i is Ellipsis for i in idx) > 1:
+        return None
+    if any(isinstance(x, fx.Node) for i in idx if isinstance(i, slice) for x in (i.start, i.stop, i.step)):
+        return None
+    cut = [k for k, i in enumerate(idx) if isinstance(i, slice) and i != slice(None)]
+    if len(cut) != 1:
+        return None
+    k = cut[0]
+    e = idx.index(Ellipsis) if Ellipsis in idx else len(idx)
+    sl = idx[k]
+    return (k if k < e else k - len(idx)), sl.start if sl.start is not None else 0, sl.stop, sl.step if sl.step is not None else 1
+
+
+def _copy_disjoint_views(graph: fx.Graph, fake_mode) -> None:
+    """A mutated view ``v = base[i, ...]`` of a private ``base`` read otherwise only through views ``base[j, ...]``
+    with ``j != i`` becomes ``base[i, ...].clone()``: no reader can see the writes through ``base`` (Qwen3.5's
+    interleaved rotary writes sections 1 and 2 into a view of section 0 of its ``[3, B, S, D]`` table), and the
+    copy is a private value the rest of this pass makes out of place."""
+    for view in list(graph.nodes):
+        base = view.args[0] if view.op == "call_function" and view.target is operator.getitem else None
+        if not isinstance(base, fx.Node) or base.op in ("placeholder", "get_attr") or not isinstance(_ev(base), torch.Tensor):
+            continue
+        i = _leading_int(view.args[1], _ev(base))
+        writes = [u for u in view.users if mutated_input(u) is view]
+        if i is None or not writes:
+            continue
+        others = [u for u in base.users if u is not view]
+        if not all(u.op == "call_function" and u.target is operator.getitem and mutated_input(u) is None
+                   and not any(mutated_input(w) is u for w in u.users)
+                   and _leading_int(u.args[1], _ev(base)) not in (None, i) for u in others):
+            continue
+        with graph.inserting_after(view):
+            copy = graph.call_method("clone", (view,))
+        view.replace_all_uses_with(copy, delete_user_cb=lambda u: u is not copy)
+        set_example_value(copy, _fake_run("call_method", "clone", (view,), {}, fake_mode))
+
+
+def _leading_int(idx, base: torch.Tensor) -> Optional[int]:
+    """The int an index starts with (normalised by ``base``'s first size), else None."""
+    first = idx[0] if isinstance(idx, tuple) and idx else idx
+    if not isinstance(first, int) or isinstance(first, bool) or base.dim() == 0:
+        return None
+    return first % base.shape[0]
+
+
 def _fake_run(op: str, target, args, kwargs, fake_mode):
     """The example value of a new node, computed on its inputs' example values."""
     args, kwargs = fx.map_arg((args, kwargs), _ev)
@@ -190,19 +258,7 @@ def _slice_of(m: fx.Node, base: fx.Node, *also: fx.Node) -> Optional[tuple[int, 
     ``also``: nodes standing for ``base`` (its value after an earlier write, once reads are remapped to it)."""
     if not (m.op == "call_function" and m.target is operator.getitem and (m.args[0] is base or m.args[0] in also)):
         return None
-    idx = m.args[1] if isinstance(m.args[1], tuple) else (m.args[1],)
-    if any(not (isinstance(i, slice) or i is Ellipsis) for i in idx) or sum(i is Ellipsis for i in idx) > 1:
-        return None
-    if any(isinstance(x, fx.Node) for i in idx if isinstance(i, slice) for x in (i.start, i.stop, i.step)):
-        return None
-    cut = [k for k, i in enumerate(idx) if isinstance(i, slice) and i != slice(None)]
-    if len(cut) != 1:
-        return None
-    k = cut[0]
-    e = idx.index(Ellipsis) if Ellipsis in idx else len(idx)
-    dim = k if k < e else k - len(idx)  # after an Ellipsis, counted from the end
-    sl = idx[k]
-    return dim, sl.start if sl.start is not None else 0, sl.stop, sl.step if sl.step is not None else 1
+    return _single_slice(m.args[1])
 
 
 def _written_slice(m: fx.Node, base: fx.Node, mutations: dict, *also: fx.Node) -> bool:
@@ -225,6 +281,10 @@ def functionalize_mutations(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Mu
         return gm, []
     out = copy_graph_module(gm)
     graph = out.graph
+    # The mode the example values were made in (the tracing context's may be another one by now).
+    fake_mode = next((ev.fake_mode for ev in map(_ev, graph.nodes) if hasattr(ev, "fake_mode")), None)
+    if fake_mode is not None:
+        _copy_disjoint_views(graph, fake_mode)
     nodes = list(graph.nodes)
 
     # Each node's storage, once (nodes made below have storages of their own, and no key here).
@@ -251,8 +311,6 @@ def functionalize_mutations(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Mu
             for m in group
         )
 
-    # The mode the example values were made in (the tracing context's may be another one by now).
-    fake_mode = next((ev.fake_mode for ev in map(_ev, nodes) if hasattr(ev, "fake_mode")), None)
     latest: dict[StorageWeakRef, fx.Node] = {}
     latest_at: dict[StorageWeakRef, int] = {}  # position of the mutation that made latest[key]
     leftover: list[Mutation] = []
@@ -286,6 +344,8 @@ def functionalize_mutations(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Mu
             n.prepend(src)
             form = "call_function", torch.slice_scatter, (latest.get(key, base), src, dim, start, end, step), {}
             target = base
+        if form is None and n.target is operator.setitem and key is not None and private.get(key) and fake_mode is not None:
+            form = _setitem_form(n, graph, fake_mode)
         if form is None:
             group = members.get(key, [target])
             if key is not None and private.get(key):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 import functools
 
 import pytest
@@ -195,3 +196,33 @@ def test_buffer_filled_by_slice_copies_becomes_slice_scatter():
     for fn in (read_too, broadcast):
         new, leftover = functionalize_mutations(_capture(fn, a))
         assert [m.why for m in leftover] == ["a view aliases it"], fn.__name__
+
+
+def test_sections_written_into_a_view_of_section_zero_are_copied_out_of_place():
+    """Qwen3.5's interleaved rotary: ``t = freqs[0]; t[..., 1::3] = freqs[1, ..., 1::3]; ...``: the mutated view of
+    section 0 is read otherwise only through sections 1 and 2, so it is copied and each setitem becomes a
+    ``slice_scatter`` (values kept; the base is not mutated, which no reader could see). A view the base reads
+    back after the write (section 0 again) stays in place, reported."""
+
+    def interleave(x):
+        f = x.sin() * 1.0
+        t = f[0]
+        t[..., 1:7:3] = f[1, ..., 1:7:3]
+        t[..., 2:7:3] = f[2, ..., 2:7:3].double()  # the assignment casts to t's dtype
+        return torch.cat((t, t), dim=-1)
+
+    x = torch.randn(3, 2, 5, 8)
+    new, leftover = functionalize_mutations(_capture(interleave, x))
+    assert leftover == []
+    assert [n.target for n in new.graph.nodes if n.target is torch.slice_scatter] == [torch.slice_scatter] * 2
+    assert not any(n.target is operator.setitem for n in new.graph.nodes)
+    torch.testing.assert_close(new(x)[0], interleave(x), rtol=0, atol=0)
+
+    def read_back(x):
+        f = x.sin() * 1.0
+        t = f[0]
+        t[..., 1:7:3] = f[1, ..., 1:7:3]
+        return t + f[0, ..., :1]
+
+    new, leftover = functionalize_mutations(_capture(read_back, x))
+    assert [m.why for m in leftover] == ["a view aliases it"]
