@@ -208,9 +208,11 @@ def _copy_disjoint_views(graph: fx.Graph, fake_mode) -> None:
     with ``j != i`` becomes ``base[i, ...].clone()``: no reader can see the writes through ``base`` (Qwen3.5's
     interleaved rotary writes sections 1 and 2 into a view of section 0 of its ``[3, B, S, D]`` table), and the
     copy is a private value the rest of this pass makes out of place."""
+    # A caller's tensor, a parameter or a buffer must really be mutated, through any view of it.
+    outside = {_storage(n) for n in graph.nodes if n.op in ("placeholder", "get_attr")} - {None}
     for view in list(graph.nodes):
         base = view.args[0] if view.op == "call_function" and view.target is operator.getitem else None
-        if not isinstance(base, fx.Node) or base.op in ("placeholder", "get_attr") or not isinstance(_ev(base), torch.Tensor):
+        if not isinstance(base, fx.Node) or not isinstance(_ev(base), torch.Tensor) or _storage(base) in outside:
             continue
         i = _leading_int(view.args[1], _ev(base))
         writes = [u for u in view.users if mutated_input(u) is view]

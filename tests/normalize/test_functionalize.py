@@ -226,3 +226,17 @@ def test_sections_written_into_a_view_of_section_zero_are_copied_out_of_place():
 
     new, leftover = functionalize_mutations(_capture(read_back, x))
     assert [m.why for m in leftover] == ["a view aliases it"]
+
+
+def test_a_view_of_an_input_is_never_copied():
+    """The caller's tensor must be mutated: a section written through a view of an input's view stays in place."""
+
+    def write_input(x):
+        f = x[:3]
+        t = f[0]
+        t[..., 1:7:3] = f[1, ..., 1:7:3]
+        return t * 2
+
+    x = torch.randn(4, 2, 5, 8)
+    new, leftover = functionalize_mutations(_capture(write_input, x))
+    assert len(leftover) == 1 and any(n.target is operator.setitem for n in new.graph.nodes)
