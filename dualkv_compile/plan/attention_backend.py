@@ -4,7 +4,7 @@ Assumes: the graph's attention matches (``analysis.attention_match``), their ``q
 ``[B, H, S, D]`` (sizes may be symbolic). Guarantees: the concrete backend ``ops.attention`` picks for the first
 attention's head count, head dim, dtype and device ("auto" resolved), so the packed graph holds a choice and not
 a rule; or a ``Refusal`` naming why the requested backend cannot run it (the graph then runs unchanged).
-``pack_graph`` may still pick another per attention where "auto" must (windows, sinks).
+``pack_graph`` may still pick another per attention where "auto" must (windows, sinks, a softcap).
 """
 
 from __future__ import annotations
