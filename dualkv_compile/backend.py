@@ -80,7 +80,7 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
             raise Refusal(why)
         if result.refusal is not None:
             raise Refusal(result.refusal)
-        recurrent = [(n, kind, why) for n, kind, why in result.recurrent if axes.info[n].kind is Kind.TOKEN]
+        recurrent = result.recurrent
         if recurrent and cfg.sequence_parallel is not None:
             raise Refusal(f"{recurrent[0][0].name}: a {recurrent[0][1]} under sequence parallelism (a rank's tokens "
                           "would need the state of the tokens before them on other ranks): not supported yet")

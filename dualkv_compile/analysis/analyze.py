@@ -39,7 +39,8 @@ class Analysis:
     # (input index, value, what) per module scalar baked into the packed graph: the runner checks each per call.
     scalar_checks: tuple[tuple[int, float, str], ...]
     refusal: Optional[str]
-    # (node, layer kind, why its padding is not neutral or None) per recurrent layer (analysis.padding_neutral).
+    # (node, layer kind, why its padding is not neutral or None) per recurrent layer on the packed stream
+    # (analysis.padding_neutral; one computed in the original layout runs as the original op).
     recurrent: tuple = ()
 
     @property
@@ -68,7 +69,8 @@ def analyze(gm: fx.GraphModule, example_inputs, current_layout: Optional[ActiveL
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     resolved, checks, scalar_refusals = resolve_scalar_inputs(axes.attention, placeholders, example_inputs)
     axes = dataclasses.replace(axes, attention=resolved, refusals=axes.refusals + tuple(scalar_refusals))
-    return Analysis(axes, tuple(checks), "; ".join(axes.refusals) or None, padding_neutrality(gm, axes))
+    recurrent = tuple(r for r in padding_neutrality(gm, axes) if axes.info[r[0]].kind is Kind.TOKEN)
+    return Analysis(axes, tuple(checks), "; ".join(axes.refusals) or None, recurrent)
 
 
 def floating_carried(axes: TokenAxes) -> list[fx.Node]:

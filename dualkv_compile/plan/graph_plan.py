@@ -20,7 +20,6 @@ import torch.fx as fx
 
 from ..analysis.analyze import Analysis
 from ..config import DualKVConfig
-from ..analysis.node_info import Kind
 from ..graph.meta import ev
 from .compile_route import eligible, is_dynamic
 from .layout_inputs import LayoutInputs, plan_layout_inputs
@@ -63,5 +62,5 @@ def plan_graph(
         outer_dynamic=is_dynamic(gm),
         outer_values=tuple(ev(n) for n in placeholders),
         why_not_direct=eligible(runs, cfg, mode),
-        recurrent=tuple((kind, why) for n, kind, why in analysis.recurrent if analysis.axes.info[n].kind is Kind.TOKEN),
+        recurrent=tuple((kind, why) for _, kind, why in analysis.recurrent),
     )
