@@ -18,7 +18,7 @@ from . import integrations  # integrations.trl.enable(trainer)
 from .integrations.hf_hybrids import install as _install_hf_hybrids
 
 _register()
-_install_hf_hybrids()  # hybrids' GDN core as one op in every Dynamo graph (integrations.hf_hybrids)
+_install_hf_hybrids()  # hybrids' recurrent cores (GDN, Mamba-2) as ops in every Dynamo graph (integrations.hf_hybrids)
 
 __all__ = [
     "DualKVConfig",

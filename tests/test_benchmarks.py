@@ -21,6 +21,7 @@ def _run_json(path, meta, rows):
     return str(path)
 
 
+@pytest.mark.slow  # a subprocess compiling both variants (~2 min on 2 cores); the model-variant tests cover the path
 def test_model_gpu_smoke_on_cpu(tmp_path):
     """The script runs both variants on a tiny model and reports dualkv as packed."""
     cmd = [sys.executable, "benchmarks/model/model_gpu.py", "--device", "cpu", "--models", "tiny", "--shapes", "4,64,16",

@@ -202,7 +202,7 @@ def _fresh_dynamo():
 _SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@settings(max_examples=14, **_SETTINGS)
+@settings(max_examples=6, **_SETTINGS)  # `make test-slow` runs 1,000
 @given(data=st.data())
 def test_fuzz_exact(data, one_thread):
     _example(data)

@@ -276,16 +276,16 @@ def _check_checkpointed_layers_save_their_chunk(mesh, sp):
     assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item()), (loss.item(), want.item())
 
 
-def _sp_rank(rank, world, sp):
+def _sp_rank(rank, world, sp, further=False):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world // sp, sp), mesh_dim_names=("dp", "sp"))
     # 4 ranks share 2 cores in CI: one layer there (the 2-rank run covers a layer's output feeding the next).
     layers = 2 if world == 2 else 1
-    for family in ("qwen3", "qwen3_moe", "gpt_oss") if world == 2 else ("qwen3", "qwen3_moe"):
-        _check_family(family, mesh, sp, layers)
-        torch._dynamo.reset()
-    if world == 2:
+    if further:  # the families and integrations beyond the core path (`make test-slow`)
+        for family in ("qwen3_moe", "gpt_oss"):
+            _check_family(family, mesh, sp, layers)
+            torch._dynamo.reset()
         _check_compiled_model(mesh, sp)
         torch._dynamo.reset()
         _check_remove_padding_row(mesh, sp)
@@ -293,7 +293,11 @@ def _sp_rank(rank, world, sp):
         _check_fsdp_per_layer(mesh, sp)
         torch._dynamo.reset()
         _check_checkpointed_layers_save_their_chunk(mesh, sp)
+        return
+    for family in ("qwen3",) if world == 2 else ("qwen3", "qwen3_moe"):
+        _check_family(family, mesh, sp, layers)
         torch._dynamo.reset()
+    if world == 2:
         _ulysses_rank(rank, world)
         _three_heads_rank(rank, world)
         torch._dynamo.reset()
@@ -301,10 +305,16 @@ def _sp_rank(rank, world, sp):
 
 
 def test_sp2_matches_one_process():
-    """2 ranks, one sequence-parallel group of 2: a tiny Qwen3 and a tiny Qwen3-MoE through @policy_loss, the
-    compiled model, the attention op alone, a refused head count, and ranks given different batches (one
-    spawn: each process pays its start once)."""
+    """2 ranks, one sequence-parallel group of 2: a tiny Qwen3 through @policy_loss, the attention op alone, a
+    refused head count, and ranks given different batches (one spawn: each process pays its start once)."""
     _spawn(2, _sp_rank, 2)
+
+
+@pytest.mark.slow  # the same 2 ranks over further paths; the core path above runs in `make test`
+def test_sp2_further_paths_match_one_process():
+    """Qwen3-MoE and gpt-oss through @policy_loss, the compiled model, the remove-padding row, FSDP2 per layer
+    and checkpointed layers saving only their chunk, on the 2-rank sequence-parallel group."""
+    _spawn(2, _sp_rank, 2, True)
 
 
 @pytest.mark.slow  # 4 gloo ranks on CI's 2 cores; the 2-rank run covers the same paths but the dp x sp mesh

@@ -27,6 +27,7 @@ from ..layout.carried import ActiveLayout
 from .attention_match import AttentionMatch, find_attention, resolve_scalar_inputs
 from .node_info import Kind
 from .padding_neutral import padding_neutrality
+from .recurrent_rules import recurrent_kind
 from .token_axes import TokenAxes, analyze_token_axes
 from .token_inputs import Role, TokenInputs, complete_token_inputs, find_token_inputs
 
@@ -57,14 +58,16 @@ def analyze(gm: fx.GraphModule, example_inputs, current_layout: Optional[ActiveL
     matches = find_attention(gm.graph)
     token_inputs, batch_shape = complete_token_inputs(gm, example_inputs, find_token_inputs(gm.graph), matches, current_layout)
     axes = analyze_token_axes(gm, token_inputs, batch_shape, matches)
-    if not axes.attention and not floating_carried(axes):
+    # A recurrent layer couples tokens as attention does: a state-space model without attention packs too.
+    couples = axes.attention or any(recurrent_kind(n) and axes.info[n].kind is Kind.TOKEN for n in gm.graph.nodes)
+    if not couples and not floating_carried(axes):
         if batch_shape is not None:
             why = (
                 f"no attention, no input_ids and no floating-point input laid out [B, S, ...] = {list(batch_shape)} "
                 "(the batch of the layout current when it was compiled): nothing to pack"
             )
         else:
-            why = "no attention in this graph (nothing couples tokens, so packing saves only per-token work once the layout is known; a graph break may split the model)"
+            why = "no attention and no recurrent layer in this graph (nothing couples tokens, so packing saves only per-token work once the layout is known; a graph break may split the model)"
         return Analysis(axes, (), why)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     resolved, checks, scalar_refusals = resolve_scalar_inputs(axes.attention, placeholders, example_inputs)

@@ -11,11 +11,13 @@ Contract
     in graph order, ``(node, kind, why)``: ``why`` None where the node's padding is proven neutral, else the
     reason. Neutral: a causal convolution whose input is zero at every padding position ahead of a row's first
     token (such a position reads only padding before it); a gated delta rule whose k, v or beta is (a zero
-    update leaves the zero state zero, and its output there, q times a zero state, is zero). Zero there
+    update leaves the zero state zero, and its output there, q times a zero state, is zero); a Mamba-2 scan whose
+    x or B is (its update dt x B^T is zero; its output there, C times the zero state plus D x, is zero where x is). Zero there
     ("ZLP") is proven forward: a product with the attention mask (zero exactly where the layout pads:
     ``layout.sequences`` reads valid tokens as ``attention_mask != 0``) or with a ZLP value; ops that map zero
     to zero on a ZLP operand (casts, layout ops, silu, a linear map without bias, cat of ZLP values, a ZLP
-    convolution without bias, a neutral gated delta rule's output). The graph is not modified.
+    convolution without bias, a neutral gated delta rule's output, a Mamba-2 scan's of a ZLP x, a ZLP value
+    divided by a nonzero number). The graph is not modified.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .recurrent_rules import GATED_DELTA, recurrent_kind
+from .recurrent_rules import GATED_DELTA, MAMBA2, recurrent_kind
 from .node_info import Kind
 from .token_axes import TokenAxes
 from .token_inputs import Role
@@ -87,7 +89,14 @@ class _Zeros:
             if any(a in self.mask or a in self.zlp for a in args):
                 self.zlp.add(n)
             return
-        if t in _DIV or t in _ZERO_METHODS or t in _ZERO_FUNCS:
+        if t in _DIV:
+            # 0 / d is 0 only for a nonzero finite divisor: a Python number here (a tensor could hold 0 there).
+            d = n.args[1] if len(n.args) > 1 else None
+            if first in self.zlp and isinstance(d, (int, float)) and not isinstance(d, bool) and d != 0 \
+                    and d == d and abs(d) != float("inf"):
+                self.zlp.add(n)
+            return
+        if t in _ZERO_METHODS or t in _ZERO_FUNCS:
             if first in self.zlp:
                 self.zlp.add(n)
             return
@@ -117,6 +126,13 @@ class _Zeros:
             ok = any(a in self.zlp for a in (k, v, beta))
             self.neutral[n] = None if ok else f"{n.name}: none of its k, v, beta is zero at the padding before a row's tokens"
             if ok:
+                self.zlp.add(n)
+            return
+        if t is MAMBA2:
+            x, Bm = n.args[0], n.args[3]
+            ok = x in self.zlp or Bm in self.zlp
+            self.neutral[n] = None if ok else f"{n.name}: neither its x nor its B is zero at the padding before a row's tokens"
+            if x in self.zlp:
                 self.zlp.add(n)
 
 

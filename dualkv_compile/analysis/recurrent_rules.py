@@ -9,7 +9,14 @@ it has in each root-to-leaf sequence through it. Registered here (``rule_registr
 * ``dualkv::gated_delta_rule`` (``ops.recurrent``, transformers' GDN fallback as one op): q, k, v
   ``[B, T, H, D]``, g and beta ``[B, T, H]``, from a zero state and returning no final state (training; a
   cached state is generation's: computed in the original layout), its ``impl`` one whose math the forest
-  reference is (``GATED_DELTA_IMPLS``): the output keeps the token axes.
+  reference is (``GATED_DELTA_IMPLS``): the output keeps the token axes;
+* ``dualkv::mamba2_chunk_scan`` (``ops.recurrent``, transformers' Mamba-2 SSD fallback as one op): x
+  ``[B, T, H, P]``, dt ``[B, T, H]``, B and C ``[B, T, G, N]``, A, D and dt_bias constant, from a zero state (the
+  op has no other form), its ``impl`` one of ``MAMBA2_IMPLS``: the output keeps the token axes.
+
+An ``impl`` named here is one whose source the tests compare with the forest reference's model
+(tests/test_hybrid_compile); ``analysis.recurrent_math`` also runs it against the forest reference once per
+process on a small random forest, so that a transformers release that changes its math is refused, not packed.
 
 What the packed forms read in place of the padding before a row's tokens (zeros, a zero state) is the runner's
 to check per call against what the original program reads there (``analysis.padding_neutral``).
@@ -22,12 +29,13 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..ops import recurrent as _recurrent  # noqa: F401  (registers torch.ops.dualkv.gated_delta_rule)
+from ..ops import recurrent as _recurrent  # noqa: F401  (registers dualkv::gated_delta_rule, mamba2_chunk_scan)
 from ..ops.forest_recurrent import causal_conv1d
 from .node_info import Kind, NodeInfo, RuleFailed
+from .recurrent_math import math_agrees
 from .rule_registry import token_rule
 
-__all__ = ["GATED_DELTA", "GATED_DELTA_IMPLS", "RECURRENT_TARGETS", "recurrent_kind"]
+__all__ = ["GATED_DELTA", "GATED_DELTA_IMPLS", "MAMBA2", "MAMBA2_IMPLS", "RECURRENT_TARGETS", "recurrent_kind"]
 
 GATED_DELTA = torch.ops.dualkv.gated_delta_rule.default
 # transformers' torch fallbacks whose math is kernels.recurrent.gated_delta's (tests/kernels/test_forest_recurrence
@@ -36,7 +44,13 @@ GATED_DELTA_IMPLS = frozenset(
     f"transformers.models.{m}.modeling_{m}.torch_chunk_gated_delta_rule"
     for m in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
 )
-RECURRENT_TARGETS = {causal_conv1d: "causal convolution", GATED_DELTA: "gated delta rule"}
+MAMBA2 = torch.ops.dualkv.mamba2_chunk_scan.default
+# transformers' Mamba-2 torch paths: one function, copied into each family's module (kernels.recurrent.mamba2).
+MAMBA2_IMPLS = frozenset(
+    f"transformers.models.{m}.modeling_{m}.mamba2_chunk_scan"
+    for m in ("mamba2", "nemotron_h", "falcon_h1", "bamba", "zamba2", "granitemoehybrid")
+)
+RECURRENT_TARGETS = {causal_conv1d: "causal convolution", GATED_DELTA: "gated delta rule", MAMBA2: "Mamba-2 scan"}
 
 
 def _token(info: NodeInfo, tags, what: str) -> None:
@@ -66,6 +80,8 @@ def _gated_delta(node, info, B, S) -> NodeInfo:
         raise RuleFailed("a gated delta rule with a cached state (generation)")
     if impl not in GATED_DELTA_IMPLS:
         raise RuleFailed(f"a gated delta rule of {impl}: no forest form of its math")
+    if not math_agrees(impl):
+        raise RuleFailed(f"{impl} no longer computes what the forest form does (analysis.recurrent_math)")
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         _token(info[x], ("b", "s", None, None), f"the gated delta rule's {name}")
     for x, name in ((g, "g"), (beta, "beta")):
@@ -74,6 +90,22 @@ def _gated_delta(node, info, B, S) -> NodeInfo:
         if not (user.op == "call_function" and user.target is operator.getitem and user.args[1] == 0):
             raise RuleFailed("the gated delta rule's final state is read")
     return NodeInfo(Kind.TOKEN, ("b", "s", None, None), slen=info[v].slen)
+
+
+@token_rule(MAMBA2)
+def _mamba2(node, info, B, S) -> NodeInfo:
+    x, dt, A, Bm, Cm, D, dt_bias, _chunk, _softplus, _lo, _hi, impl = node.args
+    if impl not in MAMBA2_IMPLS:
+        raise RuleFailed(f"a Mamba-2 scan of {impl}: no forest form of its math")
+    if not math_agrees(impl):
+        raise RuleFailed(f"{impl} no longer computes what the forest form does (analysis.recurrent_math)")
+    for t, name in ((x, "x"), (Bm, "B"), (Cm, "C")):
+        _token(info[t], ("b", "s", None, None), f"the Mamba-2 scan's {name}")
+    _token(info[dt], ("b", "s", None), "the Mamba-2 scan's dt")
+    for t, name in ((A, "A"), (D, "D"), (dt_bias, "dt_bias")):
+        if t is not None:
+            _constant(info[t], f"the Mamba-2 scan's {name}")
+    return NodeInfo(Kind.TOKEN, ("b", "s", None, None), slen=info[x].slen)
 
 
 def recurrent_kind(n: fx.Node):

@@ -1,16 +1,20 @@
-"""Hugging Face hybrids' gated delta-rule core (Qwen3-Next, Qwen3.5 dense and MoE, OLMo-hybrid) as one opaque op.
+"""Hugging Face hybrids' recurrent cores as opaque ops: the gated delta rule (Qwen3-Next, Qwen3.5 dense and MoE,
+OLMo-hybrid) and the Mamba-2 SSD scan (Mamba-2, Nemotron-H, Falcon-H1, Bamba, Zamba2, GraniteMoeHybrid).
 
-Assumes: a transformers modeling module whose GDN layer calls its module's ``torch_chunk_gated_delta_rule``, the
-hub wrapper (``use_kernel_func_from_hub_with_fallback``) around the torch fallback, and a wrapper that runs the
-fallback itself (flash-linear-attention not installed; a wrapper that runs another implementation is left alone).
+Assumes: a transformers modeling module whose layer calls its module's ``torch_chunk_gated_delta_rule`` or
+``mamba2_chunk_scan``, the hub wrapper (``use_kernel_func_from_hub_with_fallback``) around the torch fallback,
+and a wrapper that runs the fallback itself (flash-linear-attention / mamba-ssm not installed; a wrapper that
+runs another implementation is left alone).
 
-Guarantees: ``opaque_gated_delta_rule()`` registers, for each such module imported, a Dynamo polyfill
-(``torch.compiler.substitute_in_graph``) of the wrapper that calls ``ops.recurrent.gated_delta_rule`` with the
-fallback as its ``impl``: Dynamo puts one ``dualkv::gated_delta_rule`` per layer call in the graph instead of
-tracing the chunked scan, AOTAutograd does not trace into it, and its forward and backward are the fallback's
-own eager forward and autograd (exact; the torch bug this avoids: ``ops.recurrent``). Eager calls never see
-the polyfill; under ``torch.export`` it traces the fallback as the wrapper does; with ``cu_seqlens``/``seq_idx``
-it raises ``ValueError`` as the wrapper does. ``install()`` (run by ``import dualkv_compile``) registers the
+Guarantees: ``opaque_recurrent_cores()`` registers, for each such function of each module imported, a Dynamo
+polyfill (``torch.compiler.substitute_in_graph``) of the wrapper that calls the op of ``ops.recurrent`` with the
+fallback as its ``impl``: Dynamo puts one ``dualkv::gated_delta_rule`` or ``dualkv::mamba2_chunk_scan`` per layer
+call in the graph instead of tracing the chunked scan, AOTAutograd does not trace into it, and its forward and
+backward are the fallback's own eager forward and autograd (exact; the torch bug this avoids: ``ops.recurrent``).
+Eager calls never see the polyfill; under ``torch.export`` it traces the fallback as the wrapper does. The GDN
+polyfill with ``cu_seqlens``/``seq_idx`` raises ``ValueError`` as the wrapper does; the Mamba-2 one with a cached
+state, a final state asked for, or any further non-None argument calls the fallback as the wrapper does
+(Dynamo traces it: generation's path, never packed). ``install()`` (run by ``import dualkv_compile``) registers the
 modules already imported and, through a finder first in ``sys.meta_path``, each modeling module as it is
 imported: no change to the user's code, and ``torch._dynamo.reset()`` keeps the polyfills. They are
 process-wide (Dynamo keeps one per function, whichever backend compiles): exact for every backend, but an
@@ -29,13 +33,12 @@ import sys
 
 import torch
 
-from ..ops.recurrent import gated_delta_rule
+from ..ops.recurrent import gated_delta_rule, mamba2_chunk_scan
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["install", "opaque_gated_delta_rule"]
+__all__ = ["install", "opaque_recurrent_cores"]
 
-_FUNCTION = "torch_chunk_gated_delta_rule"
 _DONE: set[int] = set()  # ids of the wrappers looked at (registered or left alone)
 _KEEP: list = []  # the wrappers looked at, so that an id is never reused
 
@@ -53,8 +56,8 @@ def _fallback_of(wrapper):
     return fallback if runs is fallback else None
 
 
-def _polyfill(fallback, impl: str):
-    """A function with the fallback's signature (and defaults) calling the opaque op."""
+def _gdn_polyfill(fallback, impl: str):
+    """A function with the GDN fallback's signature (and defaults) calling the opaque op."""
     params = inspect.signature(fallback).parameters
     default_chunk = params["chunk_size"].default
 
@@ -73,28 +76,52 @@ def _polyfill(fallback, impl: str):
     return polyfill
 
 
-def _register(name: str, module) -> bool:
-    """Register the polyfill of ``module``'s GDN wrapper, if it has one that runs its torch fallback."""
-    wrapper = getattr(module, _FUNCTION, None)
+def _mamba2_polyfill(fallback, impl: str):
+    """A function with the Mamba-2 fallback's signature calling the opaque op from a zero state, else the fallback."""
+
+    def polyfill(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+                 dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+        if (initial_states is not None or return_final_states or torch.compiler.is_exporting()
+                or any(v is not None for v in kwargs.values())):
+            return fallback(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
+                            initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                            return_final_states=return_final_states, **kwargs)
+        return mamba2_chunk_scan(hidden_states, dt, A, B, C, impl=impl, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
+                                 dt_softplus=dt_softplus, dt_limit=tuple(dt_limit))
+
+    return polyfill
+
+
+# The functions routed to an op, each with the polyfill that routes it.
+_POLYFILLS = {"torch_chunk_gated_delta_rule": _gdn_polyfill, "mamba2_chunk_scan": _mamba2_polyfill}
+
+
+def _register(name: str, module) -> int:
+    """Register the polyfills of ``module``'s hub wrappers that run their torch fallback; how many it registered."""
+    return sum(_register_one(name, module, function, make) for function, make in _POLYFILLS.items())
+
+
+def _register_one(name: str, module, function: str, make) -> bool:
+    wrapper = getattr(module, function, None)
     if wrapper is None or id(wrapper) in _DONE:
         return False
     _DONE.add(id(wrapper))
     _KEEP.append(wrapper)
     fallback = _fallback_of(wrapper)
     if fallback is None or getattr(fallback, "__module__", None) != name:
-        log.info("dualkv: %s.%s does not run its torch fallback itself: left alone", name, _FUNCTION)
+        log.info("dualkv: %s.%s does not run its torch fallback itself: left alone", name, function)
         return False
     try:
         # The wrapper's (unwrapped) signature is the fallback's, and the polyfill's: Dynamo checks that they agree.
-        torch.compiler.substitute_in_graph(wrapper)(_polyfill(fallback, f"{name}.{_FUNCTION}"))
+        torch.compiler.substitute_in_graph(wrapper)(make(fallback, f"{name}.{function}"))
     except Exception as e:  # a changed signature, a polyfill of another library: the layer compiles as before
-        log.warning("dualkv: %s.%s stays traced by Dynamo: %s", name, _FUNCTION, e)
+        log.warning("dualkv: %s.%s stays traced by Dynamo: %s", name, function, e)
         return False
     return True
 
 
-def opaque_gated_delta_rule() -> int:
-    """Register the polyfill for every imported transformers module's GDN wrapper (module docstring)."""
+def opaque_recurrent_cores() -> int:
+    """Register the polyfills for every imported transformers module's recurrent hub wrappers (module docstring)."""
     return sum(_register(name, module) for name, module in list(sys.modules.items())
                if name.startswith("transformers.models.") and module is not None)
 
@@ -116,7 +143,7 @@ class _Loader(importlib.abc.Loader):
         try:
             _register(module.__name__, module)
         except Exception as e:  # the user's import must not fail for it: the layer then compiles as before
-            log.warning("dualkv: %s.%s stays traced by Dynamo: %s", module.__name__, _FUNCTION, e)
+            log.warning("dualkv: %s's recurrent cores stay traced by Dynamo: %s", module.__name__, e)
 
     def __getattr__(self, name):  # get_source, get_filename, is_package, ...: the module's own loader's
         if name == "_inner":
@@ -142,8 +169,8 @@ class _OnImport(importlib.abc.MetaPathFinder):
 
 
 def install() -> int:
-    """``opaque_gated_delta_rule()`` now, and on every transformers modeling module imported later (once per
+    """``opaque_recurrent_cores()`` now, and on every transformers modeling module imported later (once per
     process: a finder first in ``sys.meta_path``). Returns how many wrappers it registered now."""
     if not any(isinstance(f, _OnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _OnImport())
-    return opaque_gated_delta_rule()
+    return opaque_recurrent_cores()

@@ -12,6 +12,8 @@ segment's scan from its parent's final state (``kernels.recurrent.forest_gated_d
 where the layer's is chunked). Opaque: its levels are built on the host. The backward is the reference's
 autograd (the forward recomputed inside; nothing but the inputs saved), the children's state gradients summed
 into their parent's final state. Exact against transformers' torch fallback (tests/kernels/test_forest_recurrence).
+``dualkv::forest_mamba2_scan``: the packed form of ``dualkv::mamba2_chunk_scan`` the same way
+(``kernels.recurrent.forest_mamba2_scan``), returned in the dtype transformers' scan returns.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.recurrent import forest_gated_delta_rule as _forest_gdn
+from ..kernels.recurrent import forest_mamba2_scan as _forest_mamba2
 from ..kernels.recurrent.causal_conv import causal_conv1d_along_paths
 from ..layout.segments import Segments
+from .recurrent import mamba2_out_dtype
 
-__all__ = ["causal_conv1d", "forest_causal_conv1d", "forest_gated_delta_rule"]
+__all__ = ["causal_conv1d", "forest_causal_conv1d", "forest_gated_delta_rule", "forest_mamba2_scan"]
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -98,3 +102,71 @@ def _backward(ctx, grad_out):
 
 
 forest_gated_delta_rule.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _run_mamba2(x, dt, A, B, C, D, dt_bias, segs, chunk_size: int, dt_softplus: bool, dt_min: float, dt_max: float):
+    y = _forest_mamba2(x, dt, A, B, C, segs, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max),
+                       chunk_size=None if chunk_size <= 0 else chunk_size)
+    return y.to(mamba2_out_dtype(D))
+
+
+@torch.library.custom_op("dualkv::forest_mamba2_scan", mutates_args=())
+def forest_mamba2_scan(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
+    seg_start: torch.Tensor, seg_len: torch.Tensor, parent: torch.Tensor, prefix_len: torch.Tensor,
+    subtree_end: torch.Tensor, chunk_size: int, dt_softplus: bool, dt_min: float, dt_max: float,
+) -> torch.Tensor:
+    """The packed Mamba-2 scan: x ``[1, T, H, P]``, dt ``[1, T, H]``, B, C ``[1, T, G, N]``, A, D, dt_bias ``[H]``;
+    ``chunk_size`` <= 0 steps token by token. Returns ``[1, T, H, P]`` in ``mamba2_out_dtype(D)``, contiguous."""
+    segs = _segs(seg_start, seg_len, parent, prefix_len, subtree_end)
+    return _run_mamba2(x, dt, A, B, C, D, dt_bias, segs, chunk_size, dt_softplus, dt_min, dt_max).contiguous()
+
+
+@forest_mamba2_scan.register_fake
+def _(x, dt, A, B, C, D, dt_bias, seg_start, seg_len, parent, prefix_len, subtree_end, chunk_size, dt_softplus,
+      dt_min, dt_max):
+    return x.new_empty(x.shape, dtype=mamba2_out_dtype(D))
+
+
+@torch.library.custom_op("dualkv::forest_mamba2_scan_bwd", mutates_args=())
+def forest_mamba2_scan_bwd(
+    grad_out: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
+    seg_start: torch.Tensor, seg_len: torch.Tensor, parent: torch.Tensor, prefix_len: torch.Tensor,
+    subtree_end: torch.Tensor, chunk_size: int, dt_softplus: bool, dt_min: float, dt_max: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of x, dt, A, B, C, D and dt_bias (empty for an absent one): the reference's autograd."""
+    segs = _segs(seg_start, seg_len, parent, prefix_len, subtree_end)
+    optional = [t for t in (D, dt_bias) if t is not None]
+
+    def run(x, dt, A, B, C, *opt):
+        it = iter(opt)
+        d, bias = (next(it) if t is not None else None for t in (D, dt_bias))
+        return _run_mamba2(x, dt, A, B, C, d, bias, segs, chunk_size, dt_softplus, dt_min, dt_max)
+
+    _, pullback = torch.func.vjp(run, x, dt, A, B, C, *optional)
+    grads = iter(gr.contiguous() for gr in pullback(grad_out))
+    head = [next(grads) for _ in range(5)]
+    return (*head, *(next(grads) if t is not None else x.new_empty(0) for t in (D, dt_bias)))
+
+
+@forest_mamba2_scan_bwd.register_fake
+def _(grad_out, x, dt, A, B, C, D, dt_bias, seg_start, seg_len, parent, prefix_len, subtree_end, chunk_size,
+      dt_softplus, dt_min, dt_max):
+    return tuple(x.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in (x, dt, A, B, C, D, dt_bias))
+
+
+def _mamba2_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:12])
+    ctx.args = inputs[12:]
+
+
+def _mamba2_backward(ctx, grad_out):
+    x, dt, A, B, C, D, dt_bias, *segs = ctx.saved_tensors
+    *grads, dD, dbias = forest_mamba2_scan_bwd(grad_out.contiguous(), x, dt, A, B, C, D, dt_bias, *segs, *ctx.args)
+    return (*grads, dD if D is not None else None, dbias if dt_bias is not None else None) + (None,) * 9
+
+
+forest_mamba2_scan.register_autograd(_mamba2_backward, setup_context=_mamba2_setup_context)

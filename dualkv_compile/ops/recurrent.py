@@ -1,4 +1,10 @@
-"""``dualkv::gated_delta_rule`` and ``dualkv::gated_delta_rule_bwd``: a GDN layer's recurrent core as one opaque op.
+"""Hybrid layers' recurrent cores as opaque ops: ``dualkv::gated_delta_rule`` (GDN) and ``dualkv::mamba2_chunk_scan``.
+
+``dualkv::mamba2_chunk_scan`` (and its ``_bwd``) is the same contract for a Mamba-2 mixer's SSD scan: ``impl``
+names a function with the signature and return of transformers' ``mamba2_chunk_scan`` (x ``[B, T, H, P]``, dt
+``[B, T, H]``, A ``[H]``, B and C ``[B, T, G, N]``, D and dt_bias ``[H]`` or None; from a zero state, no final
+state; returns ``[B, T, H, P]`` in float32, or D's dtype where wider); its forward calls it eagerly, its backward
+is its autograd (``torch.func.vjp``, the forward recomputed), both contiguous. The GDN op's contract:
 
 Assumes: ``impl`` names (``"module.attr"``) a function with the signature and return of transformers'
 ``torch_chunk_gated_delta_rule`` (q, k ``[B, T, Hk, Dk]``, v ``[B, T, Hv, Dv]``, g and beta ``[B, T, Hv]``;
@@ -25,7 +31,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["gated_delta_rule", "gated_delta_rule_fwd", "gated_delta_rule_bwd", "resolve_impl"]
+__all__ = ["gated_delta_rule", "gated_delta_rule_fwd", "gated_delta_rule_bwd", "mamba2_chunk_scan",
+           "mamba2_chunk_scan_fwd", "mamba2_chunk_scan_bwd", "mamba2_out_dtype", "resolve_impl"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,3 +130,77 @@ def gated_delta_rule(q, k, v, g, beta, *, impl: str, chunk_size: int = 64, initi
     out, state = gated_delta_rule_fwd(q, k, v, g, beta, initial_state, int(chunk_size), bool(output_final_state),
                                       bool(use_qk_l2norm), impl)
     return out, (state if output_final_state else None)
+
+
+def mamba2_out_dtype(D: Optional[torch.Tensor]) -> torch.dtype:
+    """The dtype transformers' ``mamba2_chunk_scan`` returns: float32 (it upcasts x), D's where D's is wider."""
+    return torch.float32 if D is None else torch.promote_types(torch.float32, D.dtype)
+
+
+def _mamba2_call(impl, x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
+    return resolve_impl(impl)(x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                              dt_limit=(dt_min, dt_max))
+
+
+@torch.library.custom_op("dualkv::mamba2_chunk_scan", mutates_args=())
+def mamba2_chunk_scan_fwd(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], chunk_size: int, dt_softplus: bool,
+    dt_min: float, dt_max: float, impl: str,
+) -> torch.Tensor:
+    out = _mamba2_call(impl, x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+    if not isinstance(out, torch.Tensor):
+        raise RuntimeError(f"dualkv::mamba2_chunk_scan: {impl} returned {type(out).__name__}, expected a tensor")
+    return _checked(out, x.shape, mamba2_out_dtype(D), "an output", impl)
+
+
+@mamba2_chunk_scan_fwd.register_fake
+def _(x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, impl):
+    return x.new_empty(x.shape, dtype=mamba2_out_dtype(D))
+
+
+@torch.library.custom_op("dualkv::mamba2_chunk_scan_bwd", mutates_args=())
+def mamba2_chunk_scan_bwd(
+    grad_out: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], chunk_size: int, dt_softplus: bool,
+    dt_min: float, dt_max: float, impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of x, dt, A, B, C, D and dt_bias (empty for an absent one): the function's autograd."""
+    optional = [t for t in (D, dt_bias) if t is not None]
+
+    def run(x, dt, A, B, C, *opt):
+        it = iter(opt)
+        d, bias = (next(it) if t is not None else None for t in (D, dt_bias))
+        return _mamba2_call(impl, x, dt, A, B, C, d, bias, chunk_size, dt_softplus, dt_min, dt_max)
+
+    _, pullback = torch.func.vjp(run, x, dt, A, B, C, *optional)
+    grads = iter(gr.contiguous() for gr in pullback(grad_out))
+    head = [next(grads) for _ in range(5)]
+    return (*head, *(next(grads) if t is not None else x.new_empty(0) for t in (D, dt_bias)))
+
+
+@mamba2_chunk_scan_bwd.register_fake
+def _(grad_out, x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, impl):
+    return tuple(x.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in (x, dt, A, B, C, D, dt_bias))
+
+
+def _mamba2_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:7])
+    ctx.args = inputs[7:]
+
+
+def _mamba2_backward(ctx, grad_out):
+    x, dt, A, B, C, D, dt_bias = ctx.saved_tensors
+    *grads, dD, dbias = mamba2_chunk_scan_bwd(grad_out.contiguous(), x, dt, A, B, C, D, dt_bias, *ctx.args)
+    return (*grads, dD if D is not None else None, dbias if dt_bias is not None else None) + (None,) * 5
+
+
+mamba2_chunk_scan_fwd.register_autograd(_mamba2_backward, setup_context=_mamba2_setup_context)
+
+
+def mamba2_chunk_scan(x, dt, A, B, C, *, impl: str, chunk_size: int, D=None, dt_bias=None, dt_softplus: bool = False,
+                      dt_limit: tuple = (0.0, float("inf"))):
+    """The differentiable op: the output ``impl`` returns from a zero state, without its final state."""
+    return mamba2_chunk_scan_fwd(x, dt, A, B, C, D, dt_bias, int(chunk_size), bool(dt_softplus),
+                                 float(dt_limit[0]), float(dt_limit[1]), impl)

@@ -6,7 +6,8 @@ Contract
     layout's inputs: ``forest_causal_conv1d`` reading each token's K-1 predecessors along its path
     (``prev_index``), ``dualkv::forest_gated_delta_rule`` scanning each segment from its parent's final state (the
     chunk size the layer's op was given, its q/k normalisation), returned as the ``(output, empty state)`` pair
-    the original op returns. Never the op itself on the packed stream: that would run every sequence of the
+    the original op returns; ``dualkv::forest_mamba2_scan`` likewise for a ``dualkv::mamba2_chunk_scan`` (its
+    chunk size, dt transform and limits). Never the op itself on the packed stream: that would run every sequence of the
     stream as one.
 """
 
@@ -15,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..analysis.recurrent_rules import GATED_DELTA
+from ..analysis.recurrent_rules import GATED_DELTA, MAMBA2
 from ..ops.forest_recurrent import causal_conv1d, forest_causal_conv1d
-from ..ops.forest_recurrent import forest_gated_delta_rule  # noqa: F401  (registers the op)
+from ..ops.forest_recurrent import forest_gated_delta_rule, forest_mamba2_scan  # noqa: F401  (registers the ops)
 
 __all__ = ["emit_recurrent"]
 
@@ -38,6 +39,13 @@ def emit_recurrent(packer, n: fx.Node) -> fx.Node:
                               operands + segs + (int(chunk) if chunk else 0, bool(l2norm)))
         empty = g.call_method("new_empty", (out, (0,)), {"dtype": torch.float32})
         return g.call_function(_pair, (out, empty), name=n.name + "_packed")
+    if n.target is MAMBA2:
+        x, dt, A, B, C, D, dt_bias, chunk, softplus, lo, hi, _impl = n.args
+        operands = tuple(None if a is None else packer.packed_of(a) for a in (x, dt, A, B, C, D, dt_bias))
+        segs = tuple(i[f] for f in ("seg_start", "seg_len", "parent", "prefix_len", "subtree_end"))
+        return g.call_function(torch.ops.dualkv.forest_mamba2_scan.default,
+                               operands + segs + (int(chunk) if chunk else 0, bool(softplus), float(lo), float(hi)),
+                               name=n.name + "_packed")
     raise AssertionError(f"{n.name}: {n.target} has no packed form here")
 
 

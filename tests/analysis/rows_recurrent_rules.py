@@ -1,4 +1,4 @@
-"""Rule rows of analysis/recurrent_rules.py: the causal convolution and the gated delta rule of hybrid layers
+"""Rule rows of analysis/recurrent_rules.py: the causal convolution, the gated delta rule and the Mamba-2 scan of hybrid layers
 (``test_token_rules.TABLES`` runs them). Written in the row language of ``rule_rows.py``.
 """
 
@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from dualkv_compile.analysis.recurrent_rules import GATED_DELTA
+from dualkv_compile.analysis.recurrent_rules import GATED_DELTA, MAMBA2
 from dualkv_compile.ops.forest_recurrent import causal_conv1d
 
 from .rule_rows import B, D, NONE, S, TOKEN, In, X, X0, X1, X2, X3, X4, fails, fn, out
 
 C, K, H = 6, 3, 2
 IMPL = "transformers.models.qwen3_next.modeling_qwen3_next.torch_chunk_gated_delta_rule"
+MAMBA2_IMPL = "transformers.models.mamba2.modeling_mamba2.mamba2_chunk_scan"
 
 
 
@@ -50,4 +51,38 @@ GATED_DELTA_ROWS = [
      [heads, heads, heads, gate, gate], fails("no forest form")),
     ("constant-values", fn(GATED_DELTA, X0, X1, X2, X3, X4, None, 64, False, True, IMPL),
      [heads, heads, In((B, S, H, D), "- - - -", NONE), gate, gate], fails("the gated delta rule's v laid out")),
+]
+
+def other_mamba2_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, dt_softplus=False,
+                     dt_limit=(0.0, float("inf"))):
+    """A Mamba-2 scan the forest reference does not know (its math could be anything)."""
+    return hidden_states.float() * dt[..., None].float()
+
+
+ssm_heads = In((B, S, H, D), "b s - -", TOKEN)
+ssm_groups = In((B, S, 1, D), "b s - -", TOKEN)
+ssm_dt = In((B, S, H), "b s -", TOKEN)
+per_head = In((H,), value=-torch.rand(H) - 0.5)
+INF = float("inf")
+
+
+def _scan(*operands, impl=MAMBA2_IMPL):
+    """``dualkv::mamba2_chunk_scan`` on x, dt, A, B, C, D, dt_bias (``X0``...), chunks of 4, softplus, no limit."""
+    return fn(MAMBA2, *operands, 4, True, 0.0, INF, impl)
+
+
+MAMBA2_ROWS = [
+    ("keeps-token-axes", _scan(X0, X1, X2, X3, X4, X(5), X(6)),
+     [ssm_heads, ssm_dt, per_head, ssm_groups, ssm_groups, In((H,)), In((H,))], out("b s - -", TOKEN)),
+    ("no-D-no-bias", _scan(X0, X1, X2, X3, X4, None, None),
+     [ssm_heads, ssm_dt, per_head, ssm_groups, ssm_groups], out("b s - -", TOKEN)),
+    ("other-impl", _scan(X0, X1, X2, X3, X4, None, None, impl=f"{__name__}.other_mamba2_scan"),
+     [ssm_heads, ssm_dt, per_head, ssm_groups, ssm_groups], fails("no forest form")),
+    ("token-A", _scan(X0, X1, X2, X3, X4, None, None),
+     [ssm_heads, ssm_dt, In((B, S, H), "b s -", TOKEN), ssm_groups, ssm_groups], fails("A varies with the tokens")),
+    ("constant-B", _scan(X0, X1, X2, X3, X4, None, None),
+     [ssm_heads, ssm_dt, per_head, In((B, S, 1, D), "- - - -", NONE), ssm_groups], fails("the Mamba-2 scan's B laid out")),
+    ("next-token-dt", _scan(X0, X1, X2, X3, X4, None, None),
+     [ssm_heads, In((B, S, H), "b s -", TOKEN, shift=1), per_head, ssm_groups, ssm_groups],
+     fails("the Mamba-2 scan's dt laid out")),
 ]

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from dualkv_compile.kernels.recurrent import forest_causal_conv1d as ref_conv, forest_gated_delta_rule as ref_gdn
+from dualkv_compile.kernels.recurrent import forest_mamba2_scan as ref_mamba2
 from dualkv_compile.layout.segments import previous_token_index
-from dualkv_compile.ops.forest_recurrent import forest_causal_conv1d, forest_gated_delta_rule
+from dualkv_compile.ops.forest_recurrent import forest_causal_conv1d, forest_gated_delta_rule, forest_mamba2_scan
 from ..kernels.segments import forest_segments, small_forest
 
 FORESTS = [([5], [-1]), ([2, 1, 1, 5, 3], [-1, 0, 1, 1, 0])] + [small_forest(seed, 40, 9) for seed in (1, 4, 7)]
@@ -66,3 +67,49 @@ def test_causal_conv_along_prev_index_is_the_reference(forest, bias):
     wt = torch.randn(out.shape, generator=g, dtype=out.dtype)
     for a, e in zip(torch.autograd.grad((out * wt).sum(), leaves), torch.autograd.grad((want * wt).sum(), leaves)):
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+
+
+def _mamba2_inputs(T, seed, dtype=torch.float64, H=4, P=3, G=2, N=4, with_d=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, T, H, P, generator=g, dtype=dtype)
+    dt = torch.randn(1, T, H, generator=g, dtype=dtype)
+    A = -torch.rand(H, generator=g, dtype=dtype) - 0.5
+    B, C = (torch.randn(1, T, G, N, generator=g, dtype=dtype) for _ in range(2))
+    D, bias = (torch.randn(H, generator=g, dtype=dtype) if with_d else None for _ in range(2))
+    return [t if t is None else t.requires_grad_() for t in (x, dt, A, B, C, D, bias)]
+
+
+@pytest.mark.parametrize("with_d", [True, False], ids=["D_and_dt_bias", "neither"])
+@pytest.mark.parametrize("chunk", [0, 4])
+@pytest.mark.parametrize("forest", FORESTS, ids=lambda f: f"{len(f[0])}nodes")
+def test_mamba2_op_is_the_reference_and_its_autograd(forest, chunk, with_d):
+    segs, T = forest_segments(*forest)
+    xs = _mamba2_inputs(T, seed=len(forest[0]), with_d=with_d)
+    x, dt, A, B, C, D, bias = xs
+    limit = (0.0, 3.0)  # a binding upper clamp: the packed op must apply it as the layer does
+    out = forest_mamba2_scan(*xs, *_segs_args(segs), chunk, True, *limit)
+    want = ref_mamba2(x, dt, A, B, C, segs, D=D, dt_bias=bias, dt_softplus=True, dt_limit=limit,
+                      chunk_size=chunk or None)
+    # transformers' dtype: float32 (it upcasts x), D's where D is wider; the reference computes in x's (float64).
+    assert out.dtype == (torch.float64 if with_d else torch.float32) and out.is_contiguous()
+    want = want.to(out.dtype)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    leaves = [t for t in xs if t is not None]
+    for a, b in zip(torch.autograd.grad((out * w).sum(), leaves), torch.autograd.grad((want * w).sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_mamba2_op_returns_float32_for_half_inputs():
+    """transformers' scan upcasts to float32 and returns it; the packed form must hand the next op the same dtype."""
+    segs, T = forest_segments(*FORESTS[1])
+    xs = [t.detach().to(torch.bfloat16) for t in _mamba2_inputs(T, seed=0)]
+    assert forest_mamba2_scan(*xs, *_segs_args(segs), 4, True, 0.0, float("inf")).dtype == torch.float32
+
+
+@pytest.mark.parametrize("with_d", [True, False], ids=["D_and_dt_bias", "neither"])
+def test_mamba2_op_registrations(with_d):
+    """torch.library.opcheck: schema, fake implementation, autograd, AOT dispatch."""
+    segs, T = forest_segments(*FORESTS[1])
+    xs = [t if t is None else t.detach().float().requires_grad_() for t in _mamba2_inputs(T, seed=0, with_d=with_d)]
+    torch.library.opcheck(forest_mamba2_scan, (*xs, *_segs_args(segs), 4, True, 0.0, float("inf")))

@@ -9,7 +9,7 @@ semantics 16), CPU or any device.
 
 Each takes the packed stream as one sequence (batch 1) and ``layout.segments.Segments``; a token's value is the
 one it has in every root-to-leaf sequence through it, the backward is autograd's. The packed graph calls the
-convolution and the GDN scan through ``ops.forest_recurrent``; the Mamba-2 scan is not wired yet (semantics 16).
+convolution and both scans through ``ops.forest_recurrent`` (semantics 16).
 """
 
 from .causal_conv import forest_causal_conv1d

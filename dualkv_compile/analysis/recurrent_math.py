@@ -1,0 +1,111 @@
+"""Analysis: whether a recurrent layer's ``impl`` still computes what its forest form computes.
+
+``analysis.recurrent_rules`` packs a recurrent op only for an ``impl`` it names (transformers' torch fallbacks);
+a later transformers release could keep a name and change the math (another gate, a scale, a clamp), and the
+forest form would then be silently wrong. ``math_agrees(impl)`` runs ``impl`` once per process on a small random
+forest, each root-to-leaf sequence alone on the host from a zero state, and compares it with the forest
+reference (``kernels.recurrent``) on the packed stream. Guarantees: True only where every token's output agrees
+within float32 rounding (the relative tolerance below); an ``impl`` that raises, returns another shape, or that no
+probe here knows is False (logged), so its layer stays unpacked. The probe never runs on the user's tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ..layout.segments import tree_segments
+
+log = logging.getLogger("dualkv_compile")
+
+__all__ = ["math_agrees"]
+
+_LENS, _PARENTS = [5, 3, 6, 2], [-1, 0, 0, 2]  # a root, two children, a grandchild: 3 sequences, chunks of 4 cross them
+_RTOL = 1e-4
+
+
+def _paths() -> list[list[int]]:
+    """Each root-to-leaf sequence as the packed positions it runs through."""
+    starts = [sum(_LENS[:i]) for i in range(len(_LENS))]
+    leaves = [i for i in range(len(_LENS)) if i not in _PARENTS]
+    paths = []
+    for leaf in leaves:
+        chain, s = [], leaf
+        while s >= 0:
+            chain.insert(0, s)
+            s = _PARENTS[s]
+        paths.append([t for s in chain for t in range(starts[s], starts[s] + _LENS[s])])
+    return paths
+
+
+def _gated_delta_probe(impl_fn):
+    from ..kernels.recurrent import forest_gated_delta_rule
+
+    g = torch.Generator().manual_seed(0)
+    T, Hk, Hv, D = sum(_LENS), 1, 2, 4
+    q, k = (torch.randn(1, T, Hk, D, generator=g) for _ in range(2))
+    v = torch.randn(1, T, Hv, D, generator=g)
+    decay = -F.softplus(torch.randn(1, T, Hv, generator=g))
+    beta = torch.rand(1, T, Hv, generator=g)
+    segs = tree_segments(_LENS, _PARENTS)
+    packed = forest_gated_delta_rule(q, k, v, decay, beta, segs, use_qk_l2norm=True, chunk_size=4)
+
+    def alone(path):
+        xs = [t[:, path] for t in (q, k, v, decay, beta)]
+        return impl_fn(*xs, chunk_size=4, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)[0]
+
+    return packed, alone
+
+
+def _mamba2_probe(impl_fn):
+    from ..kernels.recurrent import forest_mamba2_scan
+
+    g = torch.Generator().manual_seed(0)
+    T, H, P, G, N = sum(_LENS), 2, 3, 1, 4
+    x = torch.randn(1, T, H, P, generator=g)
+    dt = torch.randn(1, T, H, generator=g)
+    A = -torch.rand(H, generator=g) - 0.5
+    B, C = (torch.randn(1, T, G, N, generator=g) for _ in range(2))
+    D, dt_bias = torch.randn(H, generator=g), torch.randn(H, generator=g)
+    limit = (0.0, float("inf"))
+    segs = tree_segments(_LENS, _PARENTS)
+    packed = forest_mamba2_scan(x, dt, A, B, C, segs, D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=limit,
+                                chunk_size=4)
+
+    def alone(path):
+        return impl_fn(x[:, path], dt[:, path], A, B[:, path], C[:, path], chunk_size=4, D=D, dt_bias=dt_bias,
+                       dt_softplus=True, dt_limit=limit)
+
+    return packed, alone
+
+
+_PROBES = {"torch_chunk_gated_delta_rule": _gated_delta_probe, "mamba2_chunk_scan": _mamba2_probe}
+
+
+@functools.lru_cache(maxsize=None)
+def math_agrees(impl: str) -> bool:
+    """Whether ``impl`` (``"module.function"``) agrees with its forest form on the probe forest (module docstring)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from ..ops.recurrent import resolve_impl
+
+    probe = _PROBES.get(impl.rpartition(".")[2])
+    if probe is None:
+        log.warning("dualkv: no forest probe for %s: its layers stay unpacked", impl)
+        return False
+    try:
+        with unset_fake_temporarily(), torch.no_grad():
+            packed, alone = probe(resolve_impl(impl))
+            for path in _paths():
+                out = alone(path)
+                want = packed[:, path].to(out.dtype)
+                if out.shape != want.shape or not torch.allclose(out, want, rtol=_RTOL, atol=_RTOL):
+                    log.warning("dualkv: %s no longer computes its forest form's math: its layers stay unpacked", impl)
+                    return False
+    except Exception as e:  # a changed signature or contract: unpacked, never guessed
+        log.warning("dualkv: the forest probe of %s failed (%s): its layers stay unpacked", impl, e)
+        return False
+    return True
