@@ -205,11 +205,41 @@ def test_hf_mamba2_layer_compiles_as_one_op():
     assert not any("cumsum" in t for t in targets)
 
 
+def test_hf_mamba2_call_with_a_layers_own_keywords_is_one_op():
+    """GraniteMoeHybrid passes ``z=None`` and its forward's ``output_router_logits``: the wrapper drops what the
+    fallback does not name, so the polyfill must too (and still record the op, not trace the fallback)."""
+    from transformers.models.mamba2 import modeling_mamba2
+
+    def scan(x, dt, A, B, C, D, bias):
+        return modeling_mamba2.mamba2_chunk_scan(x, dt, A, B, C, chunk_size=4, D=D, z=None, dt_bias=bias,
+                                                 dt_softplus=True, output_router_logits=False)
+
+    xs = _mamba2_inputs(True)
+    targets = [str(n.target) for n in capture(scan, *xs).graph.nodes if n.op == "call_function"]
+    assert targets.count("dualkv.mamba2_chunk_scan.default") == 1 and not any("cumsum" in t for t in targets)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(scan, backend="aot_eager")(*xs),
+                               modeling_mamba2.mamba2_chunk_scan.__wrapped__(*xs[:5], 4, D=xs[5], dt_bias=xs[6],
+                                                                             dt_softplus=True))
+
+
+def test_hf_mamba2_call_with_packed_sequences_raises_as_the_wrapper_does():
+    from transformers.models.mamba2 import modeling_mamba2
+
+    def scan(x, dt, A, B, C, D, bias, seq_idx):
+        return modeling_mamba2.mamba2_chunk_scan(x, dt, A, B, C, chunk_size=4, seq_idx=seq_idx)
+
+    xs = _mamba2_inputs(True)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="can't keep packed sequences apart"):
+        torch.compile(scan, backend="aot_eager", fullgraph=True)(*xs, torch.zeros(2, 10, dtype=torch.int32))
+
+
 # Packed: the forest takes every layer (Qwen3.5 once its rotary's setitems are out of place: normalize.functionalize).
 EXPECTED = {"qwen3_next": PACKED, "olmo_hybrid": PACKED, "qwen3_5_text": PACKED, "qwen3_5_moe_text": PACKED,
             "mamba2": PACKED, "nemotron_h": PACKED}
-# The same scan in more families: make test-slow. Zamba2 and GraniteMoeHybrid stop at an op of their own first.
-EXPECTED_SLOW = {"falcon_h1": PACKED, "bamba": PACKED, "zamba2": REFUSED, "granitemoehybrid": REFUSED}
+# The same scan in more families: make test-slow. Zamba2 stops at an op of its own first.
+EXPECTED_SLOW = {"falcon_h1": PACKED, "bamba": PACKED, "granitemoehybrid": PACKED, "zamba2": REFUSED}
 
 
 def _expect(family, expected):

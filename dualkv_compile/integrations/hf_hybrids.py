@@ -12,8 +12,9 @@ fallback as its ``impl``: Dynamo puts one ``dualkv::gated_delta_rule`` or ``dual
 call in the graph instead of tracing the chunked scan, AOTAutograd does not trace into it, and its forward and
 backward are the fallback's own eager forward and autograd (exact; the torch bug this avoids: ``ops.recurrent``).
 Eager calls never see the polyfill; under ``torch.export`` it traces the fallback as the wrapper does. The GDN
-polyfill with ``cu_seqlens``/``seq_idx`` raises ``ValueError`` as the wrapper does; the Mamba-2 one with a cached
-state, a final state asked for, or any further non-None argument calls the fallback as the wrapper does
+and Mamba-2 polyfills with ``cu_seqlens``/``seq_idx`` raise ``ValueError`` as the wrapper does, and drop the keywords
+the fallback does not name as it does; the Mamba-2 one with a cached state or a final state asked for calls the
+fallback as the wrapper does
 (Dynamo traces it: generation's path, never packed). ``install()`` (run by ``import dualkv_compile``) registers the
 modules already imported and, through a finder first in ``sys.meta_path``, each modeling module as it is
 imported: no change to the user's code, and ``torch._dynamo.reset()`` keeps the polyfills. They are
@@ -77,12 +78,18 @@ def _gdn_polyfill(fallback, impl: str):
 
 
 def _mamba2_polyfill(fallback, impl: str):
-    """A function with the Mamba-2 fallback's signature calling the opaque op from a zero state, else the fallback."""
+    """A function with the Mamba-2 fallback's signature calling the opaque op from a zero state, else the fallback.
+
+    As the wrapper: ``cu_seqlens``/``seq_idx`` raise ``ValueError``, and a keyword the fallback does not name
+    (``z``, ``output_router_logits``: layers pass their own) is dropped before the call."""
+    named = {n for n, p in inspect.signature(fallback).parameters.items() if p.kind is not p.VAR_KEYWORD}
 
     def polyfill(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
                  dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
-        if (initial_states is not None or return_final_states or torch.compiler.is_exporting()
-                or any(v is not None for v in kwargs.values())):
+        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
+            raise ValueError(f"`{impl}` can't keep packed sequences apart without mamba-ssm")
+        kwargs = {k: v for k, v in kwargs.items() if k in named}
+        if initial_states is not None or return_final_states or torch.compiler.is_exporting() or kwargs:
             return fallback(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
                             initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
                             return_final_states=return_final_states, **kwargs)
