@@ -110,7 +110,7 @@ class _Zeros:
             if first in self.zlp and isinstance(w, fx.Node) and self.axes.info[w].kind is Kind.NONE:
                 self.zlp.add(n)
             return
-        if t is torch.cat:
+        if t in (torch.cat, torch.concatenate, torch.concat):
             parts = n.args[0]
             if parts and all(p in self.zlp for p in parts):
                 self.zlp.add(n)

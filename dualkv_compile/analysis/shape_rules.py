@@ -289,7 +289,7 @@ def _sequence_slice(i: slice, size: int, tag: str, src: NodeInfo) -> Optional[tu
     raise RuleFailed("slice along a token axis (other than one next-token shift)")
 
 
-@token_rule(torch.cat)
+@token_rule(torch.cat, torch.concatenate, torch.concat)  # the aliases: Zamba2 writes torch.concatenate
 def _cat(node, info, B, S) -> NodeInfo:
     xs = node.args[0]
     dim = arg(node, 1, "dim", 0)

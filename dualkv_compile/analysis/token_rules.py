@@ -47,6 +47,7 @@ POINTWISE_FUNCS = {
     torch.logical_not, torch.nan_to_num, torch.gather,
     torch.polar,  # complex rotary tables (DeepSeek-V2, Llama 4): polar(abs, angle), elementwise
     torch.floor, torch.ceil, torch.round, torch.trunc,  # Llama 4's attention temperature: floor of positions
+    torch.clone, torch.detach,  # Zamba2 keeps torch.clone(inputs_embeds) for its shared attention block
 }
 POINTWISE_METHODS = {
     "to", "float", "half", "bfloat16", "double", "type_as", "contiguous", "clone", "detach", "pow", "rsqrt",

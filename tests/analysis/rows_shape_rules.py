@@ -133,6 +133,8 @@ GETITEM = [
 CAT = [
     ("features", fn(torch.cat, [X0, X1], -1), [x, y], out("b s -", TOKEN)),
     ("features-kwarg", fn(torch.cat, (X0, X1), dim=2), [x, y], out("b s -", TOKEN)),
+    ("concatenate-features", fn(torch.concatenate, [X0, X1], dim=-1), [x, y], out("b s -", TOKEN)),
+    ("concat-along-s", fn(torch.concat, [X0, X1], 1), [x, y], fails("concatenation along a token axis")),
     ("skips-empty", fn(torch.cat, [X0, X1], 1), [x, In((0,), "-", NONE)], out("b s -", TOKEN)),
     ("along-s", fn(torch.cat, [X0, X1], 1), [x, y], fails("concatenation along a token axis")),
     ("along-b", fn(torch.cat, [X0, X1]), [x, y], fails("concatenation along a token axis")),

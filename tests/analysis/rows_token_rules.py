@@ -32,6 +32,7 @@ def _pointwise_rows():
         torch.sin, torch.cos, torch.neg, torch.abs, torch.erf, torch.reciprocal, torch.square, F.silu, F.gelu,
         F.relu, F.tanh, F.sigmoid, F.softplus, F.mish, F.leaky_relu, torch._C._nn.gelu, F.hardtanh,
         torch.log1p, torch.expm1, torch.sign, torch.nan_to_num, torch.floor, torch.ceil, torch.round, torch.trunc,
+        torch.clone, torch.detach,
     ]
     rows = [(f.__name__, fn(f, X0, X1), [x, w], out("b s -", TOKEN)) for f in binary_funcs]
     rows += [(f.__name__, fn(f, X0), [x], out("b s -", TOKEN)) for f in unary_funcs]
