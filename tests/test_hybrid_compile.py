@@ -19,9 +19,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dualkv_compile
 from dualkv_compile.analysis.recurrent_math import math_agrees
-from dualkv_compile.analysis.recurrent_rules import GATED_DELTA_IMPLS, MAMBA2_IMPLS
+from dualkv_compile.analysis.recurrent_rules import GATED_DELTA_IMPLS, MAMBA1_IMPLS, MAMBA2_IMPLS
 from dualkv_compile.ops.recurrent import gated_delta_rule, gated_delta_rule_fwd, mamba2_chunk_scan_fwd
-from dualkv_compile.ops.recurrent import mamba2_chunk_scan as mamba2_op
+from dualkv_compile.ops.recurrent import mamba2_chunk_scan as mamba2_op, mamba_selective_scan, mamba_selective_scan_fwd
 from tests.family_sweep import PACKED, REFUSED, batch_kwargs, run_family, tiny_model
 from tests.helpers import capture
 
@@ -172,7 +172,7 @@ def _source(impl: str) -> str:
     return inspect.getsource(getattr(fn, "__wrapped__", fn))
 
 
-@pytest.mark.parametrize("impls", [GATED_DELTA_IMPLS, MAMBA2_IMPLS], ids=["gated_delta", "mamba2"])
+@pytest.mark.parametrize("impls", [GATED_DELTA_IMPLS, MAMBA2_IMPLS, MAMBA1_IMPLS], ids=["gated_delta", "mamba2", "mamba1"])
 def test_each_named_impl_is_one_source(impls):
     """The families' copies are one function (transformers' "Copied from"): the forest form models that one."""
     sources = {impl: _source(impl) for impl in sorted(impls)}
@@ -180,7 +180,7 @@ def test_each_named_impl_is_one_source(impls):
 
 
 def test_the_math_probe_accepts_the_fallbacks_and_refuses_other_math():
-    assert all(math_agrees(impl) for impl in sorted(GATED_DELTA_IMPLS | MAMBA2_IMPLS))
+    assert all(math_agrees(impl) for impl in sorted(GATED_DELTA_IMPLS | MAMBA2_IMPLS | MAMBA1_IMPLS))
     # Same signature and name as a Mamba-2 scan, other math: refused by the probe, not by the name.
     assert not math_agrees(f"{__name__}.mamba2_chunk_scan")
     assert not math_agrees("transformers.models.mamba2.modeling_mamba2.no_such_function")
@@ -193,6 +193,55 @@ def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=No
     Bh, Ch = (t.float().repeat_interleave(x.shape[2] // t.shape[2], dim=2) for t in (B, C))
     state = torch.cumsum(x[..., None] * Bh[..., None, :], dim=1)
     return (state * Ch[..., None, :]).sum(-1)
+
+
+def _mamba1_inputs(full: bool):
+    g = torch.Generator().manual_seed(0)
+    B, Dc, T, N = 2, 5, 9, 3
+    x, dt = (torch.randn(B, Dc, T, generator=g) for _ in range(2))
+    A = -torch.rand(Dc, N, generator=g) - 0.5
+    Bm, Cm = (torch.randn(B, N, T, generator=g) for _ in range(2))
+    D, z, bias = ((torch.randn(Dc, generator=g), torch.randn(B, Dc, T, generator=g), torch.randn(Dc, generator=g))
+                  if full else (None, None, None))
+    return [x, dt, A, Bm, Cm, D, z, bias]
+
+
+MAMBA1_IMPL = "transformers.models.mamba.modeling_mamba.mamba_selective_scan"
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["D_z_bias", "neither"])
+def test_mamba1_op_is_the_fallback_and_its_autograd(full):
+    from transformers.models.mamba import modeling_mamba
+
+    fallback = modeling_mamba.mamba_selective_scan.__wrapped__
+    results = []
+    for run in ("fallback", "op"):
+        xs = [t if t is None else t.clone().requires_grad_() for t in _mamba1_inputs(full)]
+        x, dt, A, Bm, Cm, D, z, bias = xs
+        kw = dict(D=D, z=z, delta_bias=bias, delta_softplus=True)
+        out = (fallback(x, dt, A, Bm, Cm, **kw) if run == "fallback"
+               else mamba_selective_scan(x, dt, A, Bm, Cm, impl=MAMBA1_IMPL, **kw))
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append([out] + [t.grad for t in xs if t is not None])
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["D_z_bias", "neither"])
+def test_mamba1_op_registrations(full):
+    xs = [t if t is None else t.requires_grad_() for t in _mamba1_inputs(full)]
+    torch.library.opcheck(mamba_selective_scan_fwd, (*xs, True, False, False, MAMBA1_IMPL))
+
+
+def test_hf_mamba1_layer_compiles_as_one_op():
+    """The polyfill puts one op per Mamba mixer in Dynamo's graph, none of the fallback's token loop."""
+    model = tiny_model("mamba")
+    kwargs, _ = batch_kwargs(model)
+    gm = capture(model, **kwargs)
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count("dualkv.mamba_selective_scan.default") == model.config.num_hidden_layers >= 1
+    assert "stack" not in " ".join(targets)  # the loop's torch.stack of per-token outputs
 
 
 def test_hf_mamba2_layer_compiles_as_one_op():
@@ -237,9 +286,10 @@ def test_hf_mamba2_call_with_packed_sequences_raises_as_the_wrapper_does():
 
 # Packed: the forest takes every layer (Qwen3.5 once its rotary's setitems are out of place: normalize.functionalize).
 EXPECTED = {"qwen3_next": PACKED, "olmo_hybrid": PACKED, "qwen3_5_text": PACKED, "qwen3_5_moe_text": PACKED,
-            "mamba2": PACKED, "nemotron_h": PACKED}
+            "mamba2": PACKED, "nemotron_h": PACKED, "mamba": PACKED}
 # The same scan in more families: make test-slow.
-EXPECTED_SLOW = {"falcon_h1": PACKED, "bamba": PACKED, "granitemoehybrid": PACKED, "zamba2": PACKED}
+EXPECTED_SLOW = {"falcon_h1": PACKED, "bamba": PACKED, "granitemoehybrid": PACKED, "zamba2": PACKED,
+                 "falcon_mamba": PACKED, "jamba": PACKED}
 
 
 def _expect(family, expected):

@@ -12,7 +12,8 @@ Contract
     reason. Neutral: a causal convolution whose input is zero at every padding position ahead of a row's first
     token (such a position reads only padding before it); a gated delta rule whose k, v or beta is (a zero
     update leaves the zero state zero, and its output there, q times a zero state, is zero); a Mamba-2 scan whose
-    x or B is (its update dt x B^T is zero; its output there, C times the zero state plus D x, is zero where x is). Zero there
+    x or B is, and a Mamba (v1) selective scan likewise (its update dt x B^T is zero; its output there, C times the
+    zero state plus D x, gated or not, is zero where x is). Zero there
     ("ZLP") is proven forward: a product with the attention mask (zero exactly where the layout pads:
     ``layout.sequences`` reads valid tokens as ``attention_mask != 0``) or with a ZLP value; ops that map zero
     to zero on a ZLP operand (casts, layout ops, silu, a linear map without bias, cat of ZLP values, a ZLP
@@ -29,7 +30,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .recurrent_rules import GATED_DELTA, MAMBA2, recurrent_kind
+from .recurrent_rules import GATED_DELTA, MAMBA1, MAMBA2, recurrent_kind
 from .node_info import Kind
 from .token_axes import TokenAxes
 from .token_inputs import Role
@@ -128,7 +129,7 @@ class _Zeros:
             if ok:
                 self.zlp.add(n)
             return
-        if t is MAMBA2:
+        if t in (MAMBA2, MAMBA1):
             x, Bm = n.args[0], n.args[3]
             ok = x in self.zlp or Bm in self.zlp
             self.neutral[n] = None if ok else f"{n.name}: neither its x nor its B is zero at the padding before a row's tokens"

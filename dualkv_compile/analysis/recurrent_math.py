@@ -82,7 +82,27 @@ def _mamba2_probe(impl_fn):
     return packed, alone
 
 
-_PROBES = {"torch_chunk_gated_delta_rule": _gated_delta_probe, "mamba2_chunk_scan": _mamba2_probe}
+def _mamba1_probe(impl_fn):
+    from ..kernels.recurrent import forest_selective_scan
+
+    g = torch.Generator().manual_seed(0)
+    T, Dc, N = sum(_LENS), 3, 4
+    x, dt, z = (torch.randn(1, Dc, T, generator=g) for _ in range(3))
+    A = -torch.rand(Dc, N, generator=g) - 0.5
+    B, C = (torch.randn(1, N, T, generator=g) for _ in range(2))
+    D, bias = torch.randn(Dc, generator=g), torch.randn(Dc, generator=g)
+    segs = tree_segments(_LENS, _PARENTS)
+    packed = forest_selective_scan(x, dt, A, B, C, segs, D=D, z=z, delta_bias=bias, delta_softplus=True)
+
+    def alone(path):
+        return impl_fn(x[..., path], dt[..., path], A, B[..., path], C[..., path], D=D, z=z[..., path],
+                       delta_bias=bias, delta_softplus=True)
+
+    return packed.transpose(1, 2), lambda path: alone(path).transpose(1, 2)  # token axis second, as the others
+
+
+_PROBES = {"torch_chunk_gated_delta_rule": _gated_delta_probe, "mamba2_chunk_scan": _mamba2_probe,
+           "mamba_selective_scan": _mamba1_probe}
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,14 +12,14 @@ it has in each root-to-leaf sequence through it. Registered here (``rule_registr
   reference is (``GATED_DELTA_IMPLS``): the output keeps the token axes;
 * ``dualkv::mamba2_chunk_scan`` (``ops.recurrent``, transformers' Mamba-2 SSD fallback as one op): x
   ``[B, T, H, P]``, dt ``[B, T, H]``, B and C ``[B, T, G, N]``, A, D and dt_bias constant, from a zero state (the
-  op has no other form), its ``impl`` one of ``MAMBA2_IMPLS``: the output keeps the token axes.
+  op has no other form), its ``impl`` one of ``MAMBA2_IMPLS``: the output keeps the token axes;
+* ``dualkv::mamba_selective_scan`` (``ops.recurrent``, transformers' Mamba v1 scan as one op): x, dt and z
+  ``[B, D, T]``, B and C ``[B, N, T]`` (token axes last), A, D and delta_bias constant, from a zero state, its
+  ``impl`` one of ``MAMBA1_IMPLS``: the output keeps the token axes.
 
-An ``impl`` named here is one whose source the tests compare with the forest reference's model
-(tests/test_hybrid_compile); ``analysis.recurrent_math`` also runs it against the forest reference once per
-process on a small random forest, so that a transformers release that changes its math is refused, not packed.
-
-What the packed forms read in place of the padding before a row's tokens (zeros, a zero state) is the runner's
-to check per call against what the original program reads there (``analysis.padding_neutral``).
+An ``impl`` named here is one the forest reference models; ``analysis.recurrent_math`` also runs it against the
+reference once per process, so that a release that changes its math is refused, not packed. What the packed
+forms read in place of the padding before a row's tokens is checked per call (``analysis.padding_neutral``).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..ops import recurrent as _recurrent  # noqa: F401  (registers dualkv::gated_delta_rule, mamba2_chunk_scan)
+from ..ops import recurrent as _recurrent  # noqa: F401  (registers dualkv::gated_delta_rule and the scans)
 from ..ops.forest_recurrent import causal_conv1d
 from .node_info import Kind, NodeInfo, RuleFailed
 from .recurrent_math import math_agrees
 from .rule_registry import token_rule
 
-__all__ = ["GATED_DELTA", "GATED_DELTA_IMPLS", "MAMBA2", "MAMBA2_IMPLS", "RECURRENT_TARGETS", "recurrent_kind"]
+__all__ = ["GATED_DELTA", "GATED_DELTA_IMPLS", "MAMBA1", "MAMBA1_IMPLS", "MAMBA2", "MAMBA2_IMPLS", "RECURRENT_TARGETS", "recurrent_kind"]
 
 GATED_DELTA = torch.ops.dualkv.gated_delta_rule.default
 # transformers' torch fallbacks whose math is kernels.recurrent.gated_delta's (tests/kernels/test_forest_recurrence
@@ -50,7 +50,13 @@ MAMBA2_IMPLS = frozenset(
     f"transformers.models.{m}.modeling_{m}.mamba2_chunk_scan"
     for m in ("mamba2", "nemotron_h", "falcon_h1", "bamba", "zamba2", "granitemoehybrid")
 )
-RECURRENT_TARGETS = {causal_conv1d: "causal convolution", GATED_DELTA: "gated delta rule", MAMBA2: "Mamba-2 scan"}
+MAMBA1 = torch.ops.dualkv.mamba_selective_scan.default
+# transformers' Mamba (v1) torch paths: one function, copied into each family's module (kernels.recurrent.mamba1).
+MAMBA1_IMPLS = frozenset(
+    f"transformers.models.{m}.modeling_{m}.mamba_selective_scan" for m in ("mamba", "falcon_mamba", "jamba")
+)
+RECURRENT_TARGETS = {causal_conv1d: "causal convolution", GATED_DELTA: "gated delta rule", MAMBA2: "Mamba-2 scan",
+                     MAMBA1: "Mamba selective scan"}
 
 
 def _token(info: NodeInfo, tags, what: str) -> None:
@@ -106,6 +112,22 @@ def _mamba2(node, info, B, S) -> NodeInfo:
         if t is not None:
             _constant(info[t], f"the Mamba-2 scan's {name}")
     return NodeInfo(Kind.TOKEN, ("b", "s", None, None), slen=info[x].slen)
+
+
+@token_rule(MAMBA1)
+def _mamba1(node, info, B, S) -> NodeInfo:
+    x, dt, A, Bm, Cm, D, z, delta_bias, _softplus, _mambapy, _assoc, impl = node.args
+    if impl not in MAMBA1_IMPLS:
+        raise RuleFailed(f"a Mamba selective scan of {impl}: no forest form of its math")
+    if not math_agrees(impl):
+        raise RuleFailed(f"{impl} no longer computes what the forest form does (analysis.recurrent_math)")
+    for t, name in ((x, "x"), (dt, "dt"), (Bm, "B"), (Cm, "C"), (z, "z")):
+        if t is not None:
+            _token(info[t], ("b", None, "s"), f"the Mamba selective scan's {name}")
+    for t, name in ((A, "A"), (D, "D"), (delta_bias, "delta_bias")):
+        if t is not None:
+            _constant(info[t], f"the Mamba selective scan's {name}")
+    return NodeInfo(Kind.TOKEN, ("b", None, "s"), slen=info[x].slen)
 
 
 def recurrent_kind(n: fx.Node):

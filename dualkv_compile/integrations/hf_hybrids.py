@@ -1,21 +1,18 @@
 """Hugging Face hybrids' recurrent cores as opaque ops: the gated delta rule (Qwen3-Next, Qwen3.5 dense and MoE,
-OLMo-hybrid) and the Mamba-2 SSD scan (Mamba-2, Nemotron-H, Falcon-H1, Bamba, Zamba2, GraniteMoeHybrid).
+OLMo-hybrid), the Mamba-2 SSD scan (Mamba-2, Nemotron-H, Falcon-H1, Bamba, Zamba2, GraniteMoeHybrid) and the
+Mamba (v1) selective scan (Mamba, Falcon-Mamba, Jamba).
 
-Assumes: a transformers modeling module whose layer calls its module's ``torch_chunk_gated_delta_rule`` or
-``mamba2_chunk_scan``, the hub wrapper (``use_kernel_func_from_hub_with_fallback``) around the torch fallback,
-and a wrapper that runs the fallback itself (flash-linear-attention / mamba-ssm not installed; a wrapper that
-runs another implementation is left alone).
+Assumes: a modeling module whose layer calls its ``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan`` or
+``mamba_selective_scan``: the hub wrapper (``use_kernel_func_from_hub_with_fallback``) around the torch fallback,
+running the fallback itself (fla / mamba-ssm not installed; one that runs another is left alone).
 
 Guarantees: ``opaque_recurrent_cores()`` registers, for each such function of each module imported, a Dynamo
 polyfill (``torch.compiler.substitute_in_graph``) of the wrapper that calls the op of ``ops.recurrent`` with the
-fallback as its ``impl``: Dynamo puts one ``dualkv::gated_delta_rule`` or ``dualkv::mamba2_chunk_scan`` per layer
-call in the graph instead of tracing the chunked scan, AOTAutograd does not trace into it, and its forward and
+fallback as its ``impl``: Dynamo puts one op per layer call in the graph instead of tracing the scan, AOTAutograd does not trace into it, and its forward and
 backward are the fallback's own eager forward and autograd (exact; the torch bug this avoids: ``ops.recurrent``).
-Eager calls never see the polyfill; under ``torch.export`` it traces the fallback as the wrapper does. The GDN
-and Mamba-2 polyfills with ``cu_seqlens``/``seq_idx`` raise ``ValueError`` as the wrapper does, and drop the keywords
-the fallback does not name as it does; the Mamba-2 one with a cached state or a final state asked for calls the
-fallback as the wrapper does
-(Dynamo traces it: generation's path, never packed). ``install()`` (run by ``import dualkv_compile``) registers the
+Eager calls never see the polyfill; under ``torch.export`` it traces the fallback as the wrapper does. As the
+wrapper, ``cu_seqlens``/``seq_idx`` raise ``ValueError`` and keywords the fallback does not name are dropped; a
+cached or final state asked for calls the fallback (Dynamo traces it: generation's path, never packed). ``install()`` (run by ``import dualkv_compile``) registers the
 modules already imported and, through a finder first in ``sys.meta_path``, each modeling module as it is
 imported: no change to the user's code, and ``torch._dynamo.reset()`` keeps the polyfills. They are
 process-wide (Dynamo keeps one per function, whichever backend compiles): exact for every backend, but an
@@ -34,7 +31,7 @@ import sys
 
 import torch
 
-from ..ops.recurrent import gated_delta_rule, mamba2_chunk_scan
+from ..ops.recurrent import gated_delta_rule, mamba2_chunk_scan, mamba_selective_scan
 
 log = logging.getLogger("dualkv_compile")
 
@@ -99,8 +96,30 @@ def _mamba2_polyfill(fallback, impl: str):
     return polyfill
 
 
+def _mamba1_polyfill(fallback, impl: str):
+    """A function with the Mamba (v1) fallback's signature calling the opaque op, else the fallback (the last
+    state asked for); as the wrapper for packed sequences and unnamed keywords (``_mamba2_polyfill``)."""
+    named = {n for n, p in inspect.signature(fallback).parameters.items() if p.kind is not p.VAR_KEYWORD}
+
+    def polyfill(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                 return_last_state=False, use_mambapy=False, use_associative_scan=False, **kwargs):
+        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
+            raise ValueError(f"`{impl}` can't keep packed sequences apart without mamba-ssm")
+        kwargs = {k: v for k, v in kwargs.items() if k in named}
+        if return_last_state or torch.compiler.is_exporting() or kwargs:
+            return fallback(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias,
+                            delta_softplus=delta_softplus, return_last_state=return_last_state,
+                            use_mambapy=use_mambapy, use_associative_scan=use_associative_scan, **kwargs)
+        return mamba_selective_scan(hidden_states, dt, A, B, C, impl=impl, D=D, z=z, delta_bias=delta_bias,
+                                    delta_softplus=delta_softplus, use_mambapy=use_mambapy,
+                                    use_associative_scan=use_associative_scan)
+
+    return polyfill
+
+
 # The functions routed to an op, each with the polyfill that routes it.
-_POLYFILLS = {"torch_chunk_gated_delta_rule": _gdn_polyfill, "mamba2_chunk_scan": _mamba2_polyfill}
+_POLYFILLS = {"torch_chunk_gated_delta_rule": _gdn_polyfill, "mamba2_chunk_scan": _mamba2_polyfill,
+              "mamba_selective_scan": _mamba1_polyfill}
 
 
 def _register(name: str, module) -> int:

@@ -13,7 +13,8 @@ where the layer's is chunked). Opaque: its levels are built on the host. The bac
 autograd (the forward recomputed inside; nothing but the inputs saved), the children's state gradients summed
 into their parent's final state. Exact against transformers' torch fallback (tests/kernels/test_forest_recurrence).
 ``dualkv::forest_mamba2_scan``: the packed form of ``dualkv::mamba2_chunk_scan`` the same way
-(``kernels.recurrent.forest_mamba2_scan``), returned in the dtype transformers' scan returns.
+(``kernels.recurrent.forest_mamba2_scan``), returned in the dtype transformers' scan returns;
+``dualkv::forest_selective_scan`` likewise for ``dualkv::mamba_selective_scan`` (Mamba v1).
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ import torch.nn.functional as F
 
 from ..kernels.recurrent import forest_gated_delta_rule as _forest_gdn
 from ..kernels.recurrent import forest_mamba2_scan as _forest_mamba2
+from ..kernels.recurrent.mamba1 import forest_selective_scan as _forest_mamba1
 from ..kernels.recurrent.causal_conv import causal_conv1d_along_paths
 from ..layout.segments import Segments
-from .recurrent import mamba2_out_dtype
+from .recurrent import mamba1_out_dtype, mamba2_out_dtype, vjp_with_optional
 
-__all__ = ["causal_conv1d", "forest_causal_conv1d", "forest_gated_delta_rule", "forest_mamba2_scan"]
+__all__ = ["causal_conv1d", "forest_causal_conv1d", "forest_gated_delta_rule", "forest_mamba2_scan",
+           "forest_selective_scan"]
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -138,17 +141,11 @@ def forest_mamba2_scan_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of x, dt, A, B, C, D and dt_bias (empty for an absent one): the reference's autograd."""
     segs = _segs(seg_start, seg_len, parent, prefix_len, subtree_end)
-    optional = [t for t in (D, dt_bias) if t is not None]
 
-    def run(x, dt, A, B, C, *opt):
-        it = iter(opt)
-        d, bias = (next(it) if t is not None else None for t in (D, dt_bias))
-        return _run_mamba2(x, dt, A, B, C, d, bias, segs, chunk_size, dt_softplus, dt_min, dt_max)
+    def run(*ts):
+        return _run_mamba2(*ts, segs, chunk_size, dt_softplus, dt_min, dt_max)
 
-    _, pullback = torch.func.vjp(run, x, dt, A, B, C, *optional)
-    grads = iter(gr.contiguous() for gr in pullback(grad_out))
-    head = [next(grads) for _ in range(5)]
-    return (*head, *(next(grads) if t is not None else x.new_empty(0) for t in (D, dt_bias)))
+    return vjp_with_optional(run, (x, dt, A, B, C, D, dt_bias), grad_out)
 
 
 @forest_mamba2_scan_bwd.register_fake
@@ -170,3 +167,63 @@ def _mamba2_backward(ctx, grad_out):
 
 
 forest_mamba2_scan.register_autograd(_mamba2_backward, setup_context=_mamba2_setup_context)
+
+
+def _run_mamba1(x, dt, A, B, C, D, z, delta_bias, segs, delta_softplus: bool):
+    return _forest_mamba1(x, dt, A, B, C, segs, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)
+
+
+@torch.library.custom_op("dualkv::forest_selective_scan", mutates_args=())
+def forest_selective_scan(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
+    seg_start: torch.Tensor, seg_len: torch.Tensor, parent: torch.Tensor, prefix_len: torch.Tensor,
+    subtree_end: torch.Tensor, delta_softplus: bool,
+) -> torch.Tensor:
+    """The packed Mamba (v1) selective scan: x, dt, z ``[1, Dc, T]``, A ``[Dc, N]``, B, C ``[1, N, T]``, D,
+    delta_bias ``[Dc]``. Returns ``[1, Dc, T]`` in ``mamba1_out_dtype``, contiguous."""
+    segs = _segs(seg_start, seg_len, parent, prefix_len, subtree_end)
+    return _run_mamba1(x, dt, A, B, C, D, z, delta_bias, segs, delta_softplus).contiguous()
+
+
+@forest_selective_scan.register_fake
+def _(x, dt, A, B, C, D, z, delta_bias, seg_start, seg_len, parent, prefix_len, subtree_end, delta_softplus):
+    return x.new_empty(x.shape, dtype=mamba1_out_dtype(x, D, z))
+
+
+@torch.library.custom_op("dualkv::forest_selective_scan_bwd", mutates_args=())
+def forest_selective_scan_bwd(
+    grad_out: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
+    seg_start: torch.Tensor, seg_len: torch.Tensor, parent: torch.Tensor, prefix_len: torch.Tensor,
+    subtree_end: torch.Tensor, delta_softplus: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """The gradients of x, dt, A, B, C, D, z and delta_bias (empty for an absent one): the reference's autograd."""
+    segs = _segs(seg_start, seg_len, parent, prefix_len, subtree_end)
+
+    def run(*ts):
+        return _run_mamba1(*ts, segs, delta_softplus)
+
+    return vjp_with_optional(run, (x, dt, A, B, C, D, z, delta_bias), grad_out)
+
+
+@forest_selective_scan_bwd.register_fake
+def _(grad_out, x, dt, A, B, C, D, z, delta_bias, seg_start, seg_len, parent, prefix_len, subtree_end,
+      delta_softplus):
+    return tuple(x.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in (x, dt, A, B, C, D, z, delta_bias))
+
+
+def _mamba1_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:13])
+    ctx.args = inputs[13:]
+
+
+def _mamba1_backward(ctx, grad_out):
+    saved = ctx.saved_tensors
+    grads = forest_selective_scan_bwd(grad_out.contiguous(), *saved, *ctx.args)
+    return tuple(g if t is not None else None for g, t in zip(grads, saved[:8])) + (None,) * 6
+
+
+forest_selective_scan.register_autograd(_mamba1_backward, setup_context=_mamba1_setup_context)

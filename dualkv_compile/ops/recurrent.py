@@ -1,10 +1,10 @@
-"""Hybrid layers' recurrent cores as opaque ops: ``dualkv::gated_delta_rule`` (GDN) and ``dualkv::mamba2_chunk_scan``.
+"""Hybrid layers' recurrent cores as opaque ops: ``dualkv::gated_delta_rule`` (GDN), ``dualkv::mamba2_chunk_scan``
+and ``dualkv::mamba_selective_scan`` (Mamba v1).
 
-``dualkv::mamba2_chunk_scan`` (and its ``_bwd``) is the same contract for a Mamba-2 mixer's SSD scan: ``impl``
-names a function with the signature and return of transformers' ``mamba2_chunk_scan`` (x ``[B, T, H, P]``, dt
-``[B, T, H]``, A ``[H]``, B and C ``[B, T, G, N]``, D and dt_bias ``[H]`` or None; from a zero state, no final
-state; returns ``[B, T, H, P]`` in float32, or D's dtype where wider); its forward calls it eagerly, its backward
-is its autograd (``torch.func.vjp``, the forward recomputed), both contiguous. The GDN op's contract:
+The scans have the GDN op's contract below for transformers' ``mamba2_chunk_scan`` (x ``[B, T, H, P]``, dt
+``[B, T, H]``, A ``[H]``, B, C ``[B, T, G, N]``, D, dt_bias ``[H]``; returns float32, or D's dtype where wider)
+and ``mamba_selective_scan`` (x, dt, z ``[B, D, T]``, A ``[D, N]``, B, C ``[B, N, T]``, D, delta_bias ``[D]``;
+returns x's dtype promoted with D's and z's), each from a zero state and without its final state. GDN's:
 
 Assumes: ``impl`` names (``"module.attr"``) a function with the signature and return of transformers'
 ``torch_chunk_gated_delta_rule`` (q, k ``[B, T, Hk, Dk]``, v ``[B, T, Hv, Dv]``, g and beta ``[B, T, Hv]``;
@@ -32,7 +32,9 @@ from typing import Optional
 import torch
 
 __all__ = ["gated_delta_rule", "gated_delta_rule_fwd", "gated_delta_rule_bwd", "mamba2_chunk_scan",
-           "mamba2_chunk_scan_fwd", "mamba2_chunk_scan_bwd", "mamba2_out_dtype", "resolve_impl"]
+           "mamba2_chunk_scan_fwd", "mamba2_chunk_scan_bwd", "mamba2_out_dtype", "mamba_selective_scan",
+           "mamba_selective_scan_fwd", "mamba_selective_scan_bwd", "mamba1_out_dtype", "resolve_impl",
+           "vjp_with_optional"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,6 +42,23 @@ def resolve_impl(impl: str):
     """The function ``impl`` (``"package.module.attr"``) names, unwrapped (``inspect.unwrap``)."""
     module, _, name = impl.rpartition(".")
     return inspect.unwrap(getattr(importlib.import_module(module), name))
+
+
+def vjp_with_optional(run, tensors, grad_out) -> tuple:
+    """The gradients of ``run(*tensors)`` (a None entry passed as None) for each tensor, an empty tensor for a
+    None one: the backward ops' return, whose schema has no optional tensors in a tuple. Contiguous."""
+    present = [i for i, t in enumerate(tensors) if t is not None]
+
+    def call(*xs):
+        full = list(tensors)
+        for i, x in zip(present, xs):
+            full[i] = x
+        return run(*full)
+
+    _, pullback = torch.func.vjp(call, *(tensors[i] for i in present))
+    grads = dict(zip(present, (gr.contiguous() for gr in pullback(grad_out))))
+    like = next(t for t in tensors if t is not None)
+    return tuple(grads[i] if i in grads else like.new_empty(0) for i in range(len(tensors)))
 
 
 def _shapes(q, k, v):
@@ -166,17 +185,10 @@ def mamba2_chunk_scan_bwd(
     dt_min: float, dt_max: float, impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of x, dt, A, B, C, D and dt_bias (empty for an absent one): the function's autograd."""
-    optional = [t for t in (D, dt_bias) if t is not None]
+    def run(*ts):
+        return _mamba2_call(impl, *ts, chunk_size, dt_softplus, dt_min, dt_max)
 
-    def run(x, dt, A, B, C, *opt):
-        it = iter(opt)
-        d, bias = (next(it) if t is not None else None for t in (D, dt_bias))
-        return _mamba2_call(impl, x, dt, A, B, C, d, bias, chunk_size, dt_softplus, dt_min, dt_max)
-
-    _, pullback = torch.func.vjp(run, x, dt, A, B, C, *optional)
-    grads = iter(gr.contiguous() for gr in pullback(grad_out))
-    head = [next(grads) for _ in range(5)]
-    return (*head, *(next(grads) if t is not None else x.new_empty(0) for t in (D, dt_bias)))
+    return vjp_with_optional(run, (x, dt, A, B, C, D, dt_bias), grad_out)
 
 
 @mamba2_chunk_scan_bwd.register_fake
@@ -204,3 +216,73 @@ def mamba2_chunk_scan(x, dt, A, B, C, *, impl: str, chunk_size: int, D=None, dt_
     """The differentiable op: the output ``impl`` returns from a zero state, without its final state."""
     return mamba2_chunk_scan_fwd(x, dt, A, B, C, D, dt_bias, int(chunk_size), bool(dt_softplus),
                                  float(dt_limit[0]), float(dt_limit[1]), impl)
+
+
+def mamba1_out_dtype(x: torch.Tensor, D: Optional[torch.Tensor], z: Optional[torch.Tensor]) -> torch.dtype:
+    """The dtype transformers' ``mamba_selective_scan`` returns (``kernels.recurrent.mamba1``)."""
+    from ..kernels.recurrent.mamba1 import mamba1_out_dtype as out_dtype
+
+    return out_dtype(x.dtype, D, z)
+
+
+def _mamba1_call(impl, x, dt, A, B, C, D, z, delta_bias, delta_softplus, use_mambapy, use_associative_scan):
+    return resolve_impl(impl)(x, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                              use_mambapy=use_mambapy, use_associative_scan=use_associative_scan)
+
+
+@torch.library.custom_op("dualkv::mamba_selective_scan", mutates_args=())
+def mamba_selective_scan_fwd(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
+    delta_softplus: bool, use_mambapy: bool, use_associative_scan: bool, impl: str,
+) -> torch.Tensor:
+    out = _mamba1_call(impl, x, dt, A, B, C, D, z, delta_bias, delta_softplus, use_mambapy, use_associative_scan)
+    if not isinstance(out, torch.Tensor):
+        raise RuntimeError(f"dualkv::mamba_selective_scan: {impl} returned {type(out).__name__}, expected a tensor")
+    return _checked(out, x.shape, mamba1_out_dtype(x, D, z), "an output", impl)
+
+
+@mamba_selective_scan_fwd.register_fake
+def _(x, dt, A, B, C, D, z, delta_bias, delta_softplus, use_mambapy, use_associative_scan, impl):
+    return x.new_empty(x.shape, dtype=mamba1_out_dtype(x, D, z))
+
+
+@torch.library.custom_op("dualkv::mamba_selective_scan_bwd", mutates_args=())
+def mamba_selective_scan_bwd(
+    grad_out: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
+    delta_softplus: bool, use_mambapy: bool, use_associative_scan: bool, impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """The gradients of x, dt, A, B, C, D, z and delta_bias (empty for an absent one): the function's autograd."""
+    def run(*ts):
+        return _mamba1_call(impl, *ts, delta_softplus, use_mambapy, use_associative_scan)
+
+    return vjp_with_optional(run, (x, dt, A, B, C, D, z, delta_bias), grad_out)
+
+
+@mamba_selective_scan_bwd.register_fake
+def _(grad_out, x, dt, A, B, C, D, z, delta_bias, delta_softplus, use_mambapy, use_associative_scan, impl):
+    return tuple(x.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in (x, dt, A, B, C, D, z, delta_bias))
+
+
+def _mamba1_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:8])
+    ctx.args = inputs[8:]
+
+
+def _mamba1_backward(ctx, grad_out):
+    saved = ctx.saved_tensors
+    grads = mamba_selective_scan_bwd(grad_out.contiguous(), *saved, *ctx.args)
+    return tuple(g if t is not None else None for g, t in zip(grads, saved)) + (None,) * 4
+
+
+mamba_selective_scan_fwd.register_autograd(_mamba1_backward, setup_context=_mamba1_setup_context)
+
+
+def mamba_selective_scan(x, dt, A, B, C, *, impl: str, D=None, z=None, delta_bias=None, delta_softplus: bool = False,
+                         use_mambapy: bool = False, use_associative_scan: bool = False):
+    """The differentiable op: the output ``impl`` returns from a zero state, without its last state."""
+    return mamba_selective_scan_fwd(x, dt, A, B, C, D, z, delta_bias, bool(delta_softplus), bool(use_mambapy),
+                                    bool(use_associative_scan), impl)

@@ -7,7 +7,8 @@ Contract
     (``prev_index``), ``dualkv::forest_gated_delta_rule`` scanning each segment from its parent's final state (the
     chunk size the layer's op was given, its q/k normalisation), returned as the ``(output, empty state)`` pair
     the original op returns; ``dualkv::forest_mamba2_scan`` likewise for a ``dualkv::mamba2_chunk_scan`` (its
-    chunk size, dt transform and limits). Never the op itself on the packed stream: that would run every sequence of the
+    chunk size, dt transform and limits), ``dualkv::forest_selective_scan`` for a ``dualkv::mamba_selective_scan``.
+    Never the op itself on the packed stream: that would run every sequence of the
     stream as one.
 """
 
@@ -16,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..analysis.recurrent_rules import GATED_DELTA, MAMBA2
+from ..analysis.recurrent_rules import GATED_DELTA, MAMBA1, MAMBA2
 from ..ops.forest_recurrent import causal_conv1d, forest_causal_conv1d
-from ..ops.forest_recurrent import forest_gated_delta_rule, forest_mamba2_scan  # noqa: F401  (registers the ops)
+from ..ops.forest_recurrent import forest_gated_delta_rule, forest_mamba2_scan, forest_selective_scan  # noqa: F401
 
 __all__ = ["emit_recurrent"]
 
@@ -45,6 +46,12 @@ def emit_recurrent(packer, n: fx.Node) -> fx.Node:
         segs = tuple(i[f] for f in ("seg_start", "seg_len", "parent", "prefix_len", "subtree_end"))
         return g.call_function(torch.ops.dualkv.forest_mamba2_scan.default,
                                operands + segs + (int(chunk) if chunk else 0, bool(softplus), float(lo), float(hi)),
+                               name=n.name + "_packed")
+    if n.target is MAMBA1:
+        x, dt, A, B, C, D, z, delta_bias, softplus, _mambapy, _assoc, _impl = n.args
+        operands = tuple(None if a is None else packer.packed_of(a) for a in (x, dt, A, B, C, D, z, delta_bias))
+        segs = tuple(i[f] for f in ("seg_start", "seg_len", "parent", "prefix_len", "subtree_end"))
+        return g.call_function(torch.ops.dualkv.forest_selective_scan.default, operands + segs + (bool(softplus),),
                                name=n.name + "_packed")
     raise AssertionError(f"{n.name}: {n.target} has no packed form here")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from dualkv_compile.analysis.recurrent_rules import GATED_DELTA, MAMBA2
+from dualkv_compile.analysis.recurrent_rules import GATED_DELTA, MAMBA1, MAMBA2
 from dualkv_compile.ops.forest_recurrent import causal_conv1d
 
 from .rule_rows import B, D, NONE, S, TOKEN, In, X, X0, X1, X2, X3, X4, fails, fn, out
@@ -14,6 +14,7 @@ from .rule_rows import B, D, NONE, S, TOKEN, In, X, X0, X1, X2, X3, X4, fails, f
 C, K, H = 6, 3, 2
 IMPL = "transformers.models.qwen3_next.modeling_qwen3_next.torch_chunk_gated_delta_rule"
 MAMBA2_IMPL = "transformers.models.mamba2.modeling_mamba2.mamba2_chunk_scan"
+MAMBA1_IMPL = "transformers.models.mamba.modeling_mamba.mamba_selective_scan"
 
 
 
@@ -85,4 +86,40 @@ MAMBA2_ROWS = [
     ("next-token-dt", _scan(X0, X1, X2, X3, X4, None, None),
      [ssm_heads, In((B, S, H), "b s -", TOKEN, shift=1), per_head, ssm_groups, ssm_groups],
      fails("the Mamba-2 scan's dt laid out")),
+]
+
+
+def other_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                         return_last_state=False, use_mambapy=False, use_associative_scan=False):
+    """A selective scan the forest reference does not know."""
+    return hidden_states * dt
+
+
+channels = In((B, C, S), "b - s", TOKEN)
+s6_state = In((B, D, S), "b - s", TOKEN)
+s6_A = In((C, D), value=-torch.rand(C, D) - 0.5)
+
+
+def _s6(*operands, impl=MAMBA1_IMPL):
+    """``dualkv::mamba_selective_scan`` on x, dt, A, B, C, D, z, delta_bias (``X0``...), softplus."""
+    return fn(MAMBA1, *operands, True, False, False, impl)
+
+
+MAMBA1_ROWS = [
+    ("keeps-token-axes", _s6(X0, X1, X2, X3, X4, X(5), X(6), X(7)),
+     [channels, channels, s6_A, s6_state, s6_state, In((C,)), channels, In((C,))], out("b - s", TOKEN)),
+    ("no-D-z-bias", _s6(X0, X1, X2, X3, X4, None, None, None),
+     [channels, channels, s6_A, s6_state, s6_state], out("b - s", TOKEN)),
+    ("other-impl", _s6(X0, X1, X2, X3, X4, None, None, None, impl=f"{__name__}.other_selective_scan"),
+     [channels, channels, s6_A, s6_state, s6_state], fails("no forest form")),
+    ("token-A", _s6(X0, X1, X2, X3, X4, None, None, None),
+     [channels, channels, In((C, D), "- -", TOKEN, value=-torch.rand(C, D)), s6_state, s6_state],
+     fails("A varies with the tokens")),
+    ("next-token-inputs", _s6(X0, X1, X2, X3, X4, None, None, None),
+     [In((B, C, S - 1), "b - s", TOKEN, shift=1), In((B, C, S - 1), "b - s", TOKEN, shift=1), s6_A,
+      In((B, D, S - 1), "b - s", TOKEN, shift=1), In((B, D, S - 1), "b - s", TOKEN, shift=1)],
+     fails("the Mamba selective scan's x laid out")),
+    ("constant-z", _s6(X0, X1, X2, X3, X4, None, X(5), None),
+     [channels, channels, s6_A, s6_state, s6_state, In((B, C, S), "- - -", NONE)],
+     fails("the Mamba selective scan's z laid out")),
 ]

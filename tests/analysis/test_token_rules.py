@@ -22,7 +22,7 @@ from dualkv_compile.analysis.token_axes import analyze_token_axes
 from dualkv_compile.analysis.token_inputs import Role, TokenInput, TokenInputs
 from dualkv_compile.analysis.rule_registry import REFINEMENTS, RULES, refine_rule, rule_for
 
-from .rows_recurrent_rules import CAUSAL_CONV, GATED_DELTA_ROWS, MAMBA2_ROWS
+from .rows_recurrent_rules import CAUSAL_CONV, GATED_DELTA_ROWS, MAMBA1_ROWS, MAMBA2_ROWS
 from .rows_shape_rules import CAT, COMPLEX, GETITEM, MOVE, SIZE, SLICE_SCATTER, SPLIT, STACK, VIEW
 from .rows_token_rules import (
     COUPLING, CUMULATIVE, DROPOUT, EMBEDDING, LIKE, LINEAR, MATMUL, MIN_MAX, NEW_LIKE, NORMS, REDUCTIONS, SCATTER, SOFTMAX,
@@ -58,6 +58,7 @@ TABLES = {
     "causal_conv": CAUSAL_CONV,
     "gated_delta": GATED_DELTA_ROWS,
     "mamba2": MAMBA2_ROWS,
+    "mamba1": MAMBA1_ROWS,
 }
 
 

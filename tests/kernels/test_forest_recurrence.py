@@ -18,16 +18,17 @@ import torch
 import torch.nn.functional as F
 
 from dualkv_compile.kernels.recurrent import (
-    forest_causal_conv1d, forest_gated_delta_rule, forest_levels, forest_mamba2_scan,
+    forest_causal_conv1d, forest_gated_delta_rule, forest_levels, forest_mamba2_scan, forest_selective_scan,
 )
 from dualkv_compile.layout import tree_segments
 from segments import small_forest  # tests/kernels is on sys.path
 
 try:
+    from transformers.models.mamba import modeling_mamba as hf_mamba
     from transformers.models.mamba2 import modeling_mamba2 as hf_mamba2
     from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3_next
 except ImportError:  # the float64 loops still run
-    hf_mamba2 = hf_qwen3_next = None
+    hf_mamba = hf_mamba2 = hf_qwen3_next = None
 
 # (seg_len, parent): one root; two roots, a one-token child; depth 3 with a chain 2 -> 1 -> 1 shorter than K-1 = 3;
 # then random forests (depth 2 and 3, up to 3 roots, nodes of 1-9 tokens, one-token nodes among them).
@@ -230,6 +231,51 @@ def test_the_float64_ssd_loop_is_transformers_math():
     ts = ssd_inputs(11, torch.float64, seed=5)
     for a, b in zip(ssd_loop(*ts), ssd_hf()(*(t.float() for t in ts))):
         close(b, a, 1e-5, "loop vs transformers")
+
+
+# --- the Mamba (v1) selective scan ------------------------------------------------------------------------------
+
+def s6_inputs(T, dtype, seed, channels=5, state=3):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    x, dt, z, B, C = r(1, channels, T), r(1, channels, T), r(1, channels, T), r(1, state, T), r(1, state, T)
+    A = -torch.rand(channels, state, generator=gen, dtype=torch.float64) - 0.5
+    return [t.to(dtype) for t in (x, dt, z, B, C, A, r(channels), r(channels) * 0.5)]
+
+
+def s6_loop(x, dt, z, B, C, A, D, bias):
+    """float64, one sequence, token by token from the definition (softplus on dt + bias, silu(z) gate)."""
+    dt = F.softplus(dt[0] + bias[:, None])
+    state = x.new_zeros(A.shape)
+    ys = []
+    for t in range(x.shape[2]):
+        state = (dt[:, t, None] * A).exp() * state + dt[:, t, None] * x[0, :, t, None] * B[0, None, :, t]
+        ys.append((state @ C[0, :, t] + D * x[0, :, t]) * F.silu(z[0, :, t]))
+    return torch.stack(ys, dim=-1)[None], state[None]
+
+
+def s6_packed(segs, x, dt, z, B, C, A, D, bias):
+    return forest_selective_scan(x, dt, A, B, C, segs, D=D, z=z, delta_bias=bias, delta_softplus=True), None
+
+
+def s6_hf():
+    fn = hf(hf_mamba, "mamba_selective_scan")
+    return lambda x, dt, z, B, C, A, D, bias: (fn(x, dt, A, B, C, D=D, z=z, delta_bias=bias, delta_softplus=True),
+                                                None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("forest", range(len(FORESTS)))
+def test_mamba1_scan_matches_each_sequence(forest, dtype):
+    lens, parents = FORESTS[forest]
+    ref = s6_loop if dtype == torch.float64 else s6_hf()
+    tensors = s6_inputs(sum(lens), dtype, seed=forest)
+    check(lens, parents, tensors, s6_packed, ref, on_tokens(2, 5), 2, TOL[dtype], seed=forest)
+
+
+def test_the_float64_s6_loop_is_transformers_math():
+    ts = s6_inputs(11, torch.float64, seed=5)
+    close(s6_hf()(*(t.float() for t in ts))[0], s6_loop(*ts)[0], 1e-5, "loop vs transformers")
 
 
 # --- the schedule -----------------------------------------------------------------------------------------------

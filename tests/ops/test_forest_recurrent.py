@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from dualkv_compile.kernels.recurrent import forest_causal_conv1d as ref_conv, forest_gated_delta_rule as ref_gdn
-from dualkv_compile.kernels.recurrent import forest_mamba2_scan as ref_mamba2
+from dualkv_compile.kernels.recurrent import forest_mamba2_scan as ref_mamba2, forest_selective_scan as ref_mamba1
 from dualkv_compile.layout.segments import previous_token_index
 from dualkv_compile.ops.forest_recurrent import forest_causal_conv1d, forest_gated_delta_rule, forest_mamba2_scan
+from dualkv_compile.ops.forest_recurrent import forest_selective_scan
 from ..kernels.segments import forest_segments, small_forest
 
 FORESTS = [([5], [-1]), ([2, 1, 1, 5, 3], [-1, 0, 1, 1, 0])] + [small_forest(seed, 40, 9) for seed in (1, 4, 7)]
@@ -113,3 +114,38 @@ def test_mamba2_op_registrations(with_d):
     segs, T = forest_segments(*FORESTS[1])
     xs = [t if t is None else t.detach().float().requires_grad_() for t in _mamba2_inputs(T, seed=0, with_d=with_d)]
     torch.library.opcheck(forest_mamba2_scan, (*xs, *_segs_args(segs), 4, True, 0.0, float("inf")))
+
+
+def _mamba1_inputs(T, seed, dtype=torch.float64, Dc=5, N=3, full=True):
+    g = torch.Generator().manual_seed(seed)
+    x, dt = (torch.randn(1, Dc, T, generator=g, dtype=dtype) for _ in range(2))
+    A = -torch.rand(Dc, N, generator=g, dtype=dtype) - 0.5
+    B, C = (torch.randn(1, N, T, generator=g, dtype=dtype) for _ in range(2))
+    D = torch.randn(Dc, generator=g, dtype=dtype) if full else None
+    z = torch.randn(1, Dc, T, generator=g, dtype=dtype) if full else None
+    bias = torch.randn(Dc, generator=g, dtype=dtype) if full else None
+    return [t if t is None else t.requires_grad_() for t in (x, dt, A, B, C, D, z, bias)]
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["D_z_bias", "neither"])
+@pytest.mark.parametrize("forest", FORESTS, ids=lambda f: f"{len(f[0])}nodes")
+def test_mamba1_op_is_the_reference_and_its_autograd(forest, full):
+    segs, T = forest_segments(*forest)
+    xs = _mamba1_inputs(T, seed=len(forest[0]), full=full)
+    x, dt, A, B, C, D, z, bias = xs
+    out = forest_selective_scan(*xs, *_segs_args(segs), True)
+    want = ref_mamba1(x, dt, A, B, C, segs, D=D, z=z, delta_bias=bias, delta_softplus=True)
+    assert out.dtype == torch.float64 and out.is_contiguous()
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    leaves = [t for t in xs if t is not None]
+    for a, b in zip(torch.autograd.grad((out * w).sum(), leaves), torch.autograd.grad((want * w).sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["D_z_bias", "neither"])
+def test_mamba1_op_registrations(full):
+    """torch.library.opcheck: schema, fake implementation, autograd, AOT dispatch."""
+    segs, T = forest_segments(*FORESTS[1])
+    xs = [t if t is None else t.detach().float().requires_grad_() for t in _mamba1_inputs(T, seed=0, full=full)]
+    torch.library.opcheck(forest_selective_scan, (*xs, *_segs_args(segs), True))
