@@ -460,6 +460,7 @@ def test_model_variants_tiny_presets_pack_and_agree_on_cpu(tmp_path):
     assert dup == packed
 
 
+@pytest.mark.slow  # the suite's time; `make test-slow` runs it
 def test_model_variants_flex_block_masks_are_the_padded_models_masks():
     """The gpt-oss flex baseline's BlockMasks (document, causal, window from ``cu_seqlens``) give the row the padded
     batch's loss, where transformers' own masks on the row (GptOssModel builds them without position ids) mix the

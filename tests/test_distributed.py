@@ -126,6 +126,12 @@ def _ddp_and_fsdp_worker(rank):
     _check_parity(rank, _ddp, expect_packed=True)
     # FSDP2 on the root: the whole forward is one graph, packed; gradients are reduce-scattered shards.
     _check_parity(rank, _fsdp, expect_packed=True)
+    # FSDP2 per layer: its hooks run outside Dynamo, a graph break around every layer; no graph but the loss's
+    # holds the token ids, so the layer graphs pack on a layout detected from their inputs and carried.
+    _check_parity(rank, functools.partial(_fsdp, per_layer=True), expect_packed=True, per_layer=True)
+
+
+def _split_ddp_worker(rank):
     # DDP with several buckets: Dynamo's DDP optimizer splits the graph, the pieces lack input_ids. Exact; pieces
     # that a layout can be carried to run packed, and a refused piece's reason names the fix.
     dist._DEFAULT_FIRST_BUCKET_BYTES = 1024
@@ -133,9 +139,6 @@ def _ddp_and_fsdp_worker(rank):
     _check_parity(rank, split_ddp, expect_packed=None, expect_reason="optimize_ddp = False")
     with torch._dynamo.config.patch(optimize_ddp=False):
         _check_parity(rank, split_ddp, expect_packed=True)
-    # FSDP2 per layer: its hooks run outside Dynamo, a graph break around every layer; no graph but the loss's
-    # holds the token ids, so the layer graphs pack on a layout detected from their inputs and carried.
-    _check_parity(rank, functools.partial(_fsdp, per_layer=True), expect_packed=True, per_layer=True)
 
 
 def _fsdp_bf16_worker(rank):
@@ -155,6 +158,12 @@ def test_ddp_and_fsdp2_parity():
     and the lm_head's run packed, on a layout carried from graph to graph.
     """
     _spawn(_ddp_and_fsdp_worker)
+
+
+@pytest.mark.slow  # the suite's time; `make test-slow` runs it
+def test_ddp_split_by_buckets_parity():
+    """DDP with several buckets (Dynamo's DDP optimizer splits the graph): exact, packed once optimize_ddp is off."""
+    _spawn(_split_ddp_worker)
 
 
 @pytest.mark.slow  # the suite's time budget; `make test-slow` runs it

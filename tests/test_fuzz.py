@@ -217,5 +217,5 @@ def test_fuzz_exact_1000(data, one_thread):
 
 def test_fuzz_packs_a_fair_share():
     """The fuzz above is not vacuous: a fair share of its examples ran packed (runs after it, in file order)."""
-    assert _ran["examples"] >= 14
+    assert _ran["examples"] >= 6
     assert _ran["packed"] >= _ran["examples"] // 4, _ran

@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dualkv_compile
 from dualkv_compile.analysis.recurrent_math import math_agrees
-from dualkv_compile.analysis.recurrent_rules import GATED_DELTA_IMPLS, MAMBA1_IMPLS, MAMBA2_IMPLS
+from dualkv_compile.analysis.recurrent_rules import GATED_DELTA_IMPLS, KDA_IMPLS, MAMBA1_IMPLS, MAMBA2_IMPLS
 from dualkv_compile.ops.recurrent import gated_delta_rule, gated_delta_rule_fwd, mamba2_chunk_scan_fwd
 from dualkv_compile.ops.recurrent import mamba2_chunk_scan as mamba2_op, mamba_selective_scan, mamba_selective_scan_fwd
 from tests.family_sweep import PACKED, REFUSED, batch_kwargs, run_family, tiny_model
@@ -180,7 +180,7 @@ def test_each_named_impl_is_one_source(impls):
 
 
 def test_the_math_probe_accepts_the_fallbacks_and_refuses_other_math():
-    assert all(math_agrees(impl) for impl in sorted(GATED_DELTA_IMPLS | MAMBA2_IMPLS | MAMBA1_IMPLS))
+    assert all(math_agrees(impl) for impl in sorted(GATED_DELTA_IMPLS | KDA_IMPLS | MAMBA2_IMPLS | MAMBA1_IMPLS))
     # Same signature and name as a Mamba-2 scan, other math: refused by the probe, not by the name.
     assert not math_agrees(f"{__name__}.mamba2_chunk_scan")
     assert not math_agrees("transformers.models.mamba2.modeling_mamba2.no_such_function")
@@ -284,11 +284,21 @@ def test_hf_mamba2_call_with_packed_sequences_raises_as_the_wrapper_does():
         torch.compile(scan, backend="aot_eager", fullgraph=True)(*xs, torch.zeros(2, 10, dtype=torch.int32))
 
 
+def test_hf_kda_layer_compiles_as_one_op():
+    """Kimi-linear's KDA goes through the GDN op (the same signature and contract), its gate per key channel."""
+    model = tiny_model("kimi_linear")
+    kwargs, _ = batch_kwargs(model)
+    gm = capture(model, **kwargs)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == "dualkv.gated_delta_rule.default"]
+    assert len(calls) == sum(t == "linear_attention" for t in model.config.layer_types) >= 1
+    assert all(c.args[-1] in KDA_IMPLS and c.args[3].meta["example_value"].dim() == 4 for c in calls)
+
+
 # Packed: the forest takes every layer (Qwen3.5 once its rotary's setitems are out of place: normalize.functionalize).
-EXPECTED = {"qwen3_next": PACKED, "olmo_hybrid": PACKED, "qwen3_5_text": PACKED, "qwen3_5_moe_text": PACKED,
-            "mamba2": PACKED, "nemotron_h": PACKED, "mamba": PACKED}
+EXPECTED = {"qwen3_next": PACKED, "qwen3_5_text": PACKED, "qwen3_5_moe_text": PACKED, "kimi_linear": PACKED,
+            "nemotron_h": PACKED, "mamba": PACKED}
 # The same scan in more families: make test-slow.
-EXPECTED_SLOW = {"falcon_h1": PACKED, "bamba": PACKED, "granitemoehybrid": PACKED, "zamba2": PACKED,
+EXPECTED_SLOW = {"olmo_hybrid": PACKED, "mamba2": PACKED, "falcon_h1": PACKED, "bamba": PACKED, "granitemoehybrid": PACKED, "zamba2": PACKED,
                  "falcon_mamba": PACKED, "jamba": PACKED}
 
 

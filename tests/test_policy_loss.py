@@ -18,7 +18,9 @@ from tests.helpers import (
 )
 
 
-@pytest.mark.parametrize("loss_fn", LOSSES + [with_verl_entropy], ids=lambda f: f.__name__)
+# Two forms in `make test` (the suite's time), every one in `make test-slow`.
+@pytest.mark.parametrize("loss_fn", [grpo_token_mean, with_verl_entropy] + [
+    pytest.param(f, marks=pytest.mark.slow) for f in LOSSES if f is not grpo_token_mean], ids=lambda f: f.__name__)
 def test_parity_with_undecorated_loss(loss_fn):
     torch._dynamo.reset()
     model = hf_model("qwen3", "sdpa", layers=2)

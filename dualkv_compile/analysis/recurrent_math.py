@@ -41,14 +41,14 @@ def _paths() -> list[list[int]]:
     return paths
 
 
-def _gated_delta_probe(impl_fn):
+def _gated_delta_probe(impl_fn, per_channel: bool = False):
     from ..kernels.recurrent import forest_gated_delta_rule
 
     g = torch.Generator().manual_seed(0)
-    T, Hk, Hv, D = sum(_LENS), 1, 2, 4
+    T, Hk, Hv, D = sum(_LENS), (2 if per_channel else 1), 2, 4  # KDA has no grouped heads
     q, k = (torch.randn(1, T, Hk, D, generator=g) for _ in range(2))
     v = torch.randn(1, T, Hv, D, generator=g)
-    decay = -F.softplus(torch.randn(1, T, Hv, generator=g))
+    decay = -F.softplus(torch.randn(1, T, Hv, *((D,) if per_channel else ()), generator=g))
     beta = torch.rand(1, T, Hv, generator=g)
     segs = tree_segments(_LENS, _PARENTS)
     packed = forest_gated_delta_rule(q, k, v, decay, beta, segs, use_qk_l2norm=True, chunk_size=4)
@@ -102,6 +102,7 @@ def _mamba1_probe(impl_fn):
 
 
 _PROBES = {"torch_chunk_gated_delta_rule": _gated_delta_probe, "mamba2_chunk_scan": _mamba2_probe,
+           "chunk_kimi_delta_attention": functools.partial(_gated_delta_probe, per_channel=True),
            "mamba_selective_scan": _mamba1_probe}
 
 

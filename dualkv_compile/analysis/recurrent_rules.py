@@ -9,7 +9,7 @@ it has in each root-to-leaf sequence through it. Registered here (``rule_registr
 * ``dualkv::gated_delta_rule`` (``ops.recurrent``, transformers' GDN fallback as one op): q, k, v
   ``[B, T, H, D]``, g and beta ``[B, T, H]``, from a zero state and returning no final state (training; a
   cached state is generation's: computed in the original layout), its ``impl`` one whose math the forest
-  reference is (``GATED_DELTA_IMPLS``): the output keeps the token axes;
+  reference is (``GATED_DELTA_IMPLS``; ``KDA_IMPLS`` with g ``[B, T, H, Dk]``): the output keeps the token axes;
 * ``dualkv::mamba2_chunk_scan`` (``ops.recurrent``, transformers' Mamba-2 SSD fallback as one op): x
   ``[B, T, H, P]``, dt ``[B, T, H]``, B and C ``[B, T, G, N]``, A, D and dt_bias constant, from a zero state (the
   op has no other form), its ``impl`` one of ``MAMBA2_IMPLS``: the output keeps the token axes;
@@ -35,7 +35,7 @@ from .node_info import Kind, NodeInfo, RuleFailed
 from .recurrent_math import math_agrees
 from .rule_registry import token_rule
 
-__all__ = ["GATED_DELTA", "GATED_DELTA_IMPLS", "MAMBA1", "MAMBA1_IMPLS", "MAMBA2", "MAMBA2_IMPLS", "RECURRENT_TARGETS", "recurrent_kind"]
+__all__ = ["GATED_DELTA", "GATED_DELTA_IMPLS", "KDA_IMPLS", "MAMBA1", "MAMBA1_IMPLS", "MAMBA2", "MAMBA2_IMPLS", "RECURRENT_TARGETS", "recurrent_kind"]
 
 GATED_DELTA = torch.ops.dualkv.gated_delta_rule.default
 # transformers' torch fallbacks whose math is kernels.recurrent.gated_delta's (tests/kernels/test_forest_recurrence
@@ -44,6 +44,8 @@ GATED_DELTA_IMPLS = frozenset(
     f"transformers.models.{m}.modeling_{m}.torch_chunk_gated_delta_rule"
     for m in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
 )
+# Kimi's delta attention: the gated delta rule with a decay per key channel (g [B, T, H, Dk]), the same op.
+KDA_IMPLS = frozenset({"transformers.models.kimi_linear.modeling_kimi_linear.chunk_kimi_delta_attention"})
 MAMBA2 = torch.ops.dualkv.mamba2_chunk_scan.default
 # transformers' Mamba-2 torch paths: one function, copied into each family's module (kernels.recurrent.mamba2).
 MAMBA2_IMPLS = frozenset(
@@ -84,14 +86,14 @@ def _gated_delta(node, info, B, S) -> NodeInfo:
     q, k, v, g, beta, initial_state, _chunk, output_final_state, _l2norm, impl = node.args
     if initial_state is not None or output_final_state:
         raise RuleFailed("a gated delta rule with a cached state (generation)")
-    if impl not in GATED_DELTA_IMPLS:
+    if impl not in GATED_DELTA_IMPLS | KDA_IMPLS:
         raise RuleFailed(f"a gated delta rule of {impl}: no forest form of its math")
     if not math_agrees(impl):
         raise RuleFailed(f"{impl} no longer computes what the forest form does (analysis.recurrent_math)")
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         _token(info[x], ("b", "s", None, None), f"the gated delta rule's {name}")
-    for x, name in ((g, "g"), (beta, "beta")):
-        _token(info[x], ("b", "s", None), f"the gated delta rule's {name}")
+    _token(info[g], ("b", "s", None, None) if impl in KDA_IMPLS else ("b", "s", None), "the gated delta rule's g")
+    _token(info[beta], ("b", "s", None), "the gated delta rule's beta")
     for user in node.users:
         if not (user.op == "call_function" and user.target is operator.getitem and user.args[1] == 0):
             raise RuleFailed("the gated delta rule's final state is read")

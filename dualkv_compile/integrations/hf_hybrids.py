@@ -1,8 +1,8 @@
 """Hugging Face hybrids' recurrent cores as opaque ops: the gated delta rule (Qwen3-Next, Qwen3.5 dense and MoE,
-OLMo-hybrid), the Mamba-2 SSD scan (Mamba-2, Nemotron-H, Falcon-H1, Bamba, Zamba2, GraniteMoeHybrid) and the
+OLMo-hybrid; Kimi-linear's KDA), the Mamba-2 SSD scan (Mamba-2, Nemotron-H, Falcon-H1, Bamba, Zamba2, GraniteMoeHybrid) and the
 Mamba (v1) selective scan (Mamba, Falcon-Mamba, Jamba).
 
-Assumes: a modeling module whose layer calls its ``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan`` or
+Assumes: a modeling module whose layer calls its ``torch_chunk_gated_delta_rule`` (``chunk_kimi_delta_attention``), ``mamba2_chunk_scan`` or
 ``mamba_selective_scan``: the hub wrapper (``use_kernel_func_from_hub_with_fallback``) around the torch fallback,
 running the fallback itself (fla / mamba-ssm not installed; one that runs another is left alone).
 
@@ -118,7 +118,8 @@ def _mamba1_polyfill(fallback, impl: str):
 
 
 # The functions routed to an op, each with the polyfill that routes it.
-_POLYFILLS = {"torch_chunk_gated_delta_rule": _gdn_polyfill, "mamba2_chunk_scan": _mamba2_polyfill,
+_POLYFILLS = {"torch_chunk_gated_delta_rule": _gdn_polyfill, "chunk_kimi_delta_attention": _gdn_polyfill,
+              "mamba2_chunk_scan": _mamba2_polyfill,
               "mamba_selective_scan": _mamba1_polyfill}
 
 

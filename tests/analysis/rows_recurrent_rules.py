@@ -14,6 +14,7 @@ from .rule_rows import B, D, NONE, S, TOKEN, In, X, X0, X1, X2, X3, X4, fails, f
 C, K, H = 6, 3, 2
 IMPL = "transformers.models.qwen3_next.modeling_qwen3_next.torch_chunk_gated_delta_rule"
 MAMBA2_IMPL = "transformers.models.mamba2.modeling_mamba2.mamba2_chunk_scan"
+KDA_IMPL = "transformers.models.kimi_linear.modeling_kimi_linear.chunk_kimi_delta_attention"
 MAMBA1_IMPL = "transformers.models.mamba.modeling_mamba.mamba_selective_scan"
 
 
@@ -50,6 +51,12 @@ GATED_DELTA_ROWS = [
      [heads, heads, heads, gate, gate, In((B, H, D, D))], fails("cached state")),
     ("other-impl", fn(GATED_DELTA, X0, X1, X2, X3, X4, None, 64, False, True, f"{__name__}.other_gated_delta_rule"),
      [heads, heads, heads, gate, gate], fails("no forest form")),
+    ("kda-channel-gate", fn(GATED_DELTA, X0, X1, X2, X3, X4, None, 64, False, True, KDA_IMPL),
+     [heads, heads, heads, In((B, S, H, D), "b s - -", TOKEN, value=-torch.rand(B, S, H, D)), gate],
+     out("b s - -", TOKEN)),
+    ("kda-constant-gate", fn(GATED_DELTA, X0, X1, X2, X3, X4, None, 64, False, True, KDA_IMPL),
+     [heads, heads, heads, In((B, S, H, D), "- - - -", NONE, value=-torch.rand(B, S, H, D)), gate],
+     fails("the gated delta rule's g laid out")),
     ("constant-values", fn(GATED_DELTA, X0, X1, X2, X3, X4, None, 64, False, True, IMPL),
      [heads, heads, In((B, S, H, D), "- - - -", NONE), gate, gate], fails("the gated delta rule's v laid out")),
 ]

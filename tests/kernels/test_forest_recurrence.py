@@ -24,11 +24,12 @@ from dualkv_compile.layout import tree_segments
 from segments import small_forest  # tests/kernels is on sys.path
 
 try:
+    from transformers.models.kimi_linear import modeling_kimi_linear as hf_kimi
     from transformers.models.mamba import modeling_mamba as hf_mamba
     from transformers.models.mamba2 import modeling_mamba2 as hf_mamba2
     from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3_next
 except ImportError:  # the float64 loops still run
-    hf_mamba = hf_mamba2 = hf_qwen3_next = None
+    hf_kimi = hf_mamba = hf_mamba2 = hf_qwen3_next = None
 
 # (seg_len, parent): one root; two roots, a one-token child; depth 3 with a chain 2 -> 1 -> 1 shorter than K-1 = 3;
 # then random forests (depth 2 and 3, up to 3 roots, nodes of 1-9 tokens, one-token nodes among them).
@@ -230,6 +231,50 @@ def test_mamba2_scan_matches_each_sequence(forest, dtype, chunk_size):
 def test_the_float64_ssd_loop_is_transformers_math():
     ts = ssd_inputs(11, torch.float64, seed=5)
     for a, b in zip(ssd_loop(*ts), ssd_hf()(*(t.float() for t in ts))):
+        close(b, a, 1e-5, "loop vs transformers")
+
+
+# --- Kimi's delta attention (a decay per key channel) ------------------------------------------------------------
+
+def kda_inputs(T, dtype, seed, h=2, dk=4, dv=3):
+    q, k, v, g, beta = gdn_inputs(T, torch.float64, seed, hk=h, hv=h, dk=dk, dv=dv)
+    gen = torch.Generator().manual_seed(seed + 100)
+    g = -F.softplus(torch.randn(1, T, h, dk, generator=gen, dtype=torch.float64)) * 0.5
+    return [t.to(dtype) for t in (q, k, v, g, beta)]
+
+
+def kda_loop(q, k, v, g, beta):
+    """float64, one sequence, token by token: ``S = diag(exp(g_t)) S``, then gdn_loop's delta update."""
+    q, k = (x[0] * torch.rsqrt((x[0] ** 2).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    q = q * q.shape[-1] ** -0.5
+    state = q.new_zeros(v.shape[2], k.shape[-1], v.shape[-1])
+    outs = []
+    for t in range(q.shape[0]):
+        state = state * g[0, t].exp()[:, :, None]
+        err = v[0, t] - torch.einsum("hk,hkv->hv", k[t], state)
+        state = state + beta[0, t][:, None, None] * k[t][:, :, None] * err[:, None, :]
+        outs.append(torch.einsum("hk,hkv->hv", q[t], state))
+    return torch.stack(outs)[None], state[None]
+
+
+def kda_hf():
+    fn = hf(hf_kimi, "chunk_kimi_delta_attention")
+    return lambda *ts: fn(*ts, chunk_size=4, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("forest", range(len(FORESTS)))
+def test_kda_matches_each_sequence(forest, dtype):
+    """The chunk size is ignored for a per-channel decay (token by token): transformers' chunked form agrees."""
+    lens, parents = FORESTS[forest]
+    ref = kda_loop if dtype == torch.float64 else kda_hf()
+    tensors = kda_inputs(sum(lens), dtype, seed=forest)
+    check(lens, parents, tensors, gdn_packed(4), ref, on_tokens(1, 5), 1, TOL[dtype], seed=forest)
+
+
+def test_the_float64_kda_loop_is_transformers_math():
+    ts = kda_inputs(11, torch.float64, seed=5)
+    for a, b in zip(kda_loop(*ts), kda_hf()(*(t.float() for t in ts))):
         close(b, a, 1e-5, "loop vs transformers")
 
 

@@ -67,7 +67,7 @@ def _new_reports(start):
     return dualkv_compile.reports()[start:]
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_hf_gradient_checkpointing_packed_and_exact(one_thread, inner):
     torch._dynamo.reset()
     model = hf_model("qwen3", "sdpa", layers=2)

@@ -149,3 +149,19 @@ def test_mamba1_op_registrations(full):
     segs, T = forest_segments(*FORESTS[1])
     xs = [t if t is None else t.detach().float().requires_grad_() for t in _mamba1_inputs(T, seed=0, full=full)]
     torch.library.opcheck(forest_selective_scan, (*xs, *_segs_args(segs), True))
+
+
+def test_gated_delta_op_with_a_decay_per_key_channel():
+    """Kimi's KDA through the same op: g ``[1, T, H, Dk]``; the reference and its autograd, and opcheck."""
+    segs, T = forest_segments(*FORESTS[2])
+    q, k, v, _, beta = _gdn_inputs(T, seed=3, Hk=4, Hv=4)
+    g = (-torch.rand(1, T, 4, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)).requires_grad_()
+    xs = [q, k, v, g, beta]
+    out = forest_gated_delta_rule(*xs, *_segs_args(segs), 4, True)
+    want = ref_gdn(*xs, segs, use_qk_l2norm=True, chunk_size=4)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), xs), torch.autograd.grad((want * w).sum(), xs)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    torch.library.opcheck(forest_gated_delta_rule, (*(x.detach().float().requires_grad_() for x in xs),
+                                                    *_segs_args(segs), 4, True))

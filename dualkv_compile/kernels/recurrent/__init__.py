@@ -1,7 +1,7 @@
 """Recurrent layers of hybrid models on the packed prefix forest: exact torch references (docs/design.md,
 semantics 16), CPU or any device.
 
-``gated_delta``  ``forest_gated_delta_rule``: GDN linear attention (transformers' Qwen3-Next torch fallback)
+``gated_delta``  ``forest_gated_delta_rule``: GDN linear attention (transformers' Qwen3-Next torch fallback; KDA)
 ``causal_conv``  ``forest_causal_conv1d``: the short depthwise causal convolution before GDN and Mamba mixers
 ``mamba2``       ``forest_mamba2_scan``: the Mamba-2 SSD scan (transformers' ``mamba2_chunk_scan``)
 ``mamba1``       ``forest_selective_scan``: the Mamba (v1) selective scan (transformers' ``mamba_selective_scan``)

@@ -1,4 +1,4 @@
-"""The gated delta rule (GDN linear attention: Qwen3-Next, Qwen3.5, OLMo-hybrid) on the packed prefix forest.
+"""The gated delta rule (GDN linear attention: Qwen3-Next, Qwen3.5, OLMo-hybrid; Kimi's KDA) on the packed forest.
 
 The math is transformers' torch fallback (``models/qwen3_next/modeling_qwen3_next.py``): per head, with state
 ``S [Dk, Dv]``, ``S = exp(g_t) S;  S = S + k_t (beta_t (v_t - k_t^T S))^T;  o_t = (scale q_t)^T S``, q and k
@@ -7,7 +7,9 @@ serves ``Hv // Hk`` consecutive value heads). ``chunk_size=None`` steps token by
 ``torch_recurrent_gated_delta_rule``; an int uses the chunked (UT-transform) form of ``torch_chunk_gated_delta_rule``.
 
 Layout (transformers' ``[B, T, H, D]`` with B = 1, the packed stream): q, k ``[1, T, Hk, Dk]``, v ``[1, T, Hv,
-Dv]``, g (log decay, <= 0 for the chunked form's exps) and beta ``[1, T, Hv]``; ``segs`` the forest
+Dv]``, g (log decay, <= 0 for the chunked form's exps) and beta ``[1, T, Hv]``, or g ``[1, T, Hv, Dk]``: a decay
+per key channel (Kimi's KDA, transformers' ``chunk_kimi_delta_attention``: ``S = diag(exp(g_t)) S``), which
+steps token by token whatever ``chunk_size`` (the same math; only rounding differs); ``segs`` the forest
 (``layout.segments.Segments``). Guarantees: a token's output is the one it has in every root-to-leaf sequence
 through it run alone from a zero state (a segment's scan starts from its parent's final state); autograd gives
 the backward, the children's state gradients summed into their parent's final state. Computed in float32 or the
@@ -57,6 +59,8 @@ def forest_gated_delta_rule(
         qq, kk = l2norm(qq), l2norm(kk)
     qq = qq * (q.shape[-1] ** -0.5 if scale is None else scale)
     inputs = [qq, kk, v[0].to(dtype), g[0].to(dtype), beta[0].to(dtype)]
+    if g.dim() == 4:  # a decay per key channel: the token-by-token form
+        chunk_size = None
     scan = _recurrent_scan if chunk_size is None else functools.partial(_chunk_scan, chunk_size)
     state_shape = (v.shape[2], k.shape[3], v.shape[3])
     out, final = forest_scan(segs, inputs, scan, state_shape, pad_to=chunk_size or 1)
@@ -69,20 +73,24 @@ def _check(q, k, v, g, beta, chunk_size) -> None:
         raise ValueError(f"q and k must both be [1, T, Hk, Dk], got {list(q.shape)} and {list(k.shape)}")
     if v.dim() != 4 or v.shape[:2] != q.shape[:2] or v.shape[2] % q.shape[2]:
         raise ValueError(f"v must be [1, T, Hv, Dv] with Hv a multiple of Hk, got {list(v.shape)} for q {list(q.shape)}")
-    for name, t in (("g", g), ("beta", beta)):
-        if t.shape != v.shape[:3]:
-            raise ValueError(f"{name} must be [1, T, Hv] = {list(v.shape[:3])}, got {list(t.shape)}")
+    if beta.shape != v.shape[:3]:
+        raise ValueError(f"beta must be [1, T, Hv] = {list(v.shape[:3])}, got {list(beta.shape)}")
+    if g.shape != v.shape[:3] and g.shape != v.shape[:3] + k.shape[3:]:
+        raise ValueError(f"g must be [1, T, Hv] = {list(v.shape[:3])} or [1, T, Hv, Dk] = "
+                         f"{list(v.shape[:3] + k.shape[3:])}, got {list(g.shape)}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
 
 
 def _recurrent_scan(inputs, state):
     """One level, token by token (``torch_recurrent_gated_delta_rule``'s loop): inputs ``[n, L, H, ...]``, state
-    ``[n, H, Dk, Dv]``. A zero-filled step (g = beta = 0, k = 0) leaves the state as it is."""
+    ``[n, H, Dk, Dv]``; g ``[n, L, H]`` or ``[n, L, H, Dk]``. A zero-filled step (g = beta = 0, k = 0) leaves the
+    state as it is."""
     q, k, v, g, beta = (x.transpose(1, 2) for x in inputs)
     outs = []
     for i in range(q.shape[2]):
-        state = state * g[:, :, i].exp()[..., None, None]
+        decay = g[:, :, i].exp()
+        state = state * (decay[..., None] if decay.dim() == 3 else decay[..., None, None])
         kv_mem = (state * k[:, :, i].unsqueeze(-1)).sum(dim=-2)
         delta = (v[:, :, i] - kv_mem) * beta[:, :, i].unsqueeze(-1)
         state = state + k[:, :, i].unsqueeze(-1) * delta.unsqueeze(-2)
