@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.fx as fx
 
 __all__ = [
-    "ev", "has_example_value", "set_example_value", "example_value_from_val", "drop_fake_values", "grapharg",
+    "ev", "example_storage", "has_example_value", "set_example_value", "example_value_from_val", "drop_fake_values", "grapharg",
     "unbacked_bindings", "TAGGED_OPS", "recompute_tags", "set_recompute_tags", "mark_recompute", "in_checkpoint_region",
     "mark_cacheable", "heads", "set_heads", "token_sum", "set_token_sum", "original", "set_original", "unpacked_rank",
     "set_unpacked_rank", "picked_rank", "set_picked_rank", "weighted", "set_weighted", "copy_meta",
@@ -38,6 +39,20 @@ _WEIGHTED = "dualkv_weighted"
 def ev(x, default=None):
     """The example value Dynamo recorded on node ``x``; ``default`` for non-nodes and nodes without one."""
     return x.meta.get(_EXAMPLE, default) if isinstance(x, fx.Node) else default
+
+
+def example_storage(n):
+    """A weak reference to the storage of ``n``'s example value (equal for values that alias one buffer); None
+    where it is not a tensor or has no storage (sparse and other storage-less tensors)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    value = ev(n)
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(value.untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def has_example_value(n: fx.Node) -> bool:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..graph import copy_graph_module
-from ..graph.meta import copy_meta, ev as _ev, set_example_value
+from ..graph.meta import copy_meta, ev as _ev, example_storage as _storage, set_example_value
 
 log = logging.getLogger("dualkv_compile")
 
@@ -68,16 +68,6 @@ class Mutation:
     target: fx.Node
     aliases: list[fx.Node]
     why: str
-
-
-def _storage(n) -> Optional[StorageWeakRef]:
-    ev = _ev(n)
-    if not isinstance(ev, torch.Tensor):
-        return None
-    try:
-        return StorageWeakRef(ev.untyped_storage())
-    except (RuntimeError, NotImplementedError):  # sparse or other storage-less tensors
-        return None
 
 
 def _op_name(n: fx.Node) -> str:

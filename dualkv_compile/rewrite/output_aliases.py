@@ -31,7 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..analysis.node_info import Kind
 from ..normalize.functionalize import mutated_input
 from ..graph import Refusal
-from ..graph.meta import ev
+from ..graph.meta import ev, example_storage as _storage
 
 __all__ = ["aliased_outputs"]
 
@@ -78,13 +78,3 @@ def _view_chain(a: fx.Node, axes) -> Optional[list[fx.Node]]:
             break
         chain.append(src)
     return chain if len(chain) > 1 else None
-
-
-def _storage(n: fx.Node) -> Optional[StorageWeakRef]:
-    value = ev(n)
-    if not isinstance(value, torch.Tensor):
-        return None
-    try:
-        return StorageWeakRef(value.untyped_storage())
-    except (RuntimeError, NotImplementedError):  # sparse or other storage-less tensors
-        return None
