@@ -66,6 +66,13 @@ def _token(info: NodeInfo, tags, what: str) -> None:
         raise RuleFailed(f"{what} laid out {info.tags} ({info.kind.value}), expected {tags}")
 
 
+def _known_math(impl: str, impls, what: str) -> None:
+    if impl not in impls:
+        raise RuleFailed(f"{what} of {impl}: no forest form of its math")
+    if not math_agrees(impl):
+        raise RuleFailed(f"{impl} no longer computes what the forest form does (analysis.recurrent_math)")
+
+
 def _constant(info: NodeInfo, what: str) -> None:
     if info.kind is not Kind.NONE:
         raise RuleFailed(f"{what} varies with the tokens")
@@ -86,10 +93,7 @@ def _gated_delta(node, info, B, S) -> NodeInfo:
     q, k, v, g, beta, initial_state, _chunk, output_final_state, _l2norm, impl = node.args
     if initial_state is not None or output_final_state:
         raise RuleFailed("a gated delta rule with a cached state (generation)")
-    if impl not in GATED_DELTA_IMPLS | KDA_IMPLS:
-        raise RuleFailed(f"a gated delta rule of {impl}: no forest form of its math")
-    if not math_agrees(impl):
-        raise RuleFailed(f"{impl} no longer computes what the forest form does (analysis.recurrent_math)")
+    _known_math(impl, GATED_DELTA_IMPLS | KDA_IMPLS, "a gated delta rule")
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         _token(info[x], ("b", "s", None, None), f"the gated delta rule's {name}")
     _token(info[g], ("b", "s", None, None) if impl in KDA_IMPLS else ("b", "s", None), "the gated delta rule's g")
@@ -103,10 +107,7 @@ def _gated_delta(node, info, B, S) -> NodeInfo:
 @token_rule(MAMBA2)
 def _mamba2(node, info, B, S) -> NodeInfo:
     x, dt, A, Bm, Cm, D, dt_bias, _chunk, _softplus, _lo, _hi, impl = node.args
-    if impl not in MAMBA2_IMPLS:
-        raise RuleFailed(f"a Mamba-2 scan of {impl}: no forest form of its math")
-    if not math_agrees(impl):
-        raise RuleFailed(f"{impl} no longer computes what the forest form does (analysis.recurrent_math)")
+    _known_math(impl, MAMBA2_IMPLS, "a Mamba-2 scan")
     for t, name in ((x, "x"), (Bm, "B"), (Cm, "C")):
         _token(info[t], ("b", "s", None, None), f"the Mamba-2 scan's {name}")
     _token(info[dt], ("b", "s", None), "the Mamba-2 scan's dt")
@@ -119,10 +120,7 @@ def _mamba2(node, info, B, S) -> NodeInfo:
 @token_rule(MAMBA1)
 def _mamba1(node, info, B, S) -> NodeInfo:
     x, dt, A, Bm, Cm, D, z, delta_bias, _softplus, _mambapy, _assoc, impl = node.args
-    if impl not in MAMBA1_IMPLS:
-        raise RuleFailed(f"a Mamba selective scan of {impl}: no forest form of its math")
-    if not math_agrees(impl):
-        raise RuleFailed(f"{impl} no longer computes what the forest form does (analysis.recurrent_math)")
+    _known_math(impl, MAMBA1_IMPLS, "a Mamba selective scan")
     for t, name in ((x, "x"), (dt, "dt"), (Bm, "B"), (Cm, "C"), (z, "z")):
         if t is not None:
             _token(info[t], ("b", None, "s"), f"the Mamba selective scan's {name}")

@@ -29,7 +29,7 @@ from ..kernels.recurrent import forest_mamba2_scan as _forest_mamba2
 from ..kernels.recurrent.mamba1 import forest_selective_scan as _forest_mamba1
 from ..kernels.recurrent.causal_conv import causal_conv1d_along_paths
 from ..layout.segments import Segments
-from .recurrent import mamba1_out_dtype, mamba2_out_dtype, vjp_with_optional
+from .recurrent import grads_like, mamba1_out_dtype, mamba2_out_dtype, recompute_autograd, vjp_with_optional
 
 __all__ = ["causal_conv1d", "forest_causal_conv1d", "forest_gated_delta_rule", "forest_mamba2_scan",
            "forest_selective_scan"]
@@ -91,20 +91,10 @@ def forest_gated_delta_rule_bwd(
 
 @forest_gated_delta_rule_bwd.register_fake
 def _(grad_out, q, k, v, g, beta, seg_start, seg_len, parent, prefix_len, subtree_end, chunk_size, use_qk_l2norm):
-    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta))
+    return grads_like((q, k, v, g, beta))
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:10])
-    ctx.args = inputs[10:]
-
-
-def _backward(ctx, grad_out):
-    grads = forest_gated_delta_rule_bwd(grad_out.contiguous(), *ctx.saved_tensors, *ctx.args)
-    return (*grads,) + (None,) * 7
-
-
-forest_gated_delta_rule.register_autograd(_backward, setup_context=_setup_context)
+recompute_autograd(forest_gated_delta_rule, forest_gated_delta_rule_bwd, saved=10, grads=5)
 
 
 def _run_mamba2(x, dt, A, B, C, D, dt_bias, segs, chunk_size: int, dt_softplus: bool, dt_min: float, dt_max: float):
@@ -151,22 +141,10 @@ def forest_mamba2_scan_bwd(
 @forest_mamba2_scan_bwd.register_fake
 def _(grad_out, x, dt, A, B, C, D, dt_bias, seg_start, seg_len, parent, prefix_len, subtree_end, chunk_size,
       dt_softplus, dt_min, dt_max):
-    return tuple(x.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
-                 for t in (x, dt, A, B, C, D, dt_bias))
+    return grads_like((x, dt, A, B, C, D, dt_bias))
 
 
-def _mamba2_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:12])
-    ctx.args = inputs[12:]
-
-
-def _mamba2_backward(ctx, grad_out):
-    x, dt, A, B, C, D, dt_bias, *segs = ctx.saved_tensors
-    *grads, dD, dbias = forest_mamba2_scan_bwd(grad_out.contiguous(), x, dt, A, B, C, D, dt_bias, *segs, *ctx.args)
-    return (*grads, dD if D is not None else None, dbias if dt_bias is not None else None) + (None,) * 9
-
-
-forest_mamba2_scan.register_autograd(_mamba2_backward, setup_context=_mamba2_setup_context)
+recompute_autograd(forest_mamba2_scan, forest_mamba2_scan_bwd, saved=12, grads=7)
 
 
 def _run_mamba1(x, dt, A, B, C, D, z, delta_bias, segs, delta_softplus: bool):
@@ -211,19 +189,7 @@ def forest_selective_scan_bwd(
 @forest_selective_scan_bwd.register_fake
 def _(grad_out, x, dt, A, B, C, D, z, delta_bias, seg_start, seg_len, parent, prefix_len, subtree_end,
       delta_softplus):
-    return tuple(x.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
-                 for t in (x, dt, A, B, C, D, z, delta_bias))
+    return grads_like((x, dt, A, B, C, D, z, delta_bias))
 
 
-def _mamba1_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:13])
-    ctx.args = inputs[13:]
-
-
-def _mamba1_backward(ctx, grad_out):
-    saved = ctx.saved_tensors
-    grads = forest_selective_scan_bwd(grad_out.contiguous(), *saved, *ctx.args)
-    return tuple(g if t is not None else None for g, t in zip(grads, saved[:8])) + (None,) * 6
-
-
-forest_selective_scan.register_autograd(_mamba1_backward, setup_context=_mamba1_setup_context)
+recompute_autograd(forest_selective_scan, forest_selective_scan_bwd, saved=13, grads=8)

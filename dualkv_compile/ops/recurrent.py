@@ -34,7 +34,7 @@ import torch
 __all__ = ["gated_delta_rule", "gated_delta_rule_fwd", "gated_delta_rule_bwd", "mamba2_chunk_scan",
            "mamba2_chunk_scan_fwd", "mamba2_chunk_scan_bwd", "mamba2_out_dtype", "mamba_selective_scan",
            "mamba_selective_scan_fwd", "mamba_selective_scan_bwd", "mamba1_out_dtype", "resolve_impl",
-           "vjp_with_optional"]
+           "vjp_with_optional", "grads_like", "recompute_autograd"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,6 +59,29 @@ def vjp_with_optional(run, tensors, grad_out) -> tuple:
     grads = dict(zip(present, (gr.contiguous() for gr in pullback(grad_out))))
     like = next(t for t in tensors if t is not None)
     return tuple(grads[i] if i in grads else like.new_empty(0) for i in range(len(tensors)))
+
+
+def grads_like(tensors) -> tuple:
+    """A backward op's fake result: per input, an empty tensor where it is None, else one like it (contiguous)."""
+    like = next(t for t in tensors if t is not None)
+    return tuple(like.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in tensors)
+
+
+def recompute_autograd(fwd, bwd, saved: int, grads: int) -> None:
+    """Register ``fwd``'s autograd as ``bwd(grad, *inputs)``: the first ``saved`` inputs saved (tensors, some None),
+    the others kept as constants; ``bwd`` returns one gradient per first ``grads`` input, None for a None one."""
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:saved])
+        ctx.args = inputs[saved:]
+
+    def backward(ctx, grad_out):
+        tensors = ctx.saved_tensors
+        out = bwd(grad_out.contiguous(), *tensors, *ctx.args)
+        return tuple(g if t is not None else None for g, t in zip(out, tensors[:grads])) + (None,) * (
+            len(tensors) + len(ctx.args) - grads)
+
+    fwd.register_autograd(backward, setup_context=setup_context)
 
 
 def _shapes(q, k, v):
@@ -193,22 +216,10 @@ def mamba2_chunk_scan_bwd(
 
 @mamba2_chunk_scan_bwd.register_fake
 def _(grad_out, x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, impl):
-    return tuple(x.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
-                 for t in (x, dt, A, B, C, D, dt_bias))
+    return grads_like((x, dt, A, B, C, D, dt_bias))
 
 
-def _mamba2_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:7])
-    ctx.args = inputs[7:]
-
-
-def _mamba2_backward(ctx, grad_out):
-    x, dt, A, B, C, D, dt_bias = ctx.saved_tensors
-    *grads, dD, dbias = mamba2_chunk_scan_bwd(grad_out.contiguous(), x, dt, A, B, C, D, dt_bias, *ctx.args)
-    return (*grads, dD if D is not None else None, dbias if dt_bias is not None else None) + (None,) * 5
-
-
-mamba2_chunk_scan_fwd.register_autograd(_mamba2_backward, setup_context=_mamba2_setup_context)
+recompute_autograd(mamba2_chunk_scan_fwd, mamba2_chunk_scan_bwd, saved=7, grads=7)
 
 
 def mamba2_chunk_scan(x, dt, A, B, C, *, impl: str, chunk_size: int, D=None, dt_bias=None, dt_softplus: bool = False,
@@ -263,22 +274,10 @@ def mamba_selective_scan_bwd(
 
 @mamba_selective_scan_bwd.register_fake
 def _(grad_out, x, dt, A, B, C, D, z, delta_bias, delta_softplus, use_mambapy, use_associative_scan, impl):
-    return tuple(x.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
-                 for t in (x, dt, A, B, C, D, z, delta_bias))
+    return grads_like((x, dt, A, B, C, D, z, delta_bias))
 
 
-def _mamba1_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:8])
-    ctx.args = inputs[8:]
-
-
-def _mamba1_backward(ctx, grad_out):
-    saved = ctx.saved_tensors
-    grads = mamba_selective_scan_bwd(grad_out.contiguous(), *saved, *ctx.args)
-    return tuple(g if t is not None else None for g, t in zip(grads, saved)) + (None,) * 4
-
-
-mamba_selective_scan_fwd.register_autograd(_mamba1_backward, setup_context=_mamba1_setup_context)
+recompute_autograd(mamba_selective_scan_fwd, mamba_selective_scan_bwd, saved=8, grads=8)
 
 
 def mamba_selective_scan(x, dt, A, B, C, *, impl: str, D=None, z=None, delta_bias=None, delta_softplus: bool = False,
