@@ -41,11 +41,11 @@ def _paths() -> list[list[int]]:
     return paths
 
 
-def _gated_delta_probe(impl_fn, per_channel: bool = False):
+def _gated_delta_probe(impl_fn, grouped: bool, per_channel: bool = False):
     from ..kernels.recurrent import forest_gated_delta_rule
 
     g = torch.Generator().manual_seed(0)
-    T, Hk, Hv, D = sum(_LENS), (2 if per_channel else 1), 2, 4  # KDA has no grouped heads
+    T, Hk, Hv, D = sum(_LENS), (1 if grouped else 2), 2, 4
     q, k = (torch.randn(1, T, Hk, D, generator=g) for _ in range(2))
     v = torch.randn(1, T, Hv, D, generator=g)
     decay = -F.softplus(torch.randn(1, T, Hv, *((D,) if per_channel else ()), generator=g))
@@ -60,7 +60,7 @@ def _gated_delta_probe(impl_fn, per_channel: bool = False):
     return packed, alone
 
 
-def _mamba2_probe(impl_fn):
+def _mamba2_probe(impl_fn, grouped: bool):
     from ..kernels.recurrent import forest_mamba2_scan
 
     g = torch.Generator().manual_seed(0)
@@ -82,7 +82,7 @@ def _mamba2_probe(impl_fn):
     return packed, alone
 
 
-def _mamba1_probe(impl_fn):
+def _mamba1_probe(impl_fn, grouped: bool):
     from ..kernels.recurrent import forest_selective_scan
 
     g = torch.Generator().manual_seed(0)
@@ -107,8 +107,12 @@ _PROBES = {"torch_chunk_gated_delta_rule": _gated_delta_probe, "mamba2_chunk_sca
 
 
 @functools.lru_cache(maxsize=None)
-def math_agrees(impl: str) -> bool:
-    """Whether ``impl`` (``"module.function"``) agrees with its forest form on the probe forest (module docstring)."""
+def math_agrees(impl: str, grouped: bool = False) -> bool:
+    """Whether ``impl`` (``"module.function"``) agrees with its forest form on the probe forest (module docstring).
+
+    ``grouped``: a gated delta rule's q and k with fewer heads than v (transformers 5.24's fallback repeats them;
+    5.17's takes equal heads only, its layer repeating them first): probed on its own, so that an impl without
+    grouped heads still packs its layers' equal-head calls."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from ..ops.recurrent import resolve_impl
@@ -119,7 +123,7 @@ def math_agrees(impl: str) -> bool:
         return False
     try:
         with unset_fake_temporarily(), torch.no_grad():
-            packed, alone = probe(resolve_impl(impl))
+            packed, alone = probe(resolve_impl(impl), grouped)
             for path in _paths():
                 out = alone(path)
                 want = packed[:, path].to(out.dtype)

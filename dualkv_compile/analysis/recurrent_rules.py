@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from ..ops import recurrent as _recurrent  # noqa: F401  (registers dualkv::gated_delta_rule and the scans)
 from ..ops.forest_recurrent import causal_conv1d
-from .node_info import Kind, NodeInfo, RuleFailed
+from .node_info import Kind, NodeInfo, RuleFailed, shape_of
 from .recurrent_math import math_agrees
 from .rule_registry import token_rule
 
@@ -66,10 +66,10 @@ def _token(info: NodeInfo, tags, what: str) -> None:
         raise RuleFailed(f"{what} laid out {info.tags} ({info.kind.value}), expected {tags}")
 
 
-def _known_math(impl: str, impls, what: str) -> None:
+def _known_math(impl: str, impls, what: str, grouped: bool = False) -> None:
     if impl not in impls:
         raise RuleFailed(f"{what} of {impl}: no forest form of its math")
-    if not math_agrees(impl):
+    if not math_agrees(impl, grouped):
         raise RuleFailed(f"{impl} no longer computes what the forest form does (analysis.recurrent_math)")
 
 
@@ -93,7 +93,8 @@ def _gated_delta(node, info, B, S) -> NodeInfo:
     q, k, v, g, beta, initial_state, _chunk, output_final_state, _l2norm, impl = node.args
     if initial_state is not None or output_final_state:
         raise RuleFailed("a gated delta rule with a cached state (generation)")
-    _known_math(impl, GATED_DELTA_IMPLS | KDA_IMPLS, "a gated delta rule")
+    grouped = shape_of(k)[2] != shape_of(v)[2]  # fewer q/k heads than v heads: the impl must take them so
+    _known_math(impl, GATED_DELTA_IMPLS | KDA_IMPLS, "a gated delta rule", grouped)
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         _token(info[x], ("b", "s", None, None), f"the gated delta rule's {name}")
     _token(info[g], ("b", "s", None, None) if impl in KDA_IMPLS else ("b", "s", None), "the gated delta rule's g")
