@@ -23,6 +23,7 @@ Contract
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Optional
 
@@ -94,7 +95,7 @@ class _Zeros:
             # 0 / d is 0 only for a nonzero finite divisor: a Python number here (a tensor could hold 0 there).
             d = n.args[1] if len(n.args) > 1 else None
             if first in self.zlp and isinstance(d, (int, float)) and not isinstance(d, bool) and d != 0 \
-                    and d == d and abs(d) != float("inf"):
+                    and math.isfinite(d):
                 self.zlp.add(n)
             return
         if t in _ZERO_METHODS or t in _ZERO_FUNCS:

@@ -31,6 +31,8 @@ from typing import Optional
 
 import torch
 
+from ..kernels.recurrent.mamba1 import mamba1_out_dtype as _mamba1_dtype
+
 __all__ = ["gated_delta_rule", "gated_delta_rule_fwd", "gated_delta_rule_bwd", "mamba2_chunk_scan",
            "mamba2_chunk_scan_fwd", "mamba2_chunk_scan_bwd", "mamba2_out_dtype", "mamba_selective_scan",
            "mamba_selective_scan_fwd", "mamba_selective_scan_bwd", "mamba1_out_dtype", "resolve_impl",
@@ -231,9 +233,7 @@ def mamba2_chunk_scan(x, dt, A, B, C, *, impl: str, chunk_size: int, D=None, dt_
 
 def mamba1_out_dtype(x: torch.Tensor, D: Optional[torch.Tensor], z: Optional[torch.Tensor]) -> torch.dtype:
     """The dtype transformers' ``mamba_selective_scan`` returns (``kernels.recurrent.mamba1``)."""
-    from ..kernels.recurrent.mamba1 import mamba1_out_dtype as out_dtype
-
-    return out_dtype(x.dtype, D, z)
+    return _mamba1_dtype(x.dtype, D, z)
 
 
 def _mamba1_call(impl, x, dt, A, B, C, D, z, delta_bias, delta_softplus, use_mambapy, use_associative_scan):
