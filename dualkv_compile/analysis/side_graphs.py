@@ -90,10 +90,6 @@ _RANDOM_METHODS = {"bernoulli", "bernoulli_", "uniform_", "normal_", "random_", 
                    "cauchy_", "log_normal_", "multinomial"}
 
 
-def _ev(n):
-    return ev(n, inspect.Parameter.empty)
-
-
 def _inplace_arg(n: fx.Node):
     """The value of ``n``'s ``inplace`` argument (``F.relu(x, inplace=True)``), False if it has none."""
     if "inplace" in n.kwargs:
@@ -166,9 +162,9 @@ def _scalar(n: fx.Node) -> bool:
     """Whether ``n`` is known to be no tensor and to hold none (a size, a bool, None)."""
     if n.op == "call_function" and n.target is operator.setitem:
         return True  # returns None
-    ev = _ev(n)
-    if ev is not inspect.Parameter.empty and ev is not None:
-        return not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(ev))
+    value = ev(n)
+    if value is not None:  # no example value, or None: the op decides
+        return not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
     if n.op == "call_method":
         return n.target in _SCALAR_METHODS
     return n.op == "call_function" and n.target in _OPERATORS and all(_scalar(a) for a in n.all_input_nodes)
@@ -188,7 +184,7 @@ def _fresh(n: fx.Node) -> bool:
     if target in _OPERATORS:
         # ``[a] + [b]`` holds its inputs: only arithmetic on tensors and numbers allocates.
         args = (*n.args, *n.kwargs.values())
-        return not any(isinstance(a, (list, tuple)) or isinstance(_ev(a), (list, tuple)) for a in args)
+        return not any(isinstance(a, (list, tuple)) or isinstance(ev(a), (list, tuple)) for a in args)
     return target in _FRESH_FUNCS and _inplace_arg(n) is False
 
 
@@ -210,7 +206,7 @@ class _Memory:
                 for a in n.all_input_nodes:
                     if not _scalar(a):
                         self.union(n, a)
-            for t in tree_leaves(_ev(n)):
+            for t in tree_leaves(ev(n)):
                 if isinstance(t, torch.Tensor):
                     try:
                         key = StorageWeakRef(t.untyped_storage())
