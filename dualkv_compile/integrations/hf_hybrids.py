@@ -54,16 +54,28 @@ def _fallback_of(wrapper):
     return fallback if runs is fallback else None
 
 
+def _named(fallback) -> frozenset:
+    """The keywords ``fallback`` names (read when the polyfill is built: Dynamo traces the polyfill's body)."""
+    return frozenset(n for n, p in inspect.signature(fallback).parameters.items() if p.kind is not p.VAR_KEYWORD)
+
+
+def _as_the_wrapper(kwargs: dict, named: frozenset, impl: str, package: str) -> dict:
+    """The hub wrapper's handling of extra keywords: packed sequences (``cu_seqlens``/``seq_idx``) raise, as the
+    torch fallback cannot keep them apart; the keywords the fallback does not name are dropped."""
+    if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
+        raise ValueError(f"`{impl}` can't keep packed sequences apart without {package}")
+    return {k: v for k, v in kwargs.items() if k in named}
+
+
 def _gdn_polyfill(fallback, impl: str):
     """A function with the GDN fallback's signature (and defaults) calling the opaque op."""
     params = inspect.signature(fallback).parameters
     default_chunk = params["chunk_size"].default
+    named = _named(fallback)
 
     def polyfill(query, key, value, g, beta, chunk_size=default_chunk, initial_state=None, output_final_state=False,
                  use_qk_l2norm_in_kernel=False, **kwargs):
-        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
-            # The wrapper's own refusal (the torch fallback cannot keep packed sequences apart).
-            raise ValueError(f"`{impl}` can't keep packed sequences apart without flash-linear-attention")
+        _as_the_wrapper(kwargs, named, impl, "flash-linear-attention")  # the fallback takes no other keyword here
         if torch.compiler.is_exporting():  # as the wrapper: the fallback, its other keyword arguments dropped
             return fallback(query, key, value, g, beta, chunk_size=chunk_size, initial_state=initial_state,
                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
@@ -79,13 +91,11 @@ def _mamba2_polyfill(fallback, impl: str):
 
     As the wrapper: ``cu_seqlens``/``seq_idx`` raise ``ValueError``, and a keyword the fallback does not name
     (``z``, ``output_router_logits``: layers pass their own) is dropped before the call."""
-    named = {n for n, p in inspect.signature(fallback).parameters.items() if p.kind is not p.VAR_KEYWORD}
+    named = _named(fallback)
 
     def polyfill(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
                  dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
-        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
-            raise ValueError(f"`{impl}` can't keep packed sequences apart without mamba-ssm")
-        kwargs = {k: v for k, v in kwargs.items() if k in named}
+        kwargs = _as_the_wrapper(kwargs, named, impl, "mamba-ssm")
         if initial_states is not None or return_final_states or torch.compiler.is_exporting() or kwargs:
             return fallback(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
                             initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
@@ -99,13 +109,11 @@ def _mamba2_polyfill(fallback, impl: str):
 def _mamba1_polyfill(fallback, impl: str):
     """A function with the Mamba (v1) fallback's signature calling the opaque op, else the fallback (the last
     state asked for); as the wrapper for packed sequences and unnamed keywords (``_mamba2_polyfill``)."""
-    named = {n for n, p in inspect.signature(fallback).parameters.items() if p.kind is not p.VAR_KEYWORD}
+    named = _named(fallback)
 
     def polyfill(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                  return_last_state=False, use_mambapy=False, use_associative_scan=False, **kwargs):
-        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
-            raise ValueError(f"`{impl}` can't keep packed sequences apart without mamba-ssm")
-        kwargs = {k: v for k, v in kwargs.items() if k in named}
+        kwargs = _as_the_wrapper(kwargs, named, impl, "mamba-ssm")
         if return_last_state or torch.compiler.is_exporting() or kwargs:
             return fallback(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias,
                             delta_softplus=delta_softplus, return_last_state=return_last_state,
