@@ -142,9 +142,7 @@ def gated_delta_rule_bwd(
 
 @gated_delta_rule_bwd.register_fake
 def _(grad_out, grad_state, q, k, v, g, beta, initial_state, chunk_size, output_final_state, use_qk_l2norm, impl):
-    like = (q, k, v, g, beta) + ((initial_state,) if initial_state is not None else ())
-    grads = tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in like)
-    return grads if initial_state is not None else grads + (q.new_empty(0),)
+    return grads_like((q, k, v, g, beta, initial_state))
 
 
 def _setup_context(ctx, inputs, output):
