@@ -4,7 +4,9 @@ Mamba (v1) selective scan (Mamba, Falcon-Mamba, Jamba).
 
 Assumes: a modeling module whose layer calls its ``torch_chunk_gated_delta_rule`` (``chunk_kimi_delta_attention``), ``mamba2_chunk_scan`` or
 ``mamba_selective_scan``: the hub wrapper (``use_kernel_func_from_hub_with_fallback``) around the torch fallback,
-running the fallback itself (fla / mamba-ssm not installed; one that runs another is left alone).
+running the fallback itself (fla / mamba-ssm not installed) or, for the GDN, flash-linear-attention's
+``chunk_gated_delta_rule`` (the op then calls that: the eager model's kernel); a wrapper that runs anything else is
+left alone.
 
 Guarantees: ``opaque_recurrent_cores()`` registers, for each such function of each module imported, a Dynamo
 polyfill (``torch.compiler.substitute_in_graph``) of the wrapper that calls the op of ``ops.recurrent`` with the
@@ -41,9 +43,9 @@ _DONE: set[int] = set()  # ids of the wrappers looked at (registered or left alo
 _KEEP: list = []  # the wrappers looked at, so that an id is never reused
 
 
-def _fallback_of(wrapper):
-    """The torch fallback that ``wrapper`` runs itself, else None (it runs flash-linear-attention, or is not the
-    hub wrapper)."""
+def _wrapped(wrapper):
+    """``(fallback, implementation)`` of transformers' hub wrapper: the torch fallback it wraps and the function it
+    runs (the fallback itself, or a kernel library's); None for anything else."""
     fallback = getattr(wrapper, "__wrapped__", None)
     if fallback is None or not callable(wrapper) or getattr(wrapper, "__closure__", None) is None:
         return None
@@ -51,7 +53,15 @@ def _fallback_of(wrapper):
         runs = inspect.getclosurevars(wrapper).nonlocals.get("implementation")
     except (TypeError, ValueError):
         return None
-    return fallback if runs is fallback else None
+    return None if runs is None else (fallback, runs)
+
+
+def _kernel_name(runs) -> str | None:
+    """``"module.name"`` of a flash-linear-attention function, where that name resolves to it, else None."""
+    module, name = getattr(runs, "__module__", None) or "", getattr(runs, "__name__", "")
+    if not module.startswith("fla.") or getattr(sys.modules.get(module), name, None) is not runs:
+        return None
+    return f"{module}.{name}"
 
 
 def _named(fallback) -> frozenset:
@@ -67,15 +77,22 @@ def _as_the_wrapper(kwargs: dict, named: frozenset, impl: str, package: str) -> 
     return {k: v for k, v in kwargs.items() if k in named}
 
 
-def _gdn_polyfill(fallback, impl: str):
-    """A function with the GDN fallback's signature (and defaults) calling the opaque op."""
+def _gdn_polyfill(fallback, impl: str, kernel=None):
+    """A function with the GDN fallback's signature (and defaults) calling the opaque op with ``impl``: the
+    fallback's name, or ``kernel``'s (flash-linear-attention's, which the wrapper runs instead). As the wrapper,
+    packed sequences (``cu_seqlens``) and any other keyword ``kernel`` names go to ``kernel`` itself (Dynamo does not
+    trace it: that call runs unpacked); without a kernel, packed sequences raise."""
     params = inspect.signature(fallback).parameters
     default_chunk = params["chunk_size"].default
-    named = _named(fallback)
+    named = _named(fallback) if kernel is None else _named(kernel)
 
     def polyfill(query, key, value, g, beta, chunk_size=default_chunk, initial_state=None, output_final_state=False,
                  use_qk_l2norm_in_kernel=False, **kwargs):
-        _as_the_wrapper(kwargs, named, impl, "flash-linear-attention")  # the fallback takes no other keyword here
+        own = {k: v for k, v in kwargs.items() if k in named and v is not None}
+        if kernel is not None and own:  # packed sequences, or a keyword the op does not carry: the kernel itself
+            return kernel(query, key, value, g, beta, initial_state=initial_state,
+                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **own)
+        _as_the_wrapper(kwargs, named, impl, "flash-linear-attention")  # no other keyword reaches the op
         if torch.compiler.is_exporting():  # as the wrapper: the fallback, its other keyword arguments dropped
             return fallback(query, key, value, g, beta, chunk_size=chunk_size, initial_state=initial_state,
                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
@@ -142,13 +159,22 @@ def _register_one(name: str, module, function: str, make) -> bool:
         return False
     _DONE.add(id(wrapper))
     _KEEP.append(wrapper)
-    fallback = _fallback_of(wrapper)
+    pair = _wrapped(wrapper)
+    fallback, runs = pair if pair is not None else (None, None)
     if fallback is None or getattr(fallback, "__module__", None) != name:
-        log.info("dualkv: %s.%s does not run its torch fallback itself: left alone", name, function)
+        log.info("dualkv: %s.%s is not transformers' hub wrapper of its torch fallback: left alone", name, function)
+        return False
+    if runs is fallback:
+        polyfill = make(fallback, f"{name}.{function}")
+    elif make is _gdn_polyfill and function == "torch_chunk_gated_delta_rule" and _kernel_name(runs):
+        polyfill = make(fallback, _kernel_name(runs), kernel=runs)
+    else:
+        log.info("dualkv: %s.%s runs %s, which no op here calls: left alone (traced by Dynamo)", name, function,
+                 getattr(runs, "__module__", runs))
         return False
     try:
         # The wrapper's (unwrapped) signature is the fallback's, and the polyfill's: Dynamo checks that they agree.
-        torch.compiler.substitute_in_graph(wrapper)(make(fallback, f"{name}.{function}"))
+        torch.compiler.substitute_in_graph(wrapper)(polyfill)
     except Exception as e:  # a changed signature, a polyfill of another library: the layer compiles as before
         log.warning("dualkv: %s.%s stays traced by Dynamo: %s", name, function, e)
         return False

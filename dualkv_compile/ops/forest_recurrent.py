@@ -8,10 +8,13 @@ its packed form: the K-1 inputs before a token are read back along its path thro
 ops the packed graph's compiler traces.
 
 ``dualkv::forest_gated_delta_rule``: the packed form of ``dualkv::gated_delta_rule`` (``ops.recurrent``), each
-segment's scan from its parent's final state (``kernels.recurrent.forest_gated_delta_rule``, the chunked form
-where the layer's is chunked). Opaque: its levels are built on the host. The backward is the reference's
-autograd (the forward recomputed inside; nothing but the inputs saved), the children's state gradients summed
-into their parent's final state. Exact against transformers' torch fallback (tests/kernels/test_forest_recurrence).
+segment's scan from its parent's final state: for a layer whose ``impl`` is a varlen kernel
+(flash-linear-attention's, ``ops.recurrent.is_varlen_kernel``) that kernel, a launch per depth level
+(``kernels.recurrent.gated_delta_varlen``), else the torch reference (``kernels.recurrent.forest_gated_delta_rule``,
+the chunked form where the layer's is chunked). Opaque: its levels are built on the host. The backward is the
+forward's autograd (the forward recomputed inside; nothing but the inputs saved), the children's state gradients
+summed into their parent's final state. Exact against transformers' torch fallback and the varlen kernel run on
+each sequence alone (tests/kernels/test_forest_recurrence, tests/kernels/test_gated_delta_varlen).
 ``dualkv::forest_mamba2_scan``: the packed form of ``dualkv::mamba2_chunk_scan`` the same way
 (``kernels.recurrent.forest_mamba2_scan``), returned in the dtype transformers' scan returns;
 ``dualkv::forest_selective_scan`` likewise for ``dualkv::mamba_selective_scan`` (Mamba v1).
@@ -28,8 +31,10 @@ from ..kernels.recurrent import forest_gated_delta_rule as _forest_gdn
 from ..kernels.recurrent import forest_mamba2_scan as _forest_mamba2
 from ..kernels.recurrent.mamba1 import forest_selective_scan as _forest_mamba1
 from ..kernels.recurrent.causal_conv import causal_conv1d_along_paths
+from ..kernels.recurrent.gated_delta_varlen import forest_gated_delta_rule_varlen as _forest_gdn_varlen
 from ..layout.segments import Segments
-from .recurrent import grads_like, mamba1_out_dtype, mamba2_out_dtype, recompute_autograd, vjp_with_optional
+from .recurrent import autograd_vjp, grads_like, is_varlen_kernel, mamba1_out_dtype, mamba2_out_dtype
+from .recurrent import recompute_autograd, resolve_impl, vjp_with_optional
 
 __all__ = ["causal_conv1d", "forest_causal_conv1d", "forest_gated_delta_rule", "forest_mamba2_scan",
            "forest_selective_scan"]
@@ -51,7 +56,9 @@ def _segs(seg_start, seg_len, parent, prefix_len, subtree_end) -> Segments:
     return Segments(seg_start, seg_len, parent, prefix_len, subtree_end, 0, 0)
 
 
-def _run(q, k, v, g, beta, segs, chunk_size: int, use_qk_l2norm: bool):
+def _run(q, k, v, g, beta, segs, chunk_size: int, use_qk_l2norm: bool, impl: str):
+    if is_varlen_kernel(impl):  # the layer's own kernel, a launch per depth level
+        return _forest_gdn_varlen(resolve_impl(impl), q, k, v, g, beta, segs, use_qk_l2norm=use_qk_l2norm)
     return _forest_gdn(q, k, v, g, beta, segs, use_qk_l2norm=use_qk_l2norm,
                        chunk_size=None if chunk_size <= 0 else chunk_size)
 
@@ -60,16 +67,17 @@ def _run(q, k, v, g, beta, segs, chunk_size: int, use_qk_l2norm: bool):
 def forest_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     seg_start: torch.Tensor, seg_len: torch.Tensor, parent: torch.Tensor, prefix_len: torch.Tensor,
-    subtree_end: torch.Tensor, chunk_size: int, use_qk_l2norm: bool,
+    subtree_end: torch.Tensor, chunk_size: int, use_qk_l2norm: bool, impl: str,
 ) -> torch.Tensor:
     """The packed GDN core: q, k ``[1, T, Hk, Dk]``, v ``[1, T, Hv, Dv]``, g, beta ``[1, T, Hv]``; ``chunk_size``
-    <= 0 steps token by token. Returns ``[1, T, Hv, Dv]`` in q's dtype, contiguous."""
+    <= 0 steps token by token; ``impl`` the layer's (a varlen kernel's runs it, else the torch reference). Returns
+    ``[1, T, Hv, Dv]`` in q's dtype, contiguous."""
     segs = _segs(seg_start, seg_len, parent, prefix_len, subtree_end)
-    return _run(q, k, v, g, beta, segs, chunk_size, use_qk_l2norm).contiguous()
+    return _run(q, k, v, g, beta, segs, chunk_size, use_qk_l2norm, impl).contiguous()
 
 
 @forest_gated_delta_rule.register_fake
-def _(q, k, v, g, beta, seg_start, seg_len, parent, prefix_len, subtree_end, chunk_size, use_qk_l2norm):
+def _(q, k, v, g, beta, seg_start, seg_len, parent, prefix_len, subtree_end, chunk_size, use_qk_l2norm, impl):
     return q.new_empty(tuple(v.shape[:2]) + (v.shape[2], v.shape[3]))
 
 
@@ -77,20 +85,20 @@ def _(q, k, v, g, beta, seg_start, seg_len, parent, prefix_len, subtree_end, chu
 def forest_gated_delta_rule_bwd(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     seg_start: torch.Tensor, seg_len: torch.Tensor, parent: torch.Tensor, prefix_len: torch.Tensor,
-    subtree_end: torch.Tensor, chunk_size: int, use_qk_l2norm: bool,
+    subtree_end: torch.Tensor, chunk_size: int, use_qk_l2norm: bool, impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of q, k, v, g and beta: the reference's autograd, its forward recomputed."""
+    """The gradients of q, k, v, g and beta: the forward's autograd, the forward recomputed."""
     segs = _segs(seg_start, seg_len, parent, prefix_len, subtree_end)
 
     def run(*xs):
-        return _run(*xs, segs, chunk_size, use_qk_l2norm)
+        return _run(*xs, segs, chunk_size, use_qk_l2norm, impl)
 
-    _, pullback = torch.func.vjp(run, q, k, v, g, beta)
-    return tuple(gr.contiguous() for gr in pullback(grad_out))
+    return autograd_vjp(run, (q, k, v, g, beta), (grad_out,))
 
 
 @forest_gated_delta_rule_bwd.register_fake
-def _(grad_out, q, k, v, g, beta, seg_start, seg_len, parent, prefix_len, subtree_end, chunk_size, use_qk_l2norm):
+def _(grad_out, q, k, v, g, beta, seg_start, seg_len, parent, prefix_len, subtree_end, chunk_size, use_qk_l2norm,
+      impl):
     return grads_like((q, k, v, g, beta))
 
 

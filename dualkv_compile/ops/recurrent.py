@@ -8,11 +8,12 @@ returns x's dtype promoted with D's and z's), each from a zero state and without
 
 Assumes: ``impl`` names (``"module.attr"``) a function with the signature and return of transformers'
 ``torch_chunk_gated_delta_rule`` (q, k ``[B, T, Hk, Dk]``, v ``[B, T, Hv, Dv]``, g and beta ``[B, T, Hv]``;
-returns the output ``[B, T, Hv, Dv]`` in q's dtype and the final state ``[B, Hv, Dk, Dv]`` in float32, or None);
-a decorated function (``functools.wraps``) is unwrapped to the function it wraps.
+returns the output ``[B, T, Hv, Dv]`` in q's dtype and the final state ``[B, Hv, Dk, Dv]`` in float32, or None),
+or flash-linear-attention's ``chunk_gated_delta_rule`` (the same call; ``chunk_size`` is passed only to a function
+that names it, as the hub wrapper does); a transformers name is its hub wrapper, unwrapped to the fallback.
 
 Guarantees: the forward op calls that function eagerly, so its output is the eager model's; the backward op is the
-autograd of the same function (``torch.func.vjp`` of it, the forward recomputed inside: nothing but the op's
+autograd of the same function (``autograd_vjp`` of it, the forward recomputed inside: nothing but the op's
 inputs is saved), so its gradients are the eager model's. Both ops return contiguous tensors and their fake
 implementations say so: no stride of theirs can differ between a fake and a real run (the torch bug behind
 issue 51: ``aten.softplus_backward``'s decomposition, which fake tensors run, lays out its result like ``self``
@@ -36,14 +37,55 @@ from ..kernels.recurrent.mamba1 import mamba1_out_dtype as _mamba1_dtype
 __all__ = ["gated_delta_rule", "gated_delta_rule_fwd", "gated_delta_rule_bwd", "mamba2_chunk_scan",
            "mamba2_chunk_scan_fwd", "mamba2_chunk_scan_bwd", "mamba2_out_dtype", "mamba_selective_scan",
            "mamba_selective_scan_fwd", "mamba_selective_scan_bwd", "mamba1_out_dtype", "resolve_impl",
-           "vjp_with_optional", "grads_like", "recompute_autograd"]
+           "gdn_call", "is_varlen_kernel", "autograd_vjp", "vjp_with_optional", "grads_like", "recompute_autograd"]
 
 
 @functools.lru_cache(maxsize=None)
 def resolve_impl(impl: str):
-    """The function ``impl`` (``"package.module.attr"``) names, unwrapped (``inspect.unwrap``)."""
+    """The function ``impl`` (``"package.module.attr"``) names. A transformers name is its hub wrapper, unwrapped
+    (``inspect.unwrap``) to the torch fallback it wraps; a kernel library's (flash-linear-attention's) is called
+    as transformers' wrapper calls it, its own dispatch kept."""
     module, _, name = impl.rpartition(".")
-    return inspect.unwrap(getattr(importlib.import_module(module), name))
+    fn = getattr(importlib.import_module(module), name)
+    return inspect.unwrap(fn) if module.startswith("transformers.") else fn
+
+
+@functools.lru_cache(maxsize=None)
+def _keywords(fn) -> frozenset:
+    """The keywords ``fn`` names (not its ``**kwargs``): the ones transformers' hub wrapper passes it."""
+    params = inspect.signature(fn).parameters
+    return frozenset(n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
+def _recording():
+    """Autograd recording inside an op's kernel: the dispatcher runs a custom op below autograd (its autograd keys
+    in the thread's exclude set), where torch ops would record nothing; this lifts that exclusion for the block."""
+    keys = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for name in ("AutogradFunctionality", "ADInplaceOrView", "AutogradOther", "AutogradNestedTensor"):
+        if hasattr(keys, name):
+            exclude = exclude.remove(getattr(keys, name))
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
+def autograd_vjp(run, primals, cotangents) -> tuple:
+    """The gradients of ``run(*primals)`` (a tensor or a tuple of them) against ``cotangents``, one per primal,
+    zeros where it does not reach; contiguous. Through ``torch.autograd.grad`` on detached copies, not
+    ``torch.func.vjp``: a kernel library's ``autograd.Function`` with an old-style ``forward(ctx, ...)``
+    (flash-linear-attention's) is refused by functorch."""
+    with _recording(), torch.enable_grad():
+        xs = [p.detach().requires_grad_(p.is_floating_point()) for p in primals]
+        outs = run(*xs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        pairs = [(o, c) for o, c in zip(outs, cotangents) if o is not None and o.requires_grad]
+        wrt = [x for x in xs if x.requires_grad]
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True)
+                     if pairs and wrt else [None] * len(wrt))
+    result = []
+    for x in xs:
+        gr = next(grads) if x.requires_grad else None
+        result.append(torch.zeros_like(x, memory_format=torch.contiguous_format) if gr is None else gr.contiguous())
+    return tuple(result)
 
 
 def vjp_with_optional(run, tensors, grad_out) -> tuple:
@@ -57,8 +99,7 @@ def vjp_with_optional(run, tensors, grad_out) -> tuple:
             full[i] = x
         return run(*full)
 
-    _, pullback = torch.func.vjp(call, *(tensors[i] for i in present))
-    grads = dict(zip(present, (gr.contiguous() for gr in pullback(grad_out))))
+    grads = dict(zip(present, autograd_vjp(call, [tensors[i] for i in present], (grad_out,))))
     like = next(t for t in tensors if t is not None)
     return tuple(grads[i] if i in grads else like.new_empty(0) for i in range(len(tensors)))
 
@@ -99,13 +140,28 @@ def _checked(x: torch.Tensor, shape, dtype, what: str, impl: str) -> torch.Tenso
     return x.contiguous()
 
 
+def is_varlen_kernel(impl: str) -> bool:
+    """Whether a gated delta rule's ``impl`` is a kernel library's (flash-linear-attention's ``chunk_gated_delta_rule``
+    contract: varlen ``cu_seqlens``, an initial state per sequence), not a transformers torch fallback."""
+    return not impl.startswith("transformers.")
+
+
+def gdn_call(impl: str, q, k, v, g, beta, chunk_size: int, initial_state, output_final_state: bool,
+             use_qk_l2norm: bool):
+    """``impl`` called as transformers' hub wrapper calls it: ``chunk_size`` only where the function names it
+    (flash-linear-attention's takes its own default, as under the wrapper)."""
+    fn = resolve_impl(impl)
+    extra = {"chunk_size": chunk_size} if "chunk_size" in _keywords(fn) else {}
+    return fn(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+              use_qk_l2norm_in_kernel=use_qk_l2norm, **extra)
+
+
 @torch.library.custom_op("dualkv::gated_delta_rule", mutates_args=())
 def gated_delta_rule_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: Optional[torch.Tensor], chunk_size: int, output_final_state: bool, use_qk_l2norm: bool, impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, state = resolve_impl(impl)(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state,
-                                    output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm)
+    out, state = gdn_call(impl, q, k, v, g, beta, chunk_size, initial_state, output_final_state, use_qk_l2norm)
     out_shape, state_shape = _shapes(q, k, v)
     out = _checked(out, out_shape, q.dtype, "an output", impl)
     if not output_final_state:
@@ -126,17 +182,14 @@ def gated_delta_rule_bwd(
     initial_state: Optional[torch.Tensor], chunk_size: int, output_final_state: bool, use_qk_l2norm: bool, impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of q, k, v, g, beta and the initial state (empty without one): the function's autograd."""
-    fn = resolve_impl(impl)
     primals = (q, k, v, g, beta) + (() if initial_state is None else (initial_state,))
 
     def run(*xs):
-        out, state = fn(*xs[:5], chunk_size=chunk_size, initial_state=xs[5] if len(xs) > 5 else None,
-                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm)
-        return (out, state) if output_final_state else (out,)
+        out, state = gdn_call(impl, *xs[:5], chunk_size, xs[5] if len(xs) > 5 else None, output_final_state,
+                              use_qk_l2norm)
+        return (out, state) if output_final_state else out
 
-    _, pullback = torch.func.vjp(run, *primals)
-    grads = pullback((grad_out, grad_state) if output_final_state else (grad_out,))
-    grads = tuple(gr.contiguous() for gr in grads)
+    grads = autograd_vjp(run, primals, (grad_out, grad_state))
     return grads if initial_state is not None else grads + (q.new_empty(0),)
 
 

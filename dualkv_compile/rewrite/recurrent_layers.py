@@ -5,7 +5,8 @@ Contract
     ``causal_conv1d`` or a ``dualkv::gated_delta_rule``. Output: its packed form, on the packed operands and the
     layout's inputs: ``forest_causal_conv1d`` reading each token's K-1 predecessors along its path
     (``prev_index``), ``dualkv::forest_gated_delta_rule`` scanning each segment from its parent's final state (the
-    chunk size the layer's op was given, its q/k normalisation), returned as the ``(output, empty state)`` pair
+    chunk size the layer's op was given, its q/k normalisation, its ``impl``: a varlen kernel's runs the forest),
+    returned as the ``(output, empty state)`` pair
     the original op returns; ``dualkv::forest_mamba2_scan`` likewise for a ``dualkv::mamba2_chunk_scan`` (its
     chunk size, dt transform and limits), ``dualkv::forest_selective_scan`` for a ``dualkv::mamba_selective_scan``.
     Never the op itself on the packed stream: that would run every sequence of the
@@ -33,11 +34,11 @@ def emit_recurrent(packer, n: fx.Node) -> fx.Node:
                 i["prev_index"])
         return g.call_function(forest_causal_conv1d, args, name=n.name + "_packed")
     if n.target is GATED_DELTA:
-        q, k, v, gate, beta, _state, chunk, _final, l2norm, _impl = n.args
+        q, k, v, gate, beta, _state, chunk, _final, l2norm, impl = n.args
         operands = tuple(packer.packed_of(a) for a in (q, k, v, gate, beta))
         segs = tuple(i[f] for f in ("seg_start", "seg_len", "parent", "prefix_len", "subtree_end"))
         out = g.call_function(torch.ops.dualkv.forest_gated_delta_rule.default,
-                              operands + segs + (int(chunk) if chunk else 0, bool(l2norm)))
+                              operands + segs + (int(chunk) if chunk else 0, bool(l2norm), impl))
         empty = g.call_method("new_empty", (out, (0,)), {"dtype": torch.float32})
         return g.call_function(_pair, (out, empty), name=n.name + "_packed")
     if n.target is MAMBA2:

@@ -14,6 +14,7 @@ from dualkv_compile.ops.forest_recurrent import forest_causal_conv1d, forest_gat
 from dualkv_compile.ops.forest_recurrent import forest_selective_scan
 from ..kernels.segments import forest_segments, small_forest
 
+GDN_IMPL = "transformers.models.qwen3_next.modeling_qwen3_next.torch_chunk_gated_delta_rule"  # the torch reference runs
 FORESTS = [([5], [-1]), ([2, 1, 1, 5, 3], [-1, 0, 1, 1, 0])] + [small_forest(seed, 40, 9) for seed in (1, 4, 7)]
 
 
@@ -35,7 +36,7 @@ def _gdn_inputs(T, seed, Hk=2, Hv=4, D=4):
 def test_gated_delta_op_is_the_reference_and_its_autograd(forest, chunk):
     segs, T = forest_segments(*forest)
     xs = _gdn_inputs(T, seed=len(forest[0]))
-    out = forest_gated_delta_rule(*xs, *_segs_args(segs), chunk, True)
+    out = forest_gated_delta_rule(*xs, *_segs_args(segs), chunk, True, GDN_IMPL)
     want = ref_gdn(*xs, segs, use_qk_l2norm=True, chunk_size=chunk or None)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
@@ -49,7 +50,7 @@ def test_gated_delta_op_registrations():
     """torch.library.opcheck: schema, fake implementation, autograd, AOT dispatch."""
     segs, T = forest_segments(*FORESTS[1])
     xs = [x.detach().float().requires_grad_() for x in _gdn_inputs(T, seed=0)]
-    torch.library.opcheck(forest_gated_delta_rule, (*xs, *_segs_args(segs), 4, True))
+    torch.library.opcheck(forest_gated_delta_rule, (*xs, *_segs_args(segs), 4, True, GDN_IMPL))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -157,11 +158,11 @@ def test_gated_delta_op_with_a_decay_per_key_channel():
     q, k, v, _, beta = _gdn_inputs(T, seed=3, Hk=4, Hv=4)
     g = (-torch.rand(1, T, 4, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)).requires_grad_()
     xs = [q, k, v, g, beta]
-    out = forest_gated_delta_rule(*xs, *_segs_args(segs), 4, True)
+    out = forest_gated_delta_rule(*xs, *_segs_args(segs), 4, True, GDN_IMPL)
     want = ref_gdn(*xs, segs, use_qk_l2norm=True, chunk_size=4)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
     for a, b in zip(torch.autograd.grad((out * w).sum(), xs), torch.autograd.grad((want * w).sum(), xs)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     torch.library.opcheck(forest_gated_delta_rule, (*(x.detach().float().requires_grad_() for x in xs),
-                                                    *_segs_args(segs), 4, True))
+                                                    *_segs_args(segs), 4, True, GDN_IMPL))

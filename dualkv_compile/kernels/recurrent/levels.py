@@ -21,7 +21,7 @@ import torch
 
 from ...layout.segments import Segments, host_twin, to_device
 
-__all__ = ["Level", "forest_levels", "forest_scan", "host_table"]
+__all__ = ["Level", "depth_groups", "forest_levels", "forest_scan", "host_table"]
 
 
 class Level(NamedTuple):
@@ -43,11 +43,9 @@ def host_table(segs: Segments) -> tuple[list[int], list[int], list[int]]:
     return table[0], table[1], table[2]
 
 
-def forest_levels(segs: Segments, num_tokens: int, pad_to: int = 1) -> list[Level]:
-    """The forest's depth levels, top first (``pad_to``: each level's step count is a multiple of it)."""
-    start, length, parent = host_table(segs)
-    if start and start[-1] + length[-1] != num_tokens:
-        raise ValueError(f"the segments cover {start[-1] + length[-1]} tokens, the inputs have {num_tokens}")
+def depth_groups(parent: list[int]) -> tuple[list[list[int]], list[int]]:
+    """The segments of each depth level (pre-order ``parent`` lists), top first, and each segment's row in its
+    level."""
     depth, row, by_level = [], [], []
     for i, p in enumerate(parent):
         d = 0 if p < 0 else depth[p] + 1
@@ -56,6 +54,15 @@ def forest_levels(segs: Segments, num_tokens: int, pad_to: int = 1) -> list[Leve
             by_level.append([])
         row.append(len(by_level[d]))
         by_level[d].append(i)
+    return by_level, row
+
+
+def forest_levels(segs: Segments, num_tokens: int, pad_to: int = 1) -> list[Level]:
+    """The forest's depth levels, top first (``pad_to``: each level's step count is a multiple of it)."""
+    start, length, parent = host_table(segs)
+    if start and start[-1] + length[-1] != num_tokens:
+        raise ValueError(f"the segments cover {start[-1] + length[-1]} tokens, the inputs have {num_tokens}")
+    by_level, row = depth_groups(parent)
     device = segs.seg_start.device
     levels = []
     for members in by_level:
