@@ -1,6 +1,7 @@
 """Whole-model GRPO step on this year's attention variants, dualkv against the strongest baseline that runs:
-gpt-oss (learnable sinks, a 128-token sliding window on alternate layers) and DeepSeek-V2-Lite (multi-head latent
-attention: q/k head dim 192, v head dim 128).
+gpt-oss (learnable sinks, a 128-token sliding window on alternate layers), DeepSeek-V2-Lite (multi-head latent
+attention: q/k head dim 192, v head dim 128) and the dense Qwen3.5 hybrid (three gated delta rule layers to each
+full-attention one; flash-linear-attention's kernels on both sides).
 
 Models: ``GptOssForCausalLM`` / ``DeepseekV2ForCausalLM`` from the released configs (random weights, bf16),
 ``--layers`` layers, transformers' default experts (``grouped_mm``). Batch: ``--groups`` prompts (lengths uniform in
@@ -18,6 +19,7 @@ window) and their ratio; dualkv's report (``explain()``'s summary, attention bac
 
     python benchmarks/model/model_variants.py --model gpt-oss-20b          # --layers 4 --groups 2 --rollouts 8
     python benchmarks/model/model_variants.py --model deepseek-v2-lite
+    python benchmarks/model/model_variants.py --model qwen3.5 --layers 8  # needs flash-linear-attention
     python benchmarks/model/model_variants.py --device cpu --model tiny-gpt-oss --layers 2 --rollouts 3 --compiler none
 """
 
@@ -63,6 +65,12 @@ MODELS = {
                          kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
                          num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=32, intermediate_size=128,
                          vocab_size=512)),
+    # transformers' default Qwen3_5TextConfig (the dense Qwen3.5 shape: hidden 4096, 16 query / 4 kv heads of 256
+    # on the full layers, GDN with 16 key / 32 value heads of 128), three GDN layers to each full one.
+    "qwen3.5": ("qwen3_5_text", dict()),
+    "tiny-qwen3.5": ("qwen3_5_text", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=512)),
 }
 WHY = {
     "gpt_oss": "transformers offers gpt-oss eager attention (sinks in the softmax, [B, H, S, S] scores), "
@@ -79,6 +87,15 @@ WHY = {
     "with its padding mask (the memory-efficient kernel, the padding computed: --baselines sdpa) or a [T, T] "
     "block-diagonal mask on the row. dualkv runs the row (SDPA in the traced model).",
 }
+WHY["qwen3_5_text"] = (
+    "The strongest for a hybrid: remove padding with the sequences kept apart in every layer, the full-attention "
+    "layers through torch's varlen flash attention and the GDN layers through flash-linear-attention's varlen chunked "
+    "kernel (cu_seq_lens passed to the model, as veRL's and TRL's flattening paths do: transformers hands them to "
+    "fla as cu_seqlens). Without causal-conv1d installed (not on this machine), transformers' torch short "
+    "convolution ignores cu_seq_lens, so on this row each sequence's first 3 tokens read the previous sequence's "
+    "last ones: the baseline's loss differs a little for that reason, its cost does not. dualkv runs the padded "
+    "batch (a row without cu_seq_lens would join the sequences in the GDN layers, which the original program "
+    "does too), its GDN layers through fla a launch per forest level.")
 MLA_VARLEN = "torch_varlen_mla"
 
 
@@ -98,8 +115,9 @@ def build_model(name: str, layers: int, device: str, dtype):
     transformers.AttentionInterface.register(MLA_VARLEN, _varlen_mla)
     ALL_MASK_ATTENTION_FUNCTIONS.register(MLA_VARLEN, flash_attention_mask)
     family, fields = MODELS[name]
-    prefix = {"gpt_oss": "GptOss", "deepseek_v2": "DeepseekV2"}[family]
-    config = getattr(transformers, f"{prefix}Config")(**fields, num_hidden_layers=layers, use_cache=False)
+    prefix = {"gpt_oss": "GptOss", "deepseek_v2": "DeepseekV2", "qwen3_5_text": "Qwen3_5"}[family]
+    config_class = "Qwen3_5TextConfig" if family == "qwen3_5_text" else f"{prefix}Config"
+    config = getattr(transformers, config_class)(**fields, num_hidden_layers=layers, use_cache=False)
     torch.manual_seed(0)
     with torch.device(device):
         model = getattr(transformers, f"{prefix}ForCausalLM")(config)
@@ -193,6 +211,12 @@ SIDES = {  # name: (layout, attn_implementation, loss, what it is); a model's ba
                   "log-probs"),
         "dualkv": ("padded", "eager", padded_loss, "dualkv (@policy_loss), padded batch, eager attention traced"),
     },
+    "qwen3_5_text": {
+        "varlen": ("row", "torch_varlen", varlen_loss, "remove padding, cu_seq_lens to every layer: varlen flash "
+                   "attention, fla's varlen GDN; chunked log-probs"),
+        "dualkv": ("padded", "sdpa", padded_loss, "dualkv (@policy_loss), padded batch, SDPA traced, GDN through fla "
+                   "per forest level"),
+    },
     "deepseek_v2": {
         "varlen": ("row", MLA_VARLEN, varlen_loss, "remove padding, varlen flash attention (V zero-padded 128 -> 192), "
                    "chunked log-probs"),
@@ -238,8 +262,21 @@ def flop_model(name: str, layers: int, seqs) -> tuple[float, float]:
     """fwd+bwd FLOPs of every sequence's valid tokens and of the packed forest: matmuls 6x the active weights (router,
     top-k and shared experts), attention 3.5x q.k and p.v over each layer's pairs, a sliding layer's in its window."""
     family, c = MODELS[name]
+    if family == "qwen3_5_text":  # the config's defaults where the entry keeps them
+        from transformers import Qwen3_5TextConfig
+        c = dict(Qwen3_5TextConfig().to_dict(), **c)
     h, H = c["hidden_size"], c["num_attention_heads"]
-    if family == "gpt_oss":
+    if family == "qwen3_5_text":
+        d, kv, I = c["head_dim"], c["num_key_value_heads"], c["intermediate_size"]
+        hk, hv, dk, dv = (c[f"linear_{x}"] for x in ("num_key_heads", "num_value_heads", "key_head_dim",
+                                                       "value_head_dim"))
+        # full layers: q and its output gate, k, v, o; pairs q.k and p.v. GDN layers: q, k, v, z, b, a in, out;
+        # the recurrence as 3 dk x dv products per value head and token (the state's update, its read-out, k^T S).
+        attn, pair = 2 * h * H * d + 2 * h * kv * d + H * d * h, 4 * d * H
+        gdn = h * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * h + 3 * hv * dk * dv
+        full = [(i + 1) % 4 == 0 for i in range(layers)]
+        layer = [((attn if f else gdn) + 3 * h * I, None if f else 0) for f in full]
+    elif family == "gpt_oss":
         d, kv, E, I = c["head_dim"], c["num_key_value_heads"], c["num_local_experts"], c["intermediate_size"]
         attn, pair = 2 * h * H * d + 2 * h * kv * d, 4 * d * H
         mlp = h * E + c["num_experts_per_tok"] * 3 * h * I
@@ -259,6 +296,8 @@ def flop_model(name: str, layers: int, seqs) -> tuple[float, float]:
     dup = 6 * per_token * sum(P + R for P, Rs in groups.values() for R in Rs)
     packed = 6 * per_token * sum(P + sum(Rs) for P, Rs in groups.values())
     for _, w in layer:
+        if w == 0:  # a recurrent layer: no pairs
+            continue
         w = w or 1 << 62
         dup += 3.5 * pair * sum(window_pairs(P + R, w) for P, Rs in groups.values() for R in Rs)
         packed += 3.5 * pair * sum(packed_pairs(P, Rs, w) for P, Rs in groups.values())
