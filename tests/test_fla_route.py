@@ -155,34 +155,63 @@ def test_real_fla_passes_the_math_probe():
     assert math_agrees(FLA_IMPL) and math_agrees(FLA_IMPL, True)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("forest", FORESTS[1:], ids=lambda f: f"{len(f[0])}nodes")
-def test_real_fla_varlen_forest_is_the_reference(forest, dtype):
-    """fla a launch per level against the torch forest reference in float64 on the host: the output and every
-    input's gradient within the kernel's rounding (TF32 tiles; bfloat16 inputs), by norm."""
+def _fla_trains(kernel) -> None:
+    """Skip where fla refuses its GDN backward (0.6 on Hopper with Triton >= 3.4, < 3.7.1: its issue #640)."""
+    x = [torch.randn(1, 64, 1, 64, device="cuda", requires_grad=True) for _ in range(3)]
+    g, beta = torch.zeros(1, 64, 1, device="cuda"), torch.ones(1, 64, 1, device="cuda")
+    try:
+        kernel(*x, g, beta)[0].sum().backward()
+    except RuntimeError as e:
+        pytest.skip(f"flash-linear-attention refuses its backward here: {str(e)[:160]}")
+
+
+def _real_fla_forest(forest, dtype, grad: bool):
     kernel = _real_fla()
+    if grad:
+        _fla_trains(kernel)
     segs, T = forest_segments(*forest)
     xs = _inputs(T, seed=2, Hk=2, Hv=4, D=64)
     cuda_segs = tree_segments(*forest, device="cuda")  # registers the host twin the levels read
     ys = [x.detach().to("cuda", dtype).requires_grad_() for x in xs]
     ys[3] = xs[3].detach().to("cuda", torch.float32).requires_grad_()  # g in float32, as transformers' layers
-    out = forest_gated_delta_rule_varlen(kernel, *ys, cuda_segs, use_qk_l2norm=True)
+    with torch.set_grad_enabled(grad):
+        out = forest_gated_delta_rule_varlen(kernel, *ys, cuda_segs, use_qk_l2norm=True)
     want = ref_gdn(*xs, segs, use_qk_l2norm=True)
-    w = torch.linspace(-1, 1, want.numel(), dtype=torch.float64).view_as(want)
-    got = torch.autograd.grad((out.double() * w.cuda()).sum(), ys)
-    exp = torch.autograd.grad((want * w).sum(), xs)
+    pairs = [("out", out, want)]
+    if grad:
+        w = torch.linspace(-1, 1, want.numel(), dtype=torch.float64).view_as(want)
+        got = torch.autograd.grad((out.double() * w.cuda()).sum(), ys)
+        exp = torch.autograd.grad((want * w).sum(), xs)
+        pairs += list(zip(("q", "k", "v", "g", "beta"), got, exp))
     tol = 5e-3 if dtype is torch.float32 else 3e-2
-    for name, a, b in zip(("out", "q", "k", "v", "g", "beta"), (out, *got), (want, *exp)):
+    for name, a, b in pairs:
         err = ((a.double().cpu() - b.detach()).norm() / b.norm()).item()
         print(f"{dtype} {len(forest[0])} nodes {name}: relative error {err:.2e}")
         assert err < tol, (name, err)
 
 
 @pytest.mark.cuda
-def test_real_fla_qwen3_5_packs_on_cuda(one_thread):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("forest", FORESTS[1:], ids=lambda f: f"{len(f[0])}nodes")
+def test_real_fla_varlen_forest_is_the_reference(forest, dtype):
+    """fla a launch per level against the torch forest reference in float64 on the host: the output within the
+    kernel's rounding (TF32 tiles; bfloat16 inputs), by norm."""
+    _real_fla_forest(forest, dtype, grad=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("forest", FORESTS[1:], ids=lambda f: f"{len(f[0])}nodes")
+def test_real_fla_varlen_forest_gradients_are_the_reference(forest, dtype):
+    """As above for every input's gradient (the children's state gradients summed through the initial states)."""
+    _real_fla_forest(forest, dtype, grad=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "forward_backward"])
+def test_real_fla_qwen3_5_packs_on_cuda(grad, one_thread):
     """A tiny Qwen3.5 on CUDA with fla installed: one packed graph, its GDN layers through fla on the forest, the
-    logits and every gradient within fla's rounding of the unmodified model (which runs fla too)."""
+    logits (and every gradient) within fla's rounding of the unmodified model (which runs fla too)."""
     import copy
     import functools
 
@@ -190,7 +219,9 @@ def test_real_fla_qwen3_5_packs_on_cuda(one_thread):
     from dualkv_compile.backend import dualkv_backend
     from tests.family_sweep import batch_kwargs, model_class, tiny_config
 
-    _real_fla()
+    kernel = _real_fla()
+    if grad:
+        _fla_trains(kernel)
     from dualkv_compile.integrations.hf_hybrids import _wrapped
     import transformers.models.qwen3_5.modeling_qwen3_5 as m
 
@@ -204,19 +235,26 @@ def test_real_fla_qwen3_5_packs_on_cuda(one_thread):
     valid = valid.cuda()
 
     def run(mdl):
-        logits = mdl(**kwargs).logits[valid]
+        with torch.set_grad_enabled(grad):
+            logits = mdl(**kwargs).logits[valid]
+        if not grad:
+            return logits, {}
         proj = torch.randn(logits.shape[-1], generator=torch.Generator().manual_seed(1)).cuda()
         (logits @ proj).sum().backward()
         return logits.detach(), {n: p.grad for n, p in getattr(mdl, "_orig_mod", mdl).named_parameters()}
 
     ref = copy.deepcopy(model)
     ref_out, ref_grads = run(ref)
+    torch._dynamo.reset()
     before = len(dualkv_compile.reports())
     out, grads = run(torch.compile(model, backend=functools.partial(dualkv_backend, options={"inner": "aot_eager"})))
     reports = dualkv_compile.reports()[before:]
     assert len(reports) == 1 and reports[0].packed_calls == 1, [str(r) for r in reports]
+    print(reports[0])
     assert "gated delta rule (flash-linear-attention" in str(reports[0])
-    assert ((out - ref_out).norm() / ref_out.norm()).item() < 2e-3
+    err = ((out - ref_out).norm() / ref_out.norm()).item()
+    print(f"logits relative error {err:.2e}")
+    assert err < 2e-3
     for n, g in ref_grads.items():
         if g is not None and g.norm() > 0:
             assert ((grads[n] - g).norm() / g.norm()).item() < 1e-2, n

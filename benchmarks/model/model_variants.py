@@ -19,7 +19,7 @@ window) and their ratio; dualkv's report (``explain()``'s summary, attention bac
 
     python benchmarks/model/model_variants.py --model gpt-oss-20b          # --layers 4 --groups 2 --rollouts 8
     python benchmarks/model/model_variants.py --model deepseek-v2-lite
-    python benchmarks/model/model_variants.py --model qwen3.5 --layers 8  # needs flash-linear-attention
+    python benchmarks/model/model_variants.py --model qwen3.5 --layers 8  # the varlen baseline where fla trains
     python benchmarks/model/model_variants.py --device cpu --model tiny-gpt-oss --layers 2 --rollouts 3 --compiler none
 """
 
@@ -106,6 +106,25 @@ def _varlen_mla(module, query, key, value, attention_mask, **kwargs):
     out, _ = varlen_attention.torch_varlen_attention(
         module, query, key, torch.nn.functional.pad(value, (0, D - Dv)), attention_mask, **kwargs)
     return out[..., :Dv], None
+
+
+def _fla_trains(cuda: bool) -> bool:
+    """Whether flash-linear-attention's GDN trains here: installed, on CUDA, and not refusing its backward (fla 0.6
+    raises on Hopper with Triton >= 3.4, < 3.7.1: wrong gated gradients there, its issue #640)."""
+    if not cuda:
+        return False
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return False
+    x = [torch.randn(1, 64, 1, 64, device="cuda", requires_grad=True) for _ in range(3)]
+    g, beta = torch.zeros(1, 64, 1, device="cuda", requires_grad=True), torch.ones(1, 64, 1, device="cuda")
+    try:
+        chunk_gated_delta_rule(*x, g, beta)[0].sum().backward()
+    except RuntimeError as e:
+        log(f"flash-linear-attention does not train here: {str(e)[:200]}")
+        return False
+    return True
 
 
 def build_model(name: str, layers: int, device: str, dtype):
@@ -214,8 +233,10 @@ SIDES = {  # name: (layout, attn_implementation, loss, what it is); a model's ba
     "qwen3_5_text": {
         "varlen": ("row", "torch_varlen", varlen_loss, "remove padding, cu_seq_lens to every layer: varlen flash "
                    "attention, fla's varlen GDN; chunked log-probs"),
-        "dualkv": ("padded", "sdpa", padded_loss, "dualkv (@policy_loss), padded batch, SDPA traced, GDN through fla "
-                   "per forest level"),
+        "sdpa": ("padded", "sdpa", padded_chunked_loss, "padded batch, SDPA with the padding mask, the GDN layers' "
+                 "kernel (transformers' torch chunked form without fla), chunked log-probs"),
+        "dualkv": ("padded", "sdpa", padded_loss, "dualkv (@policy_loss), padded batch, SDPA traced, the GDN layers' "
+                   "kernel on the forest (explain() names it)"),
     },
     "deepseek_v2": {
         "varlen": ("row", MLA_VARLEN, varlen_loss, "remove padding, varlen flash attention (V zero-padded 128 -> 192), "
@@ -415,12 +436,14 @@ def main(argv=None) -> int:
                          (args.response, "3..8" if tiny else "300..1000")))
     names = args.baselines.split(",") if args.baselines else [
         ("flex" if cuda else "eager") if family == "gpt_oss" else "varlen"]
+    if family == "qwen3_5_text" and not args.baselines and not _fla_trains(cuda):
+        names = ["sdpa"]  # a varlen GDN needs flash-linear-attention, and its backward here (_fla_trains)
     for b in names:
         if b not in SIDES[family] or b == "dualkv":
             ap.error(f"--baselines: {b!r} is not one of {list(SIDES[family])[:-1]} for {args.model}")
 
     model = build_model(args.model, args.layers, args.device, torch.bfloat16 if cuda else torch.float32)
-    seqs = sequences(args.groups, args.rollouts, prompt, response, cfg["vocab_size"])
+    seqs = sequences(args.groups, args.rollouts, prompt, response, model.config.vocab_size)
     row = row_batch(seqs, "cpu")  # the layout as dualkv finds it (tokens, pairs; the log and the table)
     stats = dualkv_compile.detect(row["input_ids"], None, row["position_ids"], same_columns=False).stats()
     dup, packed = flop_model(args.model, args.layers, seqs)
