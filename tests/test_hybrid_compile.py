@@ -123,6 +123,42 @@ def test_hf_gdn_layer_compiles_as_one_op():
     assert not any("solve_triangular" in t for t in targets)
 
 
+def test_polyfills_route_to_the_op_unless_torch_export_is_tracing(monkeypatch):
+    """torch 2.11's Dynamo folds ``torch.compiler.is_exporting()`` to True under every compile: the polyfill must
+    read export's flag itself, or every compiled GDN call traces the fallback (issue 51, found on the H200)."""
+    from dualkv_compile.integrations import hf_hybrids
+
+    calls = []
+    monkeypatch.setattr(hf_hybrids, "gated_delta_rule", lambda *a, **k: calls.append("op") or ("op", None))
+    def fallback(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, **kwargs):
+        calls.append("fallback")
+        return "fallback", None
+
+    polyfill = hf_hybrids._gdn_polyfill(fallback, IMPL)
+    inputs, _ = _gdn_inputs(False)
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)  # what 2.11's Dynamo sees under compile
+    assert polyfill(*inputs)[0] == "op"
+    monkeypatch.setattr(torch.compiler, "_is_exporting_flag", True)  # torch.export tracing: as the wrapper
+    assert polyfill(*inputs)[0] == "fallback"
+    assert calls == ["op", "fallback"]
+
+
+def test_registration_reads_a_module_namespace_not_its_lazy_getattr():
+    """A transformers package is a lazy module: getattr of a name it lacks imports its submodules (and raised
+    ModuleNotFoundError for a missing optional dependency, out of ``import dualkv_compile``) and returns a
+    re-exported wrapper under the package's name, marking it looked at before its modeling module registers it."""
+    import types
+
+    from dualkv_compile.integrations import hf_hybrids
+
+    class Lazy(types.ModuleType):
+        def __getattr__(self, name):
+            raise ModuleNotFoundError("No module named 'torchvision'")
+
+    assert hf_hybrids._register("transformers.models.fake_lazy", Lazy("transformers.models.fake_lazy")) == 0
+
+
 MAMBA2_IMPL = "transformers.models.mamba2.modeling_mamba2.mamba2_chunk_scan"
 
 

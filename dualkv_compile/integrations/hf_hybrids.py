@@ -64,6 +64,13 @@ def _kernel_name(runs) -> str | None:
     return f"{module}.{name}"
 
 
+def _exporting() -> bool:
+    """Whether ``torch.export`` is tracing: its flag, read directly (Dynamo reads the global). Not
+    ``torch.compiler.is_exporting()``: torch 2.11's Dynamo folds that to True under every ``torch.compile``
+    (2.13 reads the flag), which would send every compiled call to the traced fallback."""
+    return bool(getattr(torch.compiler, "_is_exporting_flag", False))
+
+
 def _named(fallback) -> frozenset:
     """The keywords ``fallback`` names (read when the polyfill is built: Dynamo traces the polyfill's body)."""
     return frozenset(n for n, p in inspect.signature(fallback).parameters.items() if p.kind is not p.VAR_KEYWORD)
@@ -93,7 +100,7 @@ def _gdn_polyfill(fallback, impl: str, kernel=None):
             return kernel(query, key, value, g, beta, initial_state=initial_state,
                           output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **own)
         _as_the_wrapper(kwargs, named, impl, "flash-linear-attention")  # no other keyword reaches the op
-        if torch.compiler.is_exporting():  # as the wrapper: the fallback, its other keyword arguments dropped
+        if _exporting():  # as the wrapper: the fallback, its other keyword arguments dropped
             return fallback(query, key, value, g, beta, chunk_size=chunk_size, initial_state=initial_state,
                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         return gated_delta_rule(query, key, value, g, beta, impl=impl, chunk_size=chunk_size,
@@ -113,7 +120,7 @@ def _mamba2_polyfill(fallback, impl: str):
     def polyfill(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
                  dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
         kwargs = _as_the_wrapper(kwargs, named, impl, "mamba-ssm")
-        if initial_states is not None or return_final_states or torch.compiler.is_exporting() or kwargs:
+        if initial_states is not None or return_final_states or _exporting() or kwargs:
             return fallback(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
                             initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
                             return_final_states=return_final_states, **kwargs)
@@ -131,7 +138,7 @@ def _mamba1_polyfill(fallback, impl: str):
     def polyfill(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                  return_last_state=False, use_mambapy=False, use_associative_scan=False, **kwargs):
         kwargs = _as_the_wrapper(kwargs, named, impl, "mamba-ssm")
-        if return_last_state or torch.compiler.is_exporting() or kwargs:
+        if return_last_state or _exporting() or kwargs:
             return fallback(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias,
                             delta_softplus=delta_softplus, return_last_state=return_last_state,
                             use_mambapy=use_mambapy, use_associative_scan=use_associative_scan, **kwargs)
@@ -154,7 +161,9 @@ def _register(name: str, module) -> int:
 
 
 def _register_one(name: str, module, function: str, make) -> bool:
-    wrapper = getattr(module, function, None)
+    # The module's own namespace, not getattr: a transformers package is a lazy module whose getattr imports (and
+    # may fail on a missing optional dependency), and which re-exports its modeling module's functions.
+    wrapper = vars(module).get(function)
     if wrapper is None or id(wrapper) in _DONE:
         return False
     _DONE.add(id(wrapper))
