@@ -208,24 +208,28 @@ def test_real_fla_varlen_forest_gradients_are_the_reference(forest, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "forward_backward"])
-def test_real_fla_qwen3_5_packs_on_cuda(grad, one_thread):
-    """A tiny Qwen3.5 on CUDA with fla installed: one packed graph, its GDN layers through fla on the forest, the
-    logits (and every gradient) within fla's rounding of the unmodified model (which runs fla too)."""
+def test_qwen3_5_packs_on_cuda(grad, one_thread):
+    """A tiny Qwen3.5 on CUDA: one packed graph, its GDN layers on the forest (through fla where it is installed,
+    else transformers' torch path), the logits (and every gradient) within the kernel's rounding of the unmodified
+    model (which runs the same kernel)."""
     import copy
     import functools
+    import importlib.util
 
     import dualkv_compile
     from dualkv_compile.backend import dualkv_backend
     from tests.family_sweep import batch_kwargs, model_class, tiny_config
 
-    kernel = _real_fla()
-    if grad:
-        _fla_trains(kernel)
+    fla = importlib.util.find_spec("fla") is not None
+    if fla and grad:
+        _fla_trains(_real_fla())
     from dualkv_compile.integrations.hf_hybrids import _wrapped
     import transformers.models.qwen3_5.modeling_qwen3_5 as m
 
-    assert _wrapped(m.torch_chunk_gated_delta_rule)[1].__module__ == "fla.ops.gated_delta_rule.chunk"
+    runs = _wrapped(m.torch_chunk_gated_delta_rule)[1].__module__
+    assert runs == ("fla.ops.gated_delta_rule.chunk" if fla else m.__name__)
     cfg = tiny_config("qwen3_5_text")
     cfg.linear_key_head_dim = cfg.linear_value_head_dim = 32
     torch.manual_seed(0)
@@ -251,10 +255,10 @@ def test_real_fla_qwen3_5_packs_on_cuda(grad, one_thread):
     reports = dualkv_compile.reports()[before:]
     assert len(reports) == 1 and reports[0].packed_calls == 1, [str(r) for r in reports]
     print(reports[0])
-    assert "gated delta rule (flash-linear-attention" in str(reports[0])
+    kind = "gated delta rule (flash-linear-attention" if fla else "gated delta rule x"
+    assert kind in str(reports[0])
     err = ((out - ref_out).norm() / ref_out.norm()).item()
-    print(f"logits relative error {err:.2e}")
-    assert err < 2e-3
-    for n, g in ref_grads.items():
-        if g is not None and g.norm() > 0:
-            assert ((grads[n] - g).norm() / g.norm()).item() < 1e-2, n
+    worst = max([((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items()
+                 if g is not None and g.norm() > 0], default=0.0)
+    print(f"fla {fla}: logits relative error {err:.2e}, worst gradient {worst:.2e}")
+    assert err < (2e-3 if fla else 1e-5) and worst < (1e-2 if fla else 1e-4)

@@ -208,15 +208,23 @@ def _source(impl: str) -> str:
     return inspect.getsource(getattr(fn, "__wrapped__", fn))
 
 
-@pytest.mark.parametrize("impls", [GATED_DELTA_IMPLS, MAMBA2_IMPLS, MAMBA1_IMPLS], ids=["gated_delta", "mamba2", "mamba1"])
+def _installed(impls) -> list[str]:
+    """The names whose module this transformers has (a family newer than the installed release is absent)."""
+    import importlib.util
+
+    return sorted(i for i in impls if importlib.util.find_spec(i.rpartition(".")[0].rpartition(".")[0]) is not None)
+
+
+@pytest.mark.parametrize("impls", [GATED_DELTA_IMPLS, KDA_IMPLS, MAMBA2_IMPLS, MAMBA1_IMPLS],
+                         ids=["gated_delta", "kda", "mamba2", "mamba1"])
 def test_each_named_impl_is_one_source(impls):
     """The families' copies are one function (transformers' "Copied from"): the forest form models that one."""
-    sources = {impl: _source(impl) for impl in sorted(impls)}
+    sources = {impl: _source(impl) for impl in _installed(impls)}
     assert len(set(sources.values())) == 1, sorted(sources)
 
 
 def test_the_math_probe_accepts_the_fallbacks_and_refuses_other_math():
-    assert all(math_agrees(impl) for impl in sorted(GATED_DELTA_IMPLS | KDA_IMPLS | MAMBA2_IMPLS | MAMBA1_IMPLS))
+    assert all(math_agrees(impl) for impl in _installed(GATED_DELTA_IMPLS | KDA_IMPLS | MAMBA2_IMPLS | MAMBA1_IMPLS))
     # Same signature and name as a Mamba-2 scan, other math: refused by the probe, not by the name.
     assert not math_agrees(f"{__name__}.mamba2_chunk_scan")
     assert not math_agrees("transformers.models.mamba2.modeling_mamba2.no_such_function")
@@ -335,7 +343,7 @@ EXPECTED = {"qwen3_next": PACKED, "qwen3_5_text": PACKED, "qwen3_5_moe_text": PA
             "nemotron_h": PACKED, "mamba": PACKED}
 # The same scan in more families: make test-slow.
 EXPECTED_SLOW = {"olmo_hybrid": PACKED, "mamba2": PACKED, "falcon_h1": PACKED, "bamba": PACKED, "granitemoehybrid": PACKED, "zamba2": PACKED,
-                 "falcon_mamba": PACKED, "jamba": PACKED}
+                 "falcon_mamba": PACKED, "jamba": PACKED, "lara_mini": PACKED, "bailing_hybrid": PACKED}
 
 
 def _expect(family, expected):

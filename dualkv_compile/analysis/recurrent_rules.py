@@ -43,13 +43,14 @@ GATED_DELTA = torch.ops.dualkv.gated_delta_rule.default
 # and each family's model test compare them).
 GATED_DELTA_IMPLS = frozenset(
     f"transformers.models.{m}.modeling_{m}.torch_chunk_gated_delta_rule"
-    for m in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
+    for m in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "lara_mini")
 )
 # flash-linear-attention's chunked GDN, which transformers' hub wrapper runs where fla is installed: the same math
 # (its own kernel), run per forest level with per-sequence initial states (kernels.recurrent.gated_delta_varlen).
 GATED_DELTA_KERNELS = frozenset({"fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule"})
 # Kimi's delta attention: the gated delta rule with a decay per key channel (g [B, T, H, Dk]), the same op.
-KDA_IMPLS = frozenset({"transformers.models.kimi_linear.modeling_kimi_linear.chunk_kimi_delta_attention"})
+KDA_IMPLS = frozenset(f"transformers.models.{m}.modeling_{m}.chunk_kimi_delta_attention"
+                      for m in ("kimi_linear", "bailing_hybrid"))
 MAMBA2 = torch.ops.dualkv.mamba2_chunk_scan.default
 # transformers' Mamba-2 torch paths: one function, copied into each family's module (kernels.recurrent.mamba2).
 MAMBA2_IMPLS = frozenset(
