@@ -135,7 +135,7 @@ def test_polyfills_route_to_the_op_unless_torch_export_is_tracing(monkeypatch):
         calls.append("fallback")
         return "fallback", None
 
-    polyfill = hf_hybrids._gdn_polyfill(fallback, IMPL)
+    polyfill = hf_hybrids.gdn_polyfill(fallback, IMPL)
     inputs, _ = _gdn_inputs(False)
     monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)  # what 2.11's Dynamo sees under compile
     assert polyfill(*inputs)[0] == "op"
@@ -156,7 +156,7 @@ def test_registration_reads_a_module_namespace_not_its_lazy_getattr():
         def __getattr__(self, name):
             raise ModuleNotFoundError("No module named 'torchvision'")
 
-    assert hf_hybrids._register("transformers.models.fake_lazy", Lazy("transformers.models.fake_lazy")) == 0
+    assert hf_hybrids.register_module("transformers.models.fake_lazy", Lazy("transformers.models.fake_lazy")) == 0
 
 
 MAMBA2_IMPL = "transformers.models.mamba2.modeling_mamba2.mamba2_chunk_scan"

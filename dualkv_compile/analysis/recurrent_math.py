@@ -25,8 +25,8 @@ __all__ = ["math_agrees"]
 
 _LENS, _PARENTS = [5, 3, 6, 2], [-1, 0, 0, 2]  # a root, two children, a grandchild: 3 sequences, chunks of 4 cross them
 _RTOL = 1e-4
-# A kernel library's on CUDA: its tiles multiply in TF32 (float32 inputs, 10-bit mantissas): fla 0.6 on an H200
-# is 4.1e-4 off at most on the probe (outputs up to 0.33; benchmarks/logs/gpu_tests/h200-2026-12-03-fla). The
+# A kernel library's on CUDA: its tiles multiply in TF32 (float32 inputs, 10-bit mantissas): fla 0.6 on Hopper
+# is 4.1e-4 off at most on the probe, outputs up to 0.33 (docs/benchmarks.md, "flash-linear-attention"). The
 # probe still separates a changed gate, scale or normalisation, which move outputs by O(0.1).
 _KERNEL_TOL = 5e-3
 

@@ -37,13 +37,13 @@ from ..ops.recurrent import gated_delta_rule, mamba2_chunk_scan, mamba_selective
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["install", "opaque_recurrent_cores"]
+__all__ = ["gdn_polyfill", "hub_wrapper_parts", "install", "opaque_recurrent_cores", "register_module"]
 
 _DONE: set[int] = set()  # ids of the wrappers looked at (registered or left alone)
 _KEEP: list = []  # the wrappers looked at, so that an id is never reused
 
 
-def _wrapped(wrapper):
+def hub_wrapper_parts(wrapper):
     """``(fallback, implementation)`` of transformers' hub wrapper: the torch fallback it wraps and the function it
     runs (the fallback itself, or a kernel library's); None for anything else."""
     fallback = getattr(wrapper, "__wrapped__", None)
@@ -84,7 +84,7 @@ def _as_the_wrapper(kwargs: dict, named: frozenset, impl: str, package: str) -> 
     return {k: v for k, v in kwargs.items() if k in named}
 
 
-def _gdn_polyfill(fallback, impl: str, kernel=None):
+def gdn_polyfill(fallback, impl: str, kernel=None):
     """A function with the GDN fallback's signature (and defaults) calling the opaque op with ``impl``: the
     fallback's name, or ``kernel``'s (flash-linear-attention's, which the wrapper runs instead). As the wrapper,
     packed sequences (``cu_seqlens``) and any other keyword ``kernel`` names go to ``kernel`` itself (Dynamo does not
@@ -150,12 +150,12 @@ def _mamba1_polyfill(fallback, impl: str):
 
 
 # The functions routed to an op, each with the polyfill that routes it.
-_POLYFILLS = {"torch_chunk_gated_delta_rule": _gdn_polyfill, "chunk_kimi_delta_attention": _gdn_polyfill,
+_POLYFILLS = {"torch_chunk_gated_delta_rule": gdn_polyfill, "chunk_kimi_delta_attention": gdn_polyfill,
               "mamba2_chunk_scan": _mamba2_polyfill,
               "mamba_selective_scan": _mamba1_polyfill}
 
 
-def _register(name: str, module) -> int:
+def register_module(name: str, module) -> int:
     """Register the polyfills of ``module``'s hub wrappers that run their torch fallback; how many it registered."""
     return sum(_register_one(name, module, function, make) for function, make in _POLYFILLS.items())
 
@@ -168,14 +168,14 @@ def _register_one(name: str, module, function: str, make) -> bool:
         return False
     _DONE.add(id(wrapper))
     _KEEP.append(wrapper)
-    pair = _wrapped(wrapper)
+    pair = hub_wrapper_parts(wrapper)
     fallback, runs = pair if pair is not None else (None, None)
     if fallback is None or getattr(fallback, "__module__", None) != name:
         log.info("dualkv: %s.%s is not transformers' hub wrapper of its torch fallback: left alone", name, function)
         return False
     if runs is fallback:
         polyfill = make(fallback, f"{name}.{function}")
-    elif make is _gdn_polyfill and function == "torch_chunk_gated_delta_rule" and _kernel_name(runs):
+    elif make is gdn_polyfill and function == "torch_chunk_gated_delta_rule" and _kernel_name(runs):
         polyfill = make(fallback, _kernel_name(runs), kernel=runs)
     else:
         log.info("dualkv: %s.%s runs %s, which no op here calls: left alone (traced by Dynamo)", name, function,
@@ -192,7 +192,7 @@ def _register_one(name: str, module, function: str, make) -> bool:
 
 def opaque_recurrent_cores() -> int:
     """Register the polyfills for every imported transformers module's recurrent hub wrappers (module docstring)."""
-    return sum(_register(name, module) for name, module in list(sys.modules.items())
+    return sum(register_module(name, module) for name, module in list(sys.modules.items())
                if name.startswith("transformers.models.") and module is not None)
 
 
@@ -211,7 +211,7 @@ class _Loader(importlib.abc.Loader):
     def exec_module(self, module):
         self._inner.exec_module(module)
         try:
-            _register(module.__name__, module)
+            register_module(module.__name__, module)
         except Exception as e:  # the user's import must not fail for it: the layer then compiles as before
             log.warning("dualkv: %s's recurrent cores stay traced by Dynamo: %s", module.__name__, e)
 
