@@ -362,3 +362,30 @@ def test_hybrid_compiles_under_dualkv_and_is_exact(family, one_thread):
 @pytest.mark.parametrize("family", sorted(EXPECTED_SLOW))
 def test_more_hybrids_compile_under_dualkv_and_are_exact(family, one_thread):
     _expect(family, EXPECTED_SLOW)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+def test_hybrid_with_activation_checkpointing_packs_and_is_exact(family, one_thread):
+    """transformers' non-reentrant activation checkpointing around GDN and Mamba-2 layers: their opaque ops inside
+    the checkpointed regions are packed as without it (the forest scans' backward recomputes them), exactly."""
+    import copy
+    import functools
+
+    from dualkv_compile.backend import dualkv_backend
+    from tests.family_sweep import _forward_backward, _worst
+
+    torch._dynamo.reset()
+    model = tiny_model(family)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert model.is_gradient_checkpointing
+    kwargs, valid = batch_kwargs(model)
+    ref = copy.deepcopy(model)
+    ref_out, ref_grads = _forward_backward(ref, kwargs, valid)
+    before = len(dualkv_compile.reports())
+    compiled = torch.compile(model, backend=functools.partial(dualkv_backend, options={"inner": "aot_eager"}))
+    out, grads = _forward_backward(compiled, kwargs, valid)
+    reports = dualkv_compile.reports()[before:]
+    assert [r.packed_calls for r in reports] == [1], [str(r) for r in reports]
+    kinds = [k for k, _ in reports[0].recurrent_layers]
+    assert ("gated delta rule" if family == "qwen3_5_text" else "Mamba-2 scan") in kinds, kinds
+    assert _worst(out, grads, ref_out, ref_grads) is None
