@@ -364,7 +364,7 @@ def test_more_hybrids_compile_under_dualkv_and_are_exact(family, one_thread):
     _expect(family, EXPECTED_SLOW)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", pytest.param("nemotron_h", marks=pytest.mark.slow)])
 def test_hybrid_with_activation_checkpointing_packs_and_is_exact(family, one_thread):
     """transformers' non-reentrant activation checkpointing around GDN and Mamba-2 layers: their opaque ops inside
     the checkpointed regions are packed as without it (the forest scans' backward recomputes them), exactly."""
