@@ -66,6 +66,57 @@ def test_the_stand_in_is_transformers_math_per_sequence():
         kernel(*xs, chunk_size=4)
 
 
+def _kda_stand_in():
+    """The KDA stand-in, which imports ``..gated_delta_rule.chunk``: loaded as a member of a package under a
+    private name (``fla`` stays unimported in this process)."""
+    import types
+
+    pkg = types.ModuleType("fla_stand_in_pkg")
+    pkg.__path__ = [str(FAKES / "fla/ops")]
+    sys.modules.setdefault("fla_stand_in_pkg", pkg)
+    spec = importlib.util.spec_from_file_location("fla_stand_in_pkg.kda.chunk", FAKES / "fla/ops/kda/chunk.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.chunk_kda
+
+
+def test_the_kda_stand_in_is_transformers_math_per_sequence():
+    """fla's ``chunk_kda`` contract (a decay per key channel), varlen with initial states: as Kimi-linear's torch
+    fallback runs each sequence."""
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    kernel, fallback = _kda_stand_in(), kimi.chunk_kimi_delta_attention.__wrapped__
+    lens = [5, 1, 7]
+    q, k, v, _, beta = _inputs(sum(lens), seed=1, Hk=4, Hv=4)
+    g = (-F.softplus(torch.randn(1, sum(lens), 4, 4, dtype=torch.float64))).requires_grad_()
+    h0 = torch.randn(len(lens), 4, 4, 4, dtype=torch.float64)
+    cu = torch.tensor([0, 5, 6, 13])
+    out, ht = kernel(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                     cu_seqlens=cu)
+    for n in range(len(lens)):
+        part = [x[:, cu[n]:cu[n + 1]] for x in (q, k, v, g, beta)]
+        want, state = fallback(*part, chunk_size=4, initial_state=h0[n:n + 1].float(), output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(out[:, cu[n]:cu[n + 1]], want.to(out.dtype), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ht[n:n + 1], state.to(ht.dtype), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("forest", FORESTS_KDA := [([3, 0, 2, 4], [-1, 0, 1, 0]), ([2, 1, 1, 5, 3], [-1, 0, 1, 1, 0])],
+                         ids=lambda f: f"{len(f[0])}nodes")
+def test_varlen_forest_with_a_decay_per_key_channel_is_the_reference(forest):
+    segs, T = forest_segments(*forest)
+    q, k, v, _, beta = _inputs(T, seed=5, Hk=2, Hv=4)
+    g = (-F.softplus(torch.randn(1, T, 4, 4, generator=torch.Generator().manual_seed(5),
+                                 dtype=torch.float64))).requires_grad_()
+    xs = [q, k, v, g, beta]
+    out = forest_gated_delta_rule_varlen(_kda_stand_in(), *xs, segs, use_qk_l2norm=True)
+    want = ref_gdn(*xs, segs, use_qk_l2norm=True)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), xs), torch.autograd.grad((want * w).sum(), xs)):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
 FORESTS = [([5], [-1]), ([3, 0, 2, 4], [-1, 0, 1, 0]), ([2, 1, 1, 5, 3], [-1, 0, 1, 1, 0])] + [
     small_forest(seed, 30, 7) for seed in (1, 4)]
 
@@ -105,7 +156,7 @@ _SCRIPT = textwrap.dedent("""
     from tests.family_sweep import run_family
     import transformers.models.{module}.modeling_{module} as m
     from dualkv_compile.integrations.hf_hybrids import hub_wrapper_parts
-    runs = hub_wrapper_parts(m.torch_chunk_gated_delta_rule)[1]
+    runs = hub_wrapper_parts(m.{function})[1]
     outcome = run_family("{family}")
     reports = dualkv_compile.reports()
     print(json.dumps({{"runs": runs.__module__, "outcome": outcome.outcome, "detail": outcome.detail,
@@ -114,10 +165,15 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("family,module", [("qwen3_5_text", "qwen3_5"),
-                                           pytest.param("qwen3_next", "qwen3_next", marks=pytest.mark.slow),
-                                           pytest.param("olmo_hybrid", "olmo_hybrid", marks=pytest.mark.slow)])
-def test_hybrid_with_fla_installed_packs_and_is_exact(family, module, one_thread):
+GDN, KDA = "torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention"
+
+
+@pytest.mark.parametrize("family,module,function", [
+    ("qwen3_5_text", "qwen3_5", GDN),
+    pytest.param("qwen3_next", "qwen3_next", GDN, marks=pytest.mark.slow),
+    pytest.param("olmo_hybrid", "olmo_hybrid", GDN, marks=pytest.mark.slow),
+    pytest.param("kimi_linear", "kimi_linear", KDA, marks=pytest.mark.slow)])
+def test_hybrid_with_fla_installed_packs_and_is_exact(family, module, function, one_thread):
     """The family sweep's check (logits and every gradient within 1e-5 of the unmodified model, which runs the
     stand-in too) with fla installed: packed, its GDN layers on the forest through fla's function."""
     import json
@@ -126,11 +182,13 @@ def test_hybrid_with_fla_installed_packs_and_is_exact(family, module, one_thread
 
     root = Path(__file__).parent.parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(FAKES), str(root)]), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT.format(family=family, module=module)], cwd=root, env=env,
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT.format(family=family, module=module, function=function)],
+                          cwd=root, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["runs"] == "fla.ops.gated_delta_rule.chunk", result  # the wrapper runs the stand-in
+    want = "fla.ops.gated_delta_rule.chunk" if function == GDN else "fla.ops.kda.chunk"
+    assert result["runs"] == want, result  # the wrapper runs the stand-in
     assert result["outcome"] == PACKED, result
     assert result["graphs"] == result["packed"] == 1, result  # no graph break at the GDN layer: one packed graph
     assert "gated delta rule (flash-linear-attention, a launch per forest level)" in result["report"], result["report"]
@@ -154,6 +212,15 @@ def test_real_fla_passes_the_math_probe():
 
     _real_fla()
     assert math_agrees(FLA_IMPL) and math_agrees(FLA_IMPL, True)
+
+
+@pytest.mark.cuda
+def test_real_fla_kda_passes_the_math_probe():
+    from dualkv_compile.analysis.recurrent_math import math_agrees
+
+    _real_fla()
+    pytest.importorskip("fla.ops.kda")
+    assert math_agrees("fla.ops.kda.chunk.chunk_kda")
 
 
 def _fla_trains(kernel) -> None:

@@ -112,6 +112,7 @@ def _mamba1_probe(impl_fn, grouped: bool):
 
 _PROBES = {"torch_chunk_gated_delta_rule": _gated_delta_probe, "mamba2_chunk_scan": _mamba2_probe,
            "chunk_gated_delta_rule": functools.partial(_gated_delta_probe, kernel=True),
+           "chunk_kda": functools.partial(_gated_delta_probe, per_channel=True, kernel=True),
            "chunk_kimi_delta_attention": functools.partial(_gated_delta_probe, per_channel=True),
            "mamba_selective_scan": _mamba1_probe}
 

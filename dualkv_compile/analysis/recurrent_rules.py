@@ -9,8 +9,8 @@ it has in each root-to-leaf sequence through it. Registered here (``rule_registr
 * ``dualkv::gated_delta_rule`` (``ops.recurrent``, transformers' GDN fallback as one op): q, k, v
   ``[B, T, H, D]``, g and beta ``[B, T, H]``, from a zero state and returning no final state (training; a
   cached state is generation's: computed in the original layout), its ``impl`` one whose math the forest
-  reference is (``GATED_DELTA_IMPLS``, flash-linear-attention's ``GATED_DELTA_KERNELS``; ``KDA_IMPLS`` with g
-  ``[B, T, H, Dk]``): the output keeps the token axes;
+  reference is (``GATED_DELTA_IMPLS``, flash-linear-attention's ``GATED_DELTA_KERNELS``; ``KDA_IMPLS`` and
+  ``KDA_KERNELS`` with g ``[B, T, H, Dk]``): the output keeps the token axes;
 * ``dualkv::mamba2_chunk_scan`` (``ops.recurrent``, transformers' Mamba-2 SSD fallback as one op): x
   ``[B, T, H, P]``, dt ``[B, T, H]``, B and C ``[B, T, G, N]``, A, D and dt_bias constant, from a zero state (the
   op has no other form), its ``impl`` one of ``MAMBA2_IMPLS``: the output keeps the token axes;
@@ -36,7 +36,7 @@ from .node_info import Kind, NodeInfo, RuleFailed, shape_of
 from .recurrent_math import math_agrees
 from .rule_registry import token_rule
 
-__all__ = ["GATED_DELTA", "GATED_DELTA_IMPLS", "GATED_DELTA_KERNELS", "KDA_IMPLS", "MAMBA1", "MAMBA1_IMPLS", "MAMBA2", "MAMBA2_IMPLS", "RECURRENT_TARGETS", "recurrent_kind"]
+__all__ = ["GATED_DELTA", "GATED_DELTA_IMPLS", "GATED_DELTA_KERNELS", "KDA_IMPLS", "KDA_KERNELS", "MAMBA1", "MAMBA1_IMPLS", "MAMBA2", "MAMBA2_IMPLS", "RECURRENT_TARGETS", "recurrent_kind"]
 
 GATED_DELTA = torch.ops.dualkv.gated_delta_rule.default
 # transformers' torch fallbacks whose math is kernels.recurrent.gated_delta's (tests/kernels/test_forest_recurrence
@@ -51,6 +51,7 @@ GATED_DELTA_KERNELS = frozenset({"fla.ops.gated_delta_rule.chunk.chunk_gated_del
 # Kimi's delta attention: the gated delta rule with a decay per key channel (g [B, T, H, Dk]), the same op.
 KDA_IMPLS = frozenset(f"transformers.models.{m}.modeling_{m}.chunk_kimi_delta_attention"
                       for m in ("kimi_linear", "bailing_hybrid"))
+KDA_KERNELS = frozenset({"fla.ops.kda.chunk.chunk_kda"})  # fla's, run as GATED_DELTA_KERNELS are
 MAMBA2 = torch.ops.dualkv.mamba2_chunk_scan.default
 # transformers' Mamba-2 torch paths: one function, copied into each family's module (kernels.recurrent.mamba2).
 MAMBA2_IMPLS = frozenset(
@@ -99,10 +100,12 @@ def _gated_delta(node, info, B, S) -> NodeInfo:
     if initial_state is not None or output_final_state:
         raise RuleFailed("a gated delta rule with a cached state (generation)")
     grouped = shape_of(k)[2] != shape_of(v)[2]  # fewer q/k heads than v heads: the impl must take them so
-    _known_math(impl, GATED_DELTA_IMPLS | GATED_DELTA_KERNELS | KDA_IMPLS, "a gated delta rule", grouped)
+    _known_math(impl, GATED_DELTA_IMPLS | GATED_DELTA_KERNELS | KDA_IMPLS | KDA_KERNELS, "a gated delta rule",
+                grouped)
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         _token(info[x], ("b", "s", None, None), f"the gated delta rule's {name}")
-    _token(info[g], ("b", "s", None, None) if impl in KDA_IMPLS else ("b", "s", None), "the gated delta rule's g")
+    per_channel = impl in KDA_IMPLS | KDA_KERNELS
+    _token(info[g], ("b", "s", None, None) if per_channel else ("b", "s", None), "the gated delta rule's g")
     _token(info[beta], ("b", "s", None), "the gated delta rule's beta")
     for user in node.users:
         if not (user.op == "call_function" and user.target is operator.getitem and user.args[1] == 0):
@@ -140,6 +143,6 @@ def recurrent_kind(n: fx.Node):
     """The layer kind ``n`` computes (``RECURRENT_TARGETS``' words, a gated delta rule's kernel named where it is a
     library's: the forest runs it), or None."""
     kind = RECURRENT_TARGETS.get(n.target) if n.op == "call_function" else None
-    if n.target is GATED_DELTA and n.args[-1] in GATED_DELTA_KERNELS:
+    if n.target is GATED_DELTA and n.args[-1] in GATED_DELTA_KERNELS | KDA_KERNELS:
         return f"{kind} (flash-linear-attention, a launch per forest level)"
     return kind

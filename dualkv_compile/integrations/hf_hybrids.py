@@ -4,9 +4,9 @@ Mamba (v1) selective scan (Mamba, Falcon-Mamba, Jamba).
 
 Assumes: a modeling module whose layer calls its ``torch_chunk_gated_delta_rule`` (``chunk_kimi_delta_attention``), ``mamba2_chunk_scan`` or
 ``mamba_selective_scan``: the hub wrapper (``use_kernel_func_from_hub_with_fallback``) around the torch fallback,
-running the fallback itself (fla / mamba-ssm not installed) or, for the GDN, flash-linear-attention's
-``chunk_gated_delta_rule`` (the op then calls that: the eager model's kernel); a wrapper that runs anything else is
-left alone.
+running the fallback itself (fla / mamba-ssm not installed) or, for the GDN and KDA, flash-linear-attention's
+``chunk_gated_delta_rule`` / ``chunk_kda`` (the op then calls that: the eager model's kernel); a wrapper that runs
+anything else is left alone.
 
 Guarantees: ``opaque_recurrent_cores()`` registers, for each such function of each module imported, a Dynamo
 polyfill (``torch.compiler.substitute_in_graph``) of the wrapper that calls the op of ``ops.recurrent`` with the
@@ -175,7 +175,7 @@ def _register_one(name: str, module, function: str, make) -> bool:
         return False
     if runs is fallback:
         polyfill = make(fallback, f"{name}.{function}")
-    elif make is gdn_polyfill and function == "torch_chunk_gated_delta_rule" and _kernel_name(runs):
+    elif make is gdn_polyfill and _kernel_name(runs):  # fla's chunk_gated_delta_rule or chunk_kda
         polyfill = make(fallback, _kernel_name(runs), kernel=runs)
     else:
         log.info("dualkv: %s.%s runs %s, which no op here calls: left alone (traced by Dynamo)", name, function,

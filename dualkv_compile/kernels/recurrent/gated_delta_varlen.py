@@ -3,7 +3,7 @@
 Assumes ``kernel`` has the contract of flash-linear-attention's ``chunk_gated_delta_rule`` over variable-length
 sequences: ``kernel(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=...,
 cu_seqlens=cu)`` with q, k ``[1, N, Hk, Dk]``, v ``[1, N, Hv, Dv]`` (Hv a multiple of Hk, each q/k head serving
-consecutive value heads), g and beta ``[1, N, Hv]``, ``cu`` int64 ``[n + 1]`` (every sequence non-empty), ``h0``
+consecutive value heads), g and beta ``[1, N, Hv]`` (g ``[1, N, Hv, Dk]`` for fla's ``chunk_kda``), ``cu`` int64 ``[n + 1]`` (every sequence non-empty), ``h0``
 ``[n, Hv, Dk, Dv]`` or None (zeros), returning ``(o [1, N, Hv, Dv], final states [n, Hv, Dk, Dv])``,
 differentiable in every tensor input (``h0`` included); ``cu_seqlens_cpu`` is passed too where the kernel
 names it. Layout and segments as ``gated_delta.forest_gated_delta_rule``.

@@ -15,10 +15,11 @@ def _l2norm(x):
 
 
 def _sequence(q, k, v, g, beta, h, scale):
-    """One sequence, ``[T, H, D]`` each (q, k already per value head), state ``[HV, K, V]``."""
+    """One sequence, ``[T, H, D]`` each (q, k already per value head; g ``[T, H]`` or ``[T, H, K]``), state
+    ``[HV, K, V]``."""
     outs = []
     for t in range(q.shape[0]):
-        h = h * g[t].exp()[:, None, None]
+        h = h * (g[t].exp()[:, :, None] if g.dim() == 3 else g[t].exp()[:, None, None])  # per key channel (KDA)
         err = v[t] - torch.einsum("hkv,hk->hv", h, k[t])
         h = h + torch.einsum("hk,hv->hkv", k[t], err * beta[t][:, None])
         outs.append(torch.einsum("hkv,hk->hv", h, q[t] * scale))
