@@ -33,7 +33,7 @@ import sys
 
 import torch
 
-from ..ops.recurrent import gated_delta_rule, mamba2_chunk_scan, mamba_selective_scan
+from ..ops.recurrent import gated_delta_rule, mamba2_chunk_scan, mamba_selective_scan, named_keywords
 
 log = logging.getLogger("dualkv_compile")
 
@@ -71,11 +71,6 @@ def _exporting() -> bool:
     return bool(getattr(torch.compiler, "_is_exporting_flag", False))
 
 
-def _named(fallback) -> frozenset:
-    """The keywords ``fallback`` names (read when the polyfill is built: Dynamo traces the polyfill's body)."""
-    return frozenset(n for n, p in inspect.signature(fallback).parameters.items() if p.kind is not p.VAR_KEYWORD)
-
-
 def _as_the_wrapper(kwargs: dict, named: frozenset, impl: str, package: str) -> dict:
     """The hub wrapper's handling of extra keywords: packed sequences (``cu_seqlens``/``seq_idx``) raise, as the
     torch fallback cannot keep them apart; the keywords the fallback does not name are dropped."""
@@ -91,7 +86,7 @@ def gdn_polyfill(fallback, impl: str, kernel=None):
     trace it: that call runs unpacked); without a kernel, packed sequences raise."""
     params = inspect.signature(fallback).parameters
     default_chunk = params["chunk_size"].default
-    named = _named(fallback) if kernel is None else _named(kernel)
+    named = named_keywords(fallback) if kernel is None else named_keywords(kernel)
 
     def polyfill(query, key, value, g, beta, chunk_size=default_chunk, initial_state=None, output_final_state=False,
                  use_qk_l2norm_in_kernel=False, **kwargs):
@@ -115,7 +110,7 @@ def _mamba2_polyfill(fallback, impl: str):
 
     As the wrapper: ``cu_seqlens``/``seq_idx`` raise ``ValueError``, and a keyword the fallback does not name
     (``z``, ``output_router_logits``: layers pass their own) is dropped before the call."""
-    named = _named(fallback)
+    named = named_keywords(fallback)
 
     def polyfill(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
                  dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
@@ -133,7 +128,7 @@ def _mamba2_polyfill(fallback, impl: str):
 def _mamba1_polyfill(fallback, impl: str):
     """A function with the Mamba (v1) fallback's signature calling the opaque op, else the fallback (the last
     state asked for); as the wrapper for packed sequences and unnamed keywords (``_mamba2_polyfill``)."""
-    named = _named(fallback)
+    named = named_keywords(fallback)
 
     def polyfill(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                  return_last_state=False, use_mambapy=False, use_associative_scan=False, **kwargs):

@@ -37,7 +37,7 @@ from ..kernels.recurrent.mamba1 import mamba1_out_dtype as _mamba1_dtype
 __all__ = ["gated_delta_rule", "gated_delta_rule_fwd", "gated_delta_rule_bwd", "mamba2_chunk_scan",
            "mamba2_chunk_scan_fwd", "mamba2_chunk_scan_bwd", "mamba2_out_dtype", "mamba_selective_scan",
            "mamba_selective_scan_fwd", "mamba_selective_scan_bwd", "mamba1_out_dtype", "resolve_impl",
-           "gdn_call", "is_varlen_kernel", "autograd_vjp", "vjp_with_optional", "grads_like", "recompute_autograd"]
+           "gdn_call", "is_varlen_kernel", "named_keywords", "autograd_vjp", "vjp_with_optional", "grads_like", "recompute_autograd"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,7 +51,7 @@ def resolve_impl(impl: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _keywords(fn) -> frozenset:
+def named_keywords(fn) -> frozenset:
     """The keywords ``fn`` names (not its ``**kwargs``): the ones transformers' hub wrapper passes it."""
     params = inspect.signature(fn).parameters
     return frozenset(n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
@@ -151,7 +151,7 @@ def gdn_call(impl: str, q, k, v, g, beta, chunk_size: int, initial_state, output
     """``impl`` called as transformers' hub wrapper calls it: ``chunk_size`` only where the function names it
     (flash-linear-attention's takes its own default, as under the wrapper)."""
     fn = resolve_impl(impl)
-    extra = {"chunk_size": chunk_size} if "chunk_size" in _keywords(fn) else {}
+    extra = {"chunk_size": chunk_size} if "chunk_size" in named_keywords(fn) else {}
     return fn(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
               use_qk_l2norm_in_kernel=use_qk_l2norm, **extra)
 
