@@ -594,3 +594,38 @@ def test_results_index_is_the_trees_and_lists_every_result():
     # A doc line naming a result is quoted beside it; a path that merely starts the same is not.
     texts = {"docs/x.md": ["see `benchmarks/results/peers/cpu-2026-11-27/peers.md`", "results/peers/cpu-2026-11-27-b/"]}
     assert index.quotes("peers/cpu-2026-11-27", texts) == [("docs/x.md", 1, texts["docs/x.md"][0])]
+
+
+def test_varlen_recurrent_restarts_gdn_and_conv_at_each_sequence():
+    """The hybrid baseline's remove-padding GDN and short conv (``benchmarks/ops/varlen_recurrent.py``) on a row of
+    three sequences equal transformers' torch fallbacks run on each sequence alone (float32); the fallbacks on the
+    whole row (what the row gets without it) differ, and a row without ``cu_seq_lens_q`` is refused."""
+    import inspect
+
+    from benchmarks.ops import varlen_recurrent
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    gdn_ref, conv_ref = (inspect.unwrap(vars(m)[n]) for n in (varlen_recurrent.GDN, varlen_recurrent.CONV))
+    torch.manual_seed(0)
+    lens = [7, 12, 5]
+    T, Hk, Hv, D, C, K = sum(lens), 2, 4, 8, 6, 4
+    cu = torch.tensor([0, 7, 19, 24], dtype=torch.int32)
+    q, k = torch.randn(1, T, Hk, D), torch.randn(1, T, Hk, D)
+    v, beta = torch.randn(1, T, Hv, D), torch.rand(1, T, Hv)
+    g = -torch.rand(1, T, Hv)
+    x, w, b = torch.randn(1, C, T), torch.randn(C, K), torch.randn(C)
+    with varlen_recurrent.flat_forest(m):
+        out, _ = m.torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=4, use_qk_l2norm_in_kernel=True,
+                                                cu_seqlens=cu)
+        conv = m.causal_conv1d_fn(x, w, b, activation="silu", cu_seq_lens_q=cu)
+        with pytest.raises(ValueError, match="cu_seq_lens_q"):
+            m.causal_conv1d_fn(x, w, b, activation="silu")
+    assert vars(m)[varlen_recurrent.GDN] is not None and inspect.unwrap(vars(m)[varlen_recurrent.GDN]) is gdn_ref
+    pieces = [slice(int(cu[i]), int(cu[i + 1])) for i in range(3)]
+    want = torch.cat([gdn_ref(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], chunk_size=4,
+                              use_qk_l2norm_in_kernel=True)[0] for s in pieces], dim=1)
+    want_conv = torch.cat([conv_ref(x[..., s], w, b, activation="silu") for s in pieces], dim=-1)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv, want_conv, rtol=1e-5, atol=1e-5)
+    joined = gdn_ref(q, k, v, g, beta, chunk_size=4, use_qk_l2norm_in_kernel=True)[0]
+    assert (joined - want).abs().max() > 1e-3 and (conv_ref(x, w, b, activation="silu") - want_conv).abs().max() > 1e-3

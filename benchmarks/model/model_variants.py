@@ -26,6 +26,8 @@ window) and their ratio; dualkv's report (``explain()``'s summary, attention bac
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
@@ -36,7 +38,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import dualkv_compile  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from benchmarks.ops import varlen_attention  # noqa: E402  (registers torch_varlen)
+from benchmarks.ops import varlen_attention, varlen_recurrent  # noqa: E402  (registers torch_varlen)
 from benchmarks.model.model_gpu import log, time_step  # noqa: E402
 from benchmarks.model.model_remove_padding import (chunked_next_token_logp, clipped_token_mean, next_token_logp,  # noqa: E402
                                   remove_padding_loss, varlen_loss)
@@ -91,11 +93,12 @@ WHY["qwen3_5_text"] = (
     "The strongest for a hybrid: remove padding with the sequences kept apart in every layer, the full-attention "
     "layers through torch's varlen flash attention and the GDN layers through flash-linear-attention's varlen chunked "
     "kernel (cu_seq_lens passed to the model, as veRL's and TRL's flattening paths do: transformers hands them to "
-    "fla as cu_seqlens). Without causal-conv1d installed (not on this machine), transformers' torch short "
-    "convolution ignores cu_seq_lens, so on this row each sequence's first 3 tokens read the previous sequence's "
-    "last ones: the baseline's loss differs a little for that reason, its cost does not. dualkv runs the padded "
-    "batch (a row without cu_seq_lens would join the sequences in the GDN layers, which the original program "
-    "does too), its GDN layers through fla a launch per forest level.")
+    "fla as cu_seqlens). Where fla does not train (not installed, or fla 0.6 refusing its GDN backward on Hopper with "
+    "Triton < 3.7.1), the GDN layers and their short convolutions run dualkv's own torch kernels on the flat forest, "
+    "each sequence a root (benchmarks/ops/varlen_recurrent.py): the kernels dualkv's packed run uses there, so the "
+    "ratio is the sharing's. dualkv runs the padded batch (a row without cu_seq_lens would join the sequences in the "
+    "GDN layers, which the original program does too), its GDN layers through fla a launch per forest level where "
+    "fla is the layer's kernel, else through its torch forest reference.")
 MLA_VARLEN = "torch_varlen_mla"
 
 
@@ -234,7 +237,8 @@ SIDES = {  # name: (layout, attn_implementation, loss, what it is); a model's ba
         "varlen": ("row", "torch_varlen", varlen_loss, "remove padding, cu_seq_lens to every layer: varlen flash "
                    "attention, fla's varlen GDN; chunked log-probs"),
         "sdpa": ("padded", "sdpa", padded_chunked_loss, "padded batch, SDPA with the padding mask, the GDN layers' "
-                 "kernel (transformers' torch chunked form without fla), chunked log-probs"),
+                 "kernel (fla's, else the torch chunked form: dualkv's opaque op, which importing dualkv substitutes "
+                 "for transformers' fallback under torch.compile), chunked log-probs"),
         "dualkv": ("padded", "sdpa", padded_loss, "dualkv (@policy_loss), padded batch, SDPA traced, the GDN layers' "
                    "kernel on the forest (explain() names it)"),
     },
@@ -245,6 +249,12 @@ SIDES = {  # name: (layout, attn_implementation, loss, what it is); a model's ba
         "dualkv": ("row", "sdpa", remove_padding_loss, "dualkv (@policy_loss), remove-padding row, SDPA traced"),
     },
 }
+
+
+VARLEN_TORCH_GDN = ("remove padding, cu_seq_lens to every layer: varlen flash attention; the GDN layers and their "
+                    "short convolutions restart at each sequence through dualkv's forest ops on the flat forest "
+                    "(varlen_recurrent.py: the torch kernels dualkv runs here, flash-linear-attention not training "
+                    "here); chunked log-probs")
 
 
 def micro_batches(seqs, layout, n, device, window, old_logp):
@@ -381,7 +391,7 @@ def write(out: str, meta: dict, name: str, entry: dict, stamp: dict) -> None:
             models = harness.payload(json.load(f)).get("models", {})
     models[name] = dict(entry, meta=meta)
     harness.write_json(path, harness.record(stamp, meta=dict(models=sorted(models)), results=dict(models=models)))
-    lines = ["# GRPO step on gpt-oss and DeepSeek-V2 shapes: dualkv against the strongest baseline that runs", ""]
+    lines = ["# GRPO step on gpt-oss, DeepSeek-V2 and Qwen3.5 shapes: dualkv against the strongest baseline that runs", ""]
     for model, e in models.items():
         m, (p0, p1), (r0, r1) = e["meta"], e["prompt"], e["response"]
         lines += [f"## {model}, {e['layers']} layers ({m['device']}, torch {m['torch']}, transformers "
@@ -436,8 +446,11 @@ def main(argv=None) -> int:
                          (args.response, "3..8" if tiny else "300..1000")))
     names = args.baselines.split(",") if args.baselines else [
         ("flex" if cuda else "eager") if family == "gpt_oss" else "varlen"]
-    if family == "qwen3_5_text" and not args.baselines and not _fla_trains(cuda):
-        names = ["sdpa"]  # a varlen GDN needs flash-linear-attention, and its backward here (_fla_trains)
+    recurrent = contextlib.nullcontext
+    if family == "qwen3_5_text" and not _fla_trains(cuda):  # the varlen GDN and conv: dualkv's ops on a flat forest
+        from transformers.models.qwen3_5 import modeling_qwen3_5
+        recurrent = functools.partial(varlen_recurrent.flat_forest, modeling_qwen3_5)
+        SIDES[family]["varlen"] = SIDES[family]["varlen"][:3] + (VARLEN_TORCH_GDN,)
     for b in names:
         if b not in SIDES[family] or b == "dualkv":
             ap.error(f"--baselines: {b!r} is not one of {list(SIDES[family])[:-1]} for {args.model}")
@@ -458,7 +471,8 @@ def main(argv=None) -> int:
                  ideal=dup / packed, flops_valid_tokens=dup, flops_packed=packed, why=WHY[family],
                  loss_tolerance=1e-2 if cuda else 1e-4, rows=[])
     for name in names + ["dualkv"]:  # the files written after each side: a run cut short keeps what it measured
-        entry["rows"].append(run_side(name, SIDES[family][name], model, seqs, args, cfg.get("sliding_window")))
+        with recurrent() if name == "varlen" else contextlib.nullcontext():
+            entry["rows"].append(run_side(name, SIDES[family][name], model, seqs, args, cfg.get("sliding_window")))
         write(args.out, meta, args.model, entry, stamp)
     ran, dk = [r for r in entry["rows"][:-1] if "ms" in r], entry["rows"][-1]
     if ran and "ms" in dk:
