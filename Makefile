@@ -57,7 +57,7 @@ $(VERL_STAMP): $(STAMP)
 	touch $(VERL_STAMP)
 
 test-verl: $(VERL_STAMP)
-	$(VERL)/bin/python -m pytest -q tests/integrations/test_verl.py
+	$(VERL)/bin/python -m pytest -q tests/integrations/test_verl.py tests/integrations/test_verl_ulysses.py
 
 # The suite against the newest releases of everything but torch (not run by CI): breakage is seen before a pin moves.
 $(LATEST_STAMP): pyproject.toml Makefile

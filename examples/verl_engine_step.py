@@ -73,12 +73,12 @@ def loss_function(model_output, data, dp_group=None):
 
 
 def build_engine(config_kwargs: dict, *, dualkv: bool, attn: str, bf16: bool, checkpoint: bool = False,
-                 inner: str = "aot_eager", seed: int = 0, fused: bool = False):
+                 inner: str = "aot_eager", seed: int = 0, fused: bool = False, sp: int = 1, model: str = "qwen3"):
     """veRL's ``FSDPEngineWithLMHead`` (FSDP2) over a random-weight Qwen3 saved from ``Qwen3Config(**config_kwargs)``,
     in train mode; with ``dualkv`` the model config carries the one line (``external_lib``); ``fused``: veRL's
     ``use_fused_kernels`` with its config's default ``impl_backend: torch`` (its chunked linear + log-prob + entropy;
-    dualkv leaves such a step to veRL). Needs the process
-    group (and, on CPU, ``verl_cpu_platform.install()``) first."""
+    dualkv leaves such a step to veRL); ``sp``: veRL's ``ulysses_sequence_parallel_size``; ``model``: ``qwen3`` or
+    ``qwen3_moe`` (``Qwen3MoeConfig``). Needs the process group (and, on CPU, ``verl_cpu_platform.install()``) first."""
     import transformers
     import verl.models.transformers.monkey_patch as monkey_patch
 
@@ -88,9 +88,12 @@ def build_engine(config_kwargs: dict, *, dualkv: bool, attn: str, bf16: bool, ch
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     path = tempfile.mkdtemp()
-    cfg = transformers.Qwen3Config(**config_kwargs, architectures=["Qwen3ForCausalLM"])
+    prefix = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[model]
+    cfg = getattr(transformers, f"{prefix}Config")(**config_kwargs, architectures=[f"{prefix}ForCausalLM"])
     torch.manual_seed(seed)
-    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
+    if torch.distributed.get_rank() == 0:  # one copy of the weights, read by every rank
+        getattr(transformers, f"{prefix}ForCausalLM")(cfg).save_pretrained(path)
+    path = _shared_path(path)
     # What veRL does with actor_rollout_ref.model.external_lib: import it while building the model config.
     external_lib = "dualkv_compile.integrations.verl" if dualkv else None
     model_config = HFModelConfig(
@@ -100,7 +103,7 @@ def build_engine(config_kwargs: dict, *, dualkv: bool, attn: str, bf16: bool, ch
     )
     engine = FSDPEngineWithLMHead(
         model_config, FSDPEngineConfig(
-            strategy="fsdp2", use_torch_compile=False,
+            strategy="fsdp2", use_torch_compile=False, ulysses_sequence_parallel_size=sp,
             mixed_precision=None if bf16 else {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
         ), FSDPOptimizerConfig(lr=1e-3),
         CheckpointConfig(),
@@ -112,6 +115,16 @@ def build_engine(config_kwargs: dict, *, dualkv: bool, attn: str, bf16: bool, ch
         dualkv_verl.enable(inner=inner)
     engine.train_mode().__enter__()
     return engine
+
+
+def _shared_path(path: str) -> str:
+    """Rank 0's ``path`` on every rank (the weights it saved there), after it saved them."""
+    if torch.distributed.get_world_size() == 1:
+        return path
+    paths = [path]
+    torch.distributed.broadcast_object_list(paths, src=0)
+    torch.distributed.barrier()
+    return paths[0]
 
 
 def verl_batch(ids, mask, pos, response_mask, micro_batch_size=None, fused=False):

@@ -181,8 +181,8 @@ def _why_not(engine, micro_batch) -> Optional[str]:
 
     if isinstance(engine, FSDPEngineWithValueHead):
         return "a value head (the critic's outputs are values, not log-probs)"
-    if getattr(engine, "use_ulysses_sp", False):
-        return "veRL's Ulysses sequence parallelism slices the row before the model"
+    if _sp_group(engine) is not None and hasattr(_unwrapped(engine.module).config, "vision_config"):
+        return "veRL's Ulysses on a vision-language model (its inputs sliced after the embedding)"
 
     def flag(key, default=False):
         return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
@@ -209,17 +209,53 @@ def _logits_dtype(engine) -> torch.dtype:
     return autocast_dtype if autocast_dtype != torch.float32 else next(engine.module.parameters()).dtype
 
 
+def _unwrapped(module):
+    return getattr(module, "module", module)
+
+
+def _sp_group(engine):
+    """veRL's Ulysses sequence-parallel group (its device mesh's ``sp`` dimension), None without Ulysses."""
+    if not getattr(engine, "use_ulysses_sp", False):
+        return None
+    return engine.ulysses_device_mesh["sp"]
+
+
+@contextmanager
+def _whole_rows(engine):
+    """veRL's ``prepare_model_inputs`` and ``_gather_and_unpad_packed`` as without Ulysses: the whole row on every
+    rank of the sp group (each holds the micro-batch before veRL would slice it), for dualkv to split itself."""
+    if not getattr(engine, "use_ulysses_sp", False):
+        yield
+        return
+    engine.use_ulysses_sp = False
+    try:
+        yield
+    finally:
+        engine.use_ulysses_sp = True
+
+
 def _compiled(engine):
     fn = engine.__dict__.get("_dualkv_compiled")
     if fn is None:
         # veRL switches Hugging Face checkpointing on and shards each layer: on transformers that checkpoint a
         # layer's __call__ (hooks included) its layers would never be compiled, so never packed.
         checkpoint_inside_hooks(engine.module)
+        options = dict(_STATE["options"])
+        group = _sp_group(engine)
+        if group is not None:  # dualkv's Ulysses over veRL's group (what veRL's own would have used)
+            if options.get("sequence_parallel") is not None:
+                raise ValueError("options['sequence_parallel']: veRL's Ulysses group is used under "
+                                 "ulysses_sequence_parallel_size > 1; leave the option unset")
+            options["sequence_parallel"] = group
         fn = torch.compile(
             functools.partial(_call_module, engine.module),
-            backend=functools.partial(dualkv_backend, options=dict(_STATE["options"])),
+            backend=functools.partial(dualkv_backend, options=options),
             dynamic=True,
         )
+        # Dynamo does not specialise FSDP2's modules: under dynamic=True their int attributes (an MoE router's
+        # top_k) would enter each layer's graph as symbols, and a layout rule needs them as numbers (a symbolic
+        # top_k is no provable divisor of the routing's sort). They are constants of the model: specialised.
+        fn = torch._dynamo.config.patch(specialize_int=True)(fn)
         engine.__dict__["_dualkv_compiled"] = fn
     return fn
 
@@ -234,7 +270,8 @@ def _forward_step(engine, micro_batch, loss_function, forward_only):
     from verl.utils.device import get_device_id, get_device_name
 
     micro_batch = micro_batch.to(get_device_id())
-    model_inputs, output_args = engine.prepare_model_inputs(micro_batch=micro_batch)
+    with _whole_rows(engine):
+        model_inputs, output_args = engine.prepare_model_inputs(micro_batch=micro_batch)
     # veRL divides by its per-token temperature cast to the logits' dtype: the same number, as a Python float.
     temperature = float(torch.tensor(float(micro_batch["temperature"])).clamp(min=1e-8).to(_logits_dtype(engine)))
     calculate_entropy = bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
@@ -251,9 +288,11 @@ def _forward_step(engine, micro_batch, loss_function, forward_only):
             rolled=output_args["input_ids_rmpad_rolled"], temperature=temperature, calculate_entropy=calculate_entropy,
         )
         pad, offsets = output_args["pad_size"], micro_batch["input_ids"].offsets()
-        model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(engine._gather_and_unpad_packed(log_probs, pad), offsets)}
-        if calculate_entropy:
-            model_output["entropy"] = torch.nested.nested_tensor_from_jagged(engine._gather_and_unpad_packed(entropy, pad), offsets)
+        with _whole_rows(engine):  # the values come back whole on every rank of the sp group: only the pad goes
+            unpad = functools.partial(engine._gather_and_unpad_packed, pad_size=pad)
+            model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(unpad(log_probs), offsets)}
+            if calculate_entropy:
+                model_output["entropy"] = torch.nested.nested_tensor_from_jagged(unpad(entropy), offsets)
         if loss_function is not None:
             loss, metrics = loss_function(model_output=model_output, data=micro_batch, dp_group=engine.get_data_parallel_group())
         else:
