@@ -13,9 +13,12 @@ call and the log-prob and entropy computation run as one ``torch.compile(..., ba
 backbone on the packed stream (each shared prompt once), the log-probs picked at veRL's rolled labels
 (``gather_unpacked``), only per-token values leaving the graph; the result goes back into veRL's flow (un-padding,
 nested tensors, loss, outputs) unchanged and equals veRL's own path to rounding (docs/design.md, semantics 14).
-What it leaves to veRL (a value head, ``use_remove_padding=False``, ``use_fused_kernels``, veRL's Ulysses, top-k
-distillation, ``calculate_sum_pi_squared``, multimodal inputs, a per-sample temperature tensor) runs the original
-``forward_step``, the reason logged once. Sharing is found within a micro-batch: with ``use_dynamic_bsz`` the
+Under veRL's Ulysses (``ulysses_sequence_parallel_size > 1``) every rank of its sp group takes the whole row (veRL
+slices it only after) and dualkv splits the packed stream over that group itself (``sequence_parallel``), the values
+whole on every rank, the gradients in veRL's convention. What it leaves to veRL (a value head,
+``use_remove_padding=False``, ``use_fused_kernels``, Ulysses on a vision-language model, top-k distillation,
+``calculate_sum_pi_squared``, multimodal inputs, a per-sample temperature) runs veRL's ``forward_step``, the reason
+logged once. Sharing is found within a micro-batch: with ``use_dynamic_bsz`` the
 engine's ``prepare_micro_batches`` is replaced too, its budget and count rules kept, so that rows with equal prompts
 land in one micro-batch (``layout.micro_batches``; ``last_micro_batches()`` explains the last plan). The lm_head
 inside its FSDP unit, the math against veRL's, the micro-batch settings: docs/design.md, "Trainer integrations".
