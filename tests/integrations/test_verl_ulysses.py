@@ -45,6 +45,8 @@ def _rel(a, b):
 CASES = [  # (model, world, sp, use_dynamic_bsz)
     ("qwen3", 2, 2, False),
     ("qwen3_moe", 2, 2, False),
+    ("qwen3", 2, 2, True),
+    ("qwen3_moe", 2, 2, True),
     ("qwen3", 4, 2, True),
     ("qwen3_moe", 4, 2, True),
 ]
