@@ -15,6 +15,7 @@ from .shared_batch import shared_batch
 from .runtime.exactness_check import ExactnessError
 from . import distributed  # check_groups_on_rank: the data-parallel data-loader check
 from . import integrations  # integrations.trl.enable(trainer)
+from . import schedule  # schedule.prefix_once_step: a group's prompt once across its micro-batches
 from .integrations.hf_hybrids import install as _install_hf_hybrids
 
 _register()

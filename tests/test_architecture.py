@@ -29,7 +29,7 @@ LAYERS = [
     {"runtime"},  # per-call work only
     {"distributed"},
     {"backend"},
-    {"policy_loss", "explain", "shared_batch"},  # user-facing entry points over the backend and the layout
+    {"policy_loss", "explain", "shared_batch", "schedule"},  # user-facing entry points; schedule: step schedules
     {"integrations"},  # one-line ways into trainers, over backend and config
     {"__init__"},
 ]
