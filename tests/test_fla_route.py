@@ -326,7 +326,16 @@ def test_qwen3_5_packs_on_cuda(grad, one_thread):
     kind = "gated delta rule (flash-linear-attention" if fla else "gated delta rule x"
     assert kind in str(reports[0])
     err = ((out - ref_out).norm() / ref_out.norm()).item()
-    worst = max([((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items()
-                 if g is not None and g.norm() > 0], default=0.0)
-    print(f"fla {fla}: logits relative error {err:.2e}, worst gradient {worst:.2e}")
-    assert err < (2e-3 if fla else 1e-5) and worst < (1e-2 if fla else 1e-4)
+    errors = {n: ((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items()
+              if g is not None and g.norm() > 0}
+    worst = max(errors.values(), default=0.0)
+    print(f"fla {fla}: logits relative error {err:.2e}, worst gradient {worst:.2e}",
+          sorted(errors.items(), key=lambda x: -x[1])[:3])
+    # The decay's parameters (A_log, dt_bias, in_proj_a: a per-head sum over every token's decay gradient, with
+    # cancellation) are ill-conditioned in float32: on this model, against the same math in float64, dualkv's
+    # float32 gradient is 1.7e-4 off and transformers' own float32 path 7.6e-4 (dualkv's float64 run: 9e-8), so the
+    # two float32 runs differ by up to 6e-4 (H200 and CPU alike). Every other gradient: 1e-4.
+    decay = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.")
+    worst = max([e for n, e in errors.items() if not any(d in n for d in decay)], default=0.0)
+    worst_decay = max([e for n, e in errors.items() if any(d in n for d in decay)], default=0.0)
+    assert err < (2e-3 if fla else 1e-5) and worst < (1e-2 if fla else 1e-4) and worst_decay < 2e-3, errors
