@@ -17,6 +17,7 @@ initial state through. A forest of depth d is d kernel calls; the levels come fr
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable
 
@@ -28,6 +29,7 @@ from .levels import depth_groups, host_table
 __all__ = ["forest_gated_delta_rule_varlen"]
 
 
+@functools.lru_cache(maxsize=None)  # a kernel's signature, read once (every layer, every call asks)
 def _names_cpu_lengths(kernel) -> bool:
     try:
         return "cu_seqlens_cpu" in inspect.signature(kernel).parameters
