@@ -121,15 +121,9 @@ def dynamic_batch(seed=0):
         prompt = torch.cat([torch.tensor([1 + k]), torch.randint(10, 101, (p - 1,), generator=g)])
         rows += [(k, prompt, torch.cat([torch.tensor([50 + j]), torch.randint(10, 101, (r - 1,), generator=g)]))
                  for j, r in enumerate(rs)]
-    rows = [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
-    P, R = max(p for p, _ in DYNAMIC_GROUPS), max(max(rs) for _, rs in DYNAMIC_GROUPS)
-    ids, mask = torch.zeros(len(rows), P + R, dtype=torch.long), torch.zeros(len(rows), P + R, dtype=torch.long)
-    response_mask = torch.zeros(len(rows), R, dtype=torch.long)
-    for b, (_, prompt, resp) in enumerate(rows):
-        ids[b, P - len(prompt):P], ids[b, P:P + len(resp)] = prompt, resp
-        mask[b, P - len(prompt):P + len(resp)] = 1
-        response_mask[b, :len(resp)] = 1
-    return ids, mask, (mask.cumsum(1) - 1).clamp(min=0), response_mask, [k for k, _, _ in rows]
+    from tests.integrations.verl_ulysses_rank import padded_rows
+
+    return padded_rows([rows[i] for i in torch.randperm(len(rows), generator=g).tolist()])
 
 
 def dynamic_bsz_step(out, dualkv):
@@ -154,17 +148,9 @@ def dynamic_bsz_step(out, dualkv):
     if dualkv:
         import dualkv_compile
         import dualkv_compile.integrations.verl as dualkv_verl
-        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+        from tests.integrations.verl_ulysses_rank import record_packed_steps
 
-        step = FSDPEngineWithLMHead.forward_step
-
-        def recorded(self, micro_batch, **kwargs):
-            result = step(self, micro_batch, **kwargs)
-            first = min((r for r in dualkv_compile.reports() if r.packed_calls), key=lambda r: r.graph_id)
-            packed.append((first.last_stats.tokens_before, first.last_stats.tokens_after))
-            return result
-
-        FSDPEngineWithLMHead.forward_step = recorded
+        packed = record_packed_steps()
     outputs = engine.forward_backward_batch(data, loss_function=loss_function, forward_only=False)
     result = {"outputs": outputs, "group": group, "packed": packed,
               "grads": {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()

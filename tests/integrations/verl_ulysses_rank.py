@@ -71,8 +71,12 @@ def batch(seed: int):
         prompt = torch.cat([torch.tensor([1 + k + 10 * seed]), torch.randint(30, 101, (p - 1,), generator=g)])
         rows += [(k, prompt, torch.cat([torch.tensor([60 + j]), torch.randint(30, 101, (r - 1,), generator=g)]))
                  for j, r in enumerate(rs)]
-    rows = [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
-    P, R = max(p for p, _ in GROUPS), max(max(rs) for _, rs in GROUPS)
+    return padded_rows([rows[i] for i in torch.randperm(len(rows), generator=g).tolist()])
+
+
+def padded_rows(rows):
+    """``[(group, prompt, response)]`` as veRL's rollout rows: ids, mask, position ids, response mask, groups."""
+    P, R = max(len(p) for _, p, _ in rows), max(len(r) for _, _, r in rows)
     ids, mask = torch.zeros(len(rows), P + R, dtype=torch.long), torch.zeros(len(rows), P + R, dtype=torch.long)
     response_mask = torch.zeros(len(rows), R, dtype=torch.long)
     for b, (_, prompt, resp) in enumerate(rows):
@@ -80,6 +84,24 @@ def batch(seed: int):
         mask[b, P - len(prompt):P + len(resp)] = 1
         response_mask[b, :len(resp)] = 1
     return ids, mask, (mask.cumsum(1) - 1).clamp(min=0), response_mask, [k for k, _, _ in rows]
+
+
+def record_packed_steps() -> list:
+    """A list that the engine's ``forward_step`` (dualkv's) fills with each micro-batch's (tokens before, after
+    packing) in its first packed graph (the first layer's)."""
+    import dualkv_compile
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    steps, step = [], FSDPEngineWithLMHead.forward_step
+
+    def recorded(self, micro_batch, **kwargs):
+        result = step(self, micro_batch, **kwargs)
+        first = min((r for r in dualkv_compile.reports() if r.packed_calls), key=lambda r: r.graph_id)
+        steps.append((first.last_stats.tokens_before, first.last_stats.tokens_after))
+        return result
+
+    FSDPEngineWithLMHead.forward_step = recorded
+    return steps
 
 
 def main(argv=None) -> None:
@@ -109,20 +131,7 @@ def main(argv=None) -> None:
     data = verl_batch(ids, mask, pos, response_mask)
     if args.dynamic_bsz:
         tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=args.dynamic_bsz)
-    steps = []  # with dualkv: each micro-batch's (tokens before, after packing) in its first layer's graph
-    if args.dualkv:
-        import dualkv_compile
-        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-
-        step = FSDPEngineWithLMHead.forward_step
-
-        def recorded(self, micro_batch, **kwargs):
-            result = step(self, micro_batch, **kwargs)
-            first = min((r for r in dualkv_compile.reports() if r.packed_calls), key=lambda r: r.graph_id)
-            steps.append((first.last_stats.tokens_before, first.last_stats.tokens_after))
-            return result
-
-        FSDPEngineWithLMHead.forward_step = recorded
+    steps = record_packed_steps() if args.dualkv else []
     outputs = engine.forward_backward_batch(data, loss_function=loss_function, forward_only=False)
     result = {"outputs": outputs, "group": group, "world": world, "sp": args.sp,
               "attn_implementation": engine.module.config._attn_implementation, "heads_seen": sorted(HEADS_SEEN),
