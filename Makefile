@@ -39,7 +39,7 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m slow tests
 
-# veRL 0.9.1's own FSDP engine with dualkv (tests/integrations/test_verl.py), in .venv-verl: a venv over .venv's
+# veRL 0.9.1's own FSDP engine with dualkv (tests/integrations/test_verl*.py, its Ulysses on 2-4 gloo ranks), in .venv-verl: a venv over .venv's
 # packages (site.addsitedir) plus veRL and the imports its engine needs, without veRL's pins (it asks for
 # transformers<5.11; the suite's transformers runs its engine). The versions are the ones this target passed with.
 VERL := .venv-verl
