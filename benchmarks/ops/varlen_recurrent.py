@@ -20,6 +20,7 @@ import torch
 
 import dualkv_compile.ops.forest_recurrent  # noqa: F401  (registers dualkv::forest_gated_delta_rule)
 from dualkv_compile.kernels.recurrent.causal_conv import causal_conv1d_along_paths
+from dualkv_compile.layout.segments import Segments, previous_token_index
 
 GDN, CONV = "torch_chunk_gated_delta_rule", "causal_conv1d_fn"
 
@@ -59,12 +60,8 @@ def gated_delta_rule(impl: str):
 
 def causal_conv1d(hidden_states, weight, bias=None, activation=None, **kwargs):
     """transformers' ``causal_conv1d_fn`` (x ``[1, C, T]``, weight ``[C, K]``) restarting at each sequence."""
-    cu = _cu(kwargs, "causal_conv1d").long()
-    T = hidden_states.shape[-1]
-    t = torch.arange(T, device=hidden_states.device)
-    first = torch.zeros(T, dtype=torch.bool, device=t.device)
-    first[cu[:-1].clamp(max=T - 1)] = True
-    prev = torch.where(first, t, t - 1)  # a sequence's first token maps to itself: zeros before it
+    segs = Segments(*_flat(_cu(kwargs, "causal_conv1d")), 0, 0)
+    prev = previous_token_index(segs, hidden_states.shape[-1])  # a root's first token maps to itself: zeros before
     return causal_conv1d_along_paths(hidden_states, weight.reshape(weight.shape[0], -1), bias, prev, activation)
 
 
