@@ -9,10 +9,11 @@ Llama, Qwen2/3 and their MoE kin), in train mode, and a group split into micro-b
 function returns that micro-batch's term of the step's loss (weighted as the caller's gradient accumulation would).
 
 Guarantees: the parameter gradients accumulated are those of ``sum(loss_fn(...))`` over the unsplit rows
-``[prompt | response]`` (docs/design.md, semantics 1 and 4). How: the prompt's first ``P - 1`` tokens run once, their per-layer
-keys and values kept; each micro-batch runs ``[prompt[-1] | responses]`` against them as leaves that take
-gradients (the last prompt token, a token a row, predicts the first response token), its backward accumulating
-into the parameters and the leaves; then the prefix's backward runs once from the summed key/value gradients.
+``[prompt | response]`` (docs/design.md, semantics 1, 4 and 18). How: the prompt's first ``P - 1`` tokens run
+once, their per-layer keys and values kept; each micro-batch runs ``[prompt[-1] | responses]`` against them as
+leaves that take gradients (the last prompt token, a token a row, predicts the first response token), its
+backward accumulating into the parameters and the leaves; then the prefix's backward runs once from the summed
+key/value gradients.
 Memory: the prefix's activations plus one micro-batch's. Anything else (another cache kind, a window) raises.
 """
 
