@@ -17,6 +17,7 @@ from . import distributed  # check_groups_on_rank: the data-parallel data-loader
 from . import integrations  # integrations.trl.enable(trainer)
 from . import schedule  # schedule.prefix_once_step: a group's prompt once across its micro-batches
 from .integrations.hf_hybrids import install as _install_hf_hybrids
+from .integrations.hf_vision import images_once  # each distinct image once through a VLM's vision tower
 
 _register()
 _install_hf_hybrids()  # hybrids' recurrent cores (GDN, Mamba-2) as ops in every Dynamo graph (integrations.hf_hybrids)
@@ -30,6 +31,7 @@ __all__ = [
     "detect",
     "dualkv_backend",
     "explain",
+    "images_once",
     "pack",
     "policy_loss",
     "reports",

@@ -242,7 +242,9 @@ def _input_info(t, ev, B: int, S: int) -> NodeInfo:
     shape = [hint(d) for d in ev.shape]
     role = t.role
     if role in (Role.CARRIED, Role.INPUTS_EMBEDS):
-        return NodeInfo(Kind.TOKEN, ("b", "s") + (None,) * (ev.dim() - 2), slen=S)
+        tags = [None] * ev.dim()
+        tags[t.dims[0]], tags[t.dims[1]] = "b", "s"
+        return NodeInfo(Kind.TOKEN, tuple(tags), slen=S)
     if role is Role.COLUMN:
         return NodeInfo(Kind.COLUMN, (None, "s") + (None,) * (ev.dim() - 2), slen=S)
     if ev.dim() != 2 or shape[1] != S or shape[0] not in (1, B):

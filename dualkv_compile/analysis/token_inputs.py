@@ -52,6 +52,7 @@ NAMED_ROLES = (Role.INPUT_IDS, Role.ATTENTION_MASK, Role.POSITION_IDS, Role.INPU
 class TokenInput:
     role: Role
     node: fx.Node
+    dims: tuple[int, int] = (0, 1)  # the b and s axes: (1, 2) for multimodal rotary positions [k, B, S]
 
     def __str__(self) -> str:
         """``input_ids``; ``carried:<placeholder>`` and ``column:<placeholder>`` for the token-major ones."""
@@ -159,9 +160,20 @@ def token_major_inputs(gm, example_inputs, known: TokenInputs, B: int, S: int, f
         lead = (hint(ev.shape[0]), hint(ev.shape[1]))
         if lead == (B, S):
             found.append(TokenInput(Role.CARRIED, node))
+        elif _multimodal_positions(ev, B, S):
+            found.append(TokenInput(Role.CARRIED, node, (1, 2)))
         elif lead == (1, S) and B > 1 and not floating_3d_only:
             found.append(TokenInput(Role.COLUMN, node))
     return TokenInputs(tuple(found))
+
+
+def _multimodal_positions(ev: torch.Tensor, B: int, S: int) -> bool:
+    """An integer ``[k, B, S]`` input, k < B or B == 1: the rotary positions of a vision-language model (Qwen's
+    M-RoPE rows: temporal, height, width, and text in newer versions), handed from the graph that computed them."""
+    if ev.dim() != 3 or ev.dtype.is_floating_point or ev.dtype is torch.bool:
+        return False
+    k, b, s = (hint(d) for d in ev.shape)
+    return (b, s) == (B, S) and 1 < k <= 4 and k != B
 
 
 def carried_batch_shape(attention: Sequence[AttentionMatch], current_layout: Optional[ActiveLayout]) -> tuple[int, int]:

@@ -31,7 +31,7 @@ class LayoutInputs:
     input_ids: Optional[int]  # placeholder positions of the named token inputs (None: not an input)
     attention_mask: Optional[int]
     position_ids: Optional[int]
-    carried: tuple[tuple[str, int], ...]  # (name, position) of token-major inputs from an earlier graph
+    carried: tuple[tuple[str, int, tuple[int, int]], ...]  # (name, position, b and s axes) of inputs from an earlier graph
     floating_index: tuple[int, ...]  # positions of the floating-point ones (analysis.analyze.floating_carried)
     has_attention: bool
     causal_unmasked: Optional[str]  # the first causal attention without a mask (it would attend to left padding)
@@ -58,7 +58,7 @@ def plan_layout_inputs(gm: fx.GraphModule, analysis: Analysis, packed: fx.GraphM
         input_ids=None if ids is None else position[ids],
         attention_mask=position[named[Role.ATTENTION_MASK]] if Role.ATTENTION_MASK in named else None,
         position_ids=position[named[Role.POSITION_IDS]] if Role.POSITION_IDS in named else None,
-        carried=tuple((n.name, position[n]) for n in analysis.token_inputs.of(Role.CARRIED)),
+        carried=tuple((t.node.name, position[t.node], t.dims) for t in analysis.token_inputs if t.role is Role.CARRIED),
         floating_index=tuple(position[n] for n in floating_carried(analysis.axes)),
         has_attention=bool(attention),
         causal_unmasked=next((m.output.name for m in attention if m.mask is None and m.is_causal), None),

@@ -72,11 +72,15 @@ class LayoutSource:
         graph that ran packed on it: a graph with no mask to tie its padding to ``cur`` may take it."""
         return cur.trusted or any(cur.produced(args[i]) for i in self.floating_index)
 
+    def carried_values(self, args) -> list[torch.Tensor]:
+        """The carried inputs laid out ``[B, S, ...]`` (multimodal positions ``[k, B, S]`` as ``[B, S, k]`` views)."""
+        return [args[i] if dims == (0, 1) else args[i].movedim(dims, (0, 1)) for _, i, dims in self.carried]
+
     def share_check(self, args, active: active_layout.ActiveLayout) -> Optional[str]:
         """None if every carried input's dropped copies equal the kept ones bitwise, else why not."""
         if not self.carried:
             return None
-        bad = active.share_mismatch([args[i] for _, i in self.carried])
+        bad = active.share_mismatch(self.carried_values(args))
         if bad is None:
             return None
         return (
@@ -162,7 +166,7 @@ class FromCarried(LayoutSource):
     def __init__(self, inputs: LayoutInputs, cfg: DualKVConfig, report: GraphReport):
         super().__init__(inputs, cfg, report)
         self.mask_key = inputs.mask_key  # the inputs the masks read: a carried layout's mask check is per key
-        self.size_index = self.carried[0][1]
+        self.size_index = next(i for _, i, dims in self.carried if dims == (0, 1))
 
     def __call__(self, args, also_read=()) -> "SharedPromptLayout | str":
         """The call's layout (or why none); reads nothing extra for the caller (``read_back`` stays None)."""
@@ -219,7 +223,7 @@ class FromCarried(LayoutSource):
             valid = allowed[:, 0].diagonal(dim1=-2, dim2=-1).expand(B, S)
         else:
             valid = torch.ones(B, S, dtype=torch.bool, device=device)
-        values = [args[i] for _, i in self.carried]
+        values = self.carried_values(args)
         try:
             layout = active_layout.detect_from_values(values, valid, group_size=self.cfg.group_size, min_shared=self.cfg.min_shared)
         except ValueError as e:

@@ -26,7 +26,7 @@ from ..plan.compile_route import is_dynamic, symbolic
 from .autocast_regions import autocast_regions_as_with_blocks
 
 __all__ = [
-    "LazyCompile", "dynamic_shape_patches", "has_unbacked_sizes", "inner_compile", "is_dynamic", "mode_patches", "nested_compile",
+    "LazyCompile", "dynamic_shape_patches", "has_unbacked_sizes", "indexes_by_a_boolean_mask", "inner_compile", "is_dynamic", "mode_patches", "nested_compile",
     "reads_lifted_scalars",
 ]
 
@@ -64,6 +64,23 @@ def has_unbacked_sizes(gm: fx.GraphModule) -> bool:
     return False
 
 
+def indexes_by_a_boolean_mask(gm: fx.GraphModule) -> bool:
+    """True if the graph indexes or assigns through a boolean tensor (``x[mask, :] = y``, Qwen3-VL's deepstack
+    merge): no value of it has an unbacked size, but AOTAutograd's trace of it calls ``nonzero``."""
+    import operator
+
+    def boolean(a) -> bool:
+        v = ev(a) if isinstance(a, fx.Node) else None
+        return isinstance(v, torch.Tensor) and v.dtype is torch.bool
+
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in (operator.getitem, operator.setitem) and len(n.args) > 1:
+            index = n.args[1] if isinstance(n.args[1], (tuple, list)) else (n.args[1],)
+            if any(boolean(a) for a in index):
+                return True
+    return False
+
+
 def reads_lifted_scalars(gm: fx.GraphModule) -> bool:
     """True if the graph reads an input as a Python scalar (``placeholder.item()``: Dynamo's lifted module floats)."""
     return any(item_of_placeholder(n) is not None for n in gm.graph.find_nodes(op="call_method", target="item"))
@@ -82,7 +99,7 @@ class LazyCompile:
     sizes compiles at once (``compile_now``): only Dynamo's tracing context,
     current while the backend runs, has the shape environment that defines
     them (compiled later from its example inputs, ``nonzero`` raised
-    DynamicOutputShapeException).
+    DynamicOutputShapeException); so does one that indexes by a boolean mask.
 
     Keeps no reference to the example inputs: they are the real tensors of
     the backend call (the model's weights, the batch), and a fallback that is
@@ -92,7 +109,7 @@ class LazyCompile:
     def __init__(self, gm, example_inputs, cfg: DualKVConfig, mode: Optional[str]):
         self.args = (gm, cfg, mode)
         self.compiled: Optional[Callable] = None
-        if has_unbacked_sizes(gm):
+        if has_unbacked_sizes(gm) or indexes_by_a_boolean_mask(gm):
             self.compile_now(example_inputs)
 
     def compile_now(self, example_inputs) -> "LazyCompile":

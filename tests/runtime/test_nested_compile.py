@@ -94,3 +94,27 @@ def test_inductor_coalescing_analysis_is_off_for_symbolic_sizes_where_it_breaks(
     assert seen, "Inductor was not called"
     # seen[0] is our call; compile_fx calls itself again inside the patch, with none.
     assert seen[0].get("triton.coalesce_tiling_analysis") is (False if dynamic else None), seen
+
+
+def test_a_refused_graph_that_assigns_through_a_boolean_mask_compiles():
+    """Qwen3-VL's deepstack merge, ``h[mask, :] = x`` on a graph input: no value has an unbacked size, but its
+    AOTAutograd trace calls ``nonzero``, so the fallback compiles while Dynamo's shape environment is current (compiled
+    on its first call instead, it raised DynamicOutputShapeException)."""
+
+    def merge(h, mask, e, s):
+        h[mask, :] = s + e
+        return h
+
+    def run(fn):
+        torch.manual_seed(0)
+        w = torch.randn(6, 4, requires_grad=True)
+        e = torch.randn(3, 4, requires_grad=True)
+        mask = torch.tensor([1, 0, 1, 0, 0, 1], dtype=torch.bool)
+        out = fn(w * 1, mask, e, torch.randn(3, 4))
+        out.pow(2).sum().backward()
+        return out.detach(), w.grad, e.grad
+
+    torch._dynamo.reset()
+    got, want = run(torch.compile(merge, backend="dualkv")), run(merge)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

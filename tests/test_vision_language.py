@@ -1,0 +1,104 @@
+"""Vision-language models: each distinct image once through the vision tower, the language model packed (semantics 17).
+
+CPU, float32, against the unmodified model (a copy, run eagerly): logits at every valid position and every
+parameter's gradient (the vision tower's included) within 1e-5; the tower's patch count (a hook on its input) is the
+distinct images' patches; the language model's graph runs packed.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dualkv_compile
+from dualkv_compile import reports
+
+from tests.vlm_batch import batch, images, tiny_vlm
+
+pytest.importorskip("transformers")
+
+TOL = 1e-5
+
+
+def _loss(model, b):
+    out = model(**b.kwargs())
+    w = torch.linspace(-1.0, 1.0, out.logits.shape[-1])
+    return (out.logits * w * b.attention_mask[..., None]).sum() / b.attention_mask.sum(), out.logits
+
+
+def _tower_patches(model) -> list[int]:
+    seen = []
+    model.model.visual.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(int(args[0].shape[0])),
+                                                 with_kwargs=True)
+    return seen
+
+
+def _check(family: str, batches):
+    torch._dynamo.reset()
+    model = tiny_vlm(family)
+    ref = copy.deepcopy(model)
+    counter = dualkv_compile.images_once(model)
+    seen = _tower_patches(model)
+    compiled = torch.compile(model, backend="dualkv")
+    for b in batches:
+        before = sum(r.packed_calls for r in reports())
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        loss_ref, logits_ref = _loss(ref, b)
+        loss_ref.backward()
+        seen.clear()
+        loss, logits = _loss(compiled, b)
+        loss.backward()
+        assert sum(seen) == b.distinct_patches, (seen, b.distinct_patches)
+        valid = b.attention_mask.bool()
+        assert (logits[valid] - logits_ref[valid]).abs().max().item() <= TOL
+        assert abs(loss.item() - loss_ref.item()) <= TOL
+        grads = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            g_ref = grads[name].grad
+            assert (p.grad is None) == (g_ref is None), name
+            if p.grad is not None:
+                err = (p.grad - g_ref).abs().max().item()
+                assert err <= TOL * max(1.0, g_ref.abs().max().item()), (name, err)
+        assert sum(r.packed_calls for r in reports()) > before, "no graph ran packed"
+    assert counter.images < counter.images_in
+
+
+def test_qwen2_5_vl_images_once_and_packed():
+    imgs = images(3)
+    _check("qwen2_5_vl", [
+        # Two groups, each its own image and prompt.
+        batch([([1, 2], [0], [5, 6, 7]), ([3, 2], [1], [8, 9])], imgs, group_size=3),
+        # Two groups whose prompts share an image but differ in text, rows shuffled.
+        batch([([1, 2], [2], [5, 6, 7]), ([4], [2], [8, 9, 9, 9])], imgs, group_size=3, seed=1, shuffle=True),
+        # Two images per prompt.
+        batch([([1], [0, 1], [5, 6]), ([3, 3], [2, 0], [8])], imgs, group_size=2, seed=2, shuffle=True),
+    ])
+
+
+def test_qwen3_vl_images_once_and_packed():
+    imgs = images(2, seed=3)
+    _check("qwen3_vl", [
+        batch([([1, 2], [0], [5, 6, 7]), ([3, 2], [1], [8, 9])], imgs, group_size=3, shuffle=True),
+    ])
+
+
+def test_images_once_refuses_a_text_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ValueError, match="no module with get_image_features"):
+        dualkv_compile.images_once(model)
+    with pytest.raises(TypeError, match="expected a torch.nn.Module"):
+        dualkv_compile.images_once(object())
+
+
+def test_images_once_twice_is_one_wrapper():
+    model = tiny_vlm("qwen2_5_vl")
+    first = dualkv_compile.images_once(model)
+    assert dualkv_compile.images_once(model) is first
+    assert dualkv_compile.images_once(model.model) is first
+    assert first.wrapped == ("model.get_image_features", "model.get_video_features")
