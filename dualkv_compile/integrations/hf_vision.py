@@ -27,7 +27,7 @@ import torch
 
 log = logging.getLogger("dualkv_compile")
 
-__all__ = ["ImagesOnce", "images_once"]
+__all__ = ["ImagesOnce", "images_once", "is_vision_language"]
 
 _MARK = "_dualkv_images_once"
 _METHODS = ("get_image_features", "get_video_features")
@@ -42,6 +42,11 @@ class ImagesOnce:
     patches_in: int = 0
     patches: int = 0
     wrapped: tuple[str, ...] = ()
+
+
+def is_vision_language(model: torch.nn.Module) -> bool:
+    """True if a module of ``model`` has ``get_image_features`` or ``get_video_features``."""
+    return any(callable(getattr(type(m), f, None)) for m in model.modules() for f in _METHODS)
 
 
 def images_once(model: torch.nn.Module) -> ImagesOnce:

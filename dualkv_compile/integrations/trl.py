@@ -31,6 +31,7 @@ import torch
 from ..backend import dualkv_backend
 from ..config import DualKVConfig
 from .hf_checkpointing import checkpoint_inside_hooks
+from .hf_vision import images_once, is_vision_language
 
 log = logging.getLogger("dualkv_compile")
 
@@ -137,6 +138,8 @@ def compile_scoring_forward(model: torch.nn.Module, **options: Any) -> torch.nn.
                 generating[0] -= 1
 
         lm.generate = generate
+    if is_vision_language(body):
+        images_once(body)  # each distinct image of a scoring call once through the vision tower
     log.debug("dualkv: routed %s's backbone (%s) through the dualkv backend", type(model).__name__, type(body).__name__)
     return model
 
