@@ -9,6 +9,8 @@ responses of ``--response LO..HI`` tokens; rows right-padded, every row carrying
 veRL pass ``pixel_values``). The loss: the clipped GRPO token mean over the responses' next-token log-probs
 (``model_remove_padding.clipped_token_mean``).
 
+The tower's attention (both sides): ``--vision-attn varlen`` (one non-causal varlen call a block, as with
+flash-attention 2; the default on CUDA) or ``sdpa`` (transformers' loop of one SDPA call a window and image).
 Sides: ``plain`` the unmodified model under ``torch.compile`` (Inductor), chunked log-probs from the last hidden
 state (no [B, S, V] logits kept), micro-batched in halves while out of memory (gradients accumulated, each part's
 loss weighted by its share of response tokens: the same step); ``dualkv`` ``images_once(model)`` and the loss
@@ -40,6 +42,7 @@ import dualkv_compile  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.model.model_gpu import log, time_step  # noqa: E402
 from benchmarks.model.model_remove_padding import chunked_next_token_logp, clipped_token_mean, next_token_logp  # noqa: E402
+from benchmarks.ops import varlen_attention  # noqa: E402  (registers the vision tower's varlen attention)
 
 IMAGE, START, END = 151655, 151652, 151653
 SHAPES = {  # Qwen2.5-VL-7B-Instruct's config (language layers set by --layers); a tiny one for CPU
@@ -58,7 +61,7 @@ SHAPES = {  # Qwen2.5-VL-7B-Instruct's config (language layers set by --layers);
 }
 
 
-def build_model(shape: str, layers: int, device: str, dtype):
+def build_model(shape: str, layers: int, device: str, dtype, vision_attn: str = "sdpa"):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     s = SHAPES[shape]
@@ -68,6 +71,7 @@ def build_model(shape: str, layers: int, device: str, dtype):
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2_5_VLForConditionalGeneration(cfg).to(dtype)
+    model.config.vision_config._attn_implementation = vision_attn
     return model.train()
 
 
@@ -180,7 +184,7 @@ def tower_ms(model, batch, images, reps, device):
 
 def run_side(name, model, batch, args) -> dict:
     cuda = args.device == "cuda"
-    row, n = dict(side=name, oom_at=[]), 1
+    row, n = dict(side=name, oom_at=[]), 1 if name == "dualkv" else args.micro_batches
     while True:
         torch._dynamo.reset()
         start, losses = len(dualkv_compile.reports()), []
@@ -237,7 +241,8 @@ def write(out, stamp, meta, rows, results):
     lines = harness.markdown_stamp(stamp) + [
         f"Qwen2.5-VL-{meta['shape']} shape, {meta['layers']} language layers, full vision tower; {meta['groups']} groups "
         f"x {meta['rollouts']} rows, one {meta['image']}px image ({meta['patches_per_image']} patches, "
-        f"{meta['image_tokens']} tokens) and {meta['text']} text tokens a prompt, responses {meta['response']}.", "",
+        f"{meta['image_tokens']} tokens) and {meta['text']} text tokens a prompt, responses {meta['response']}; the "
+        f"tower's attention: {meta['vision_attn']} on both sides.", "",
         "| side | step ms | peak GB | loss | tower patches / step | packed calls | micro-batches |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
@@ -253,7 +258,8 @@ def write(out, stamp, meta, rows, results):
               "many images as there are distinct ones."]
     if "speedup" in results:
         lines += [f"Speedup {results['speedup']:.2f}x; FLOP ideal {results['ideal']:.2f}x; speedup / ideal "
-                  f"{results['of_ideal']:.2f}; loss relative difference {results['loss_rel_diff']:.1e}."]
+                  f"{results['of_ideal']:.2f}; losses differ by {results['loss_abs_diff']:.1e} (relative "
+                  f"{results['loss_rel_diff']:.1e})."]
     with open(os.path.join(out, "model_vlm.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -267,6 +273,11 @@ def main(argv=None) -> int:
     ap.add_argument("--image", type=int, help="pixels a side (default 1036: 74 patches; tiny 112)")
     ap.add_argument("--text", type=int, help="text tokens a prompt (default 512; tiny 16)")
     ap.add_argument("--response", default=None, help="LO..HI tokens (default 300..1000; tiny 3..8)")
+    ap.add_argument("--vision-attn", choices=["varlen", "sdpa"], default=None,
+                    help="the tower's attention on both sides: varlen (one non-causal varlen call a block, "
+                    "benchmarks/ops/varlen_attention.py; the default on CUDA) or sdpa (transformers' loop of one SDPA "
+                    "call a window and image; the default on a CPU)")
+    ap.add_argument("--micro-batches", type=int, default=1, help="the plain side's first micro-batch count")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager", "eager"])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -278,11 +289,13 @@ def main(argv=None) -> int:
     image, text = args.image or (112 if args.tiny else 1036), args.text or (16 if args.tiny else 512)
     response = [int(x) for x in ((args.response or ("3..8" if args.tiny else "300..1000")).split("..") * 2)[:2]]
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = build_model(shape, args.layers, args.device, dtype)
+    vision_attn = args.vision_attn or ("varlen" if args.device == "cuda" else "sdpa")
+    model = build_model(shape, args.layers, args.device, dtype,
+                        varlen_attention.VISION_NAME if vision_attn == "varlen" else "sdpa")
     batch, info = make_batch(args.groups, args.rollouts, text, image, response, SHAPES[shape]["vision"], args.device, dtype)
     dup, packed = flops(model, info, args.groups)
     meta = dict(shape=shape, layers=args.layers, groups=args.groups, rollouts=args.rollouts, image=image, text=text,
-                response=response, dtype=str(dtype), compiler=args.compiler,
+                response=response, dtype=str(dtype), compiler=args.compiler, vision_attn=vision_attn,
                 **{k: info[k] for k in ("rows", "seq_len", "patches_per_image", "image_tokens", "prompt_tokens")})
     results = dict(ideal=dup / packed, flops_plain=dup, flops_distinct=packed)
     log(f"{meta}; FLOP ideal {dup / packed:.2f}x")
@@ -301,7 +314,8 @@ def main(argv=None) -> int:
         write(out, stamp, meta, rows, results)
     plain, dk = rows
     if "ms" in plain and "ms" in dk:
-        results.update(speedup=plain["ms"] / dk["ms"], loss_rel_diff=abs(dk["loss"] - plain["loss"]) / abs(plain["loss"]))
+        results.update(speedup=plain["ms"] / dk["ms"], loss_abs_diff=abs(dk["loss"] - plain["loss"]),
+                       loss_rel_diff=abs(dk["loss"] - plain["loss"]) / abs(plain["loss"]))
         results["of_ideal"] = results["speedup"] / results["ideal"]
         write(out, stamp, meta, rows, results)
     with open(os.path.join(out, "model_vlm.md")) as f:

@@ -168,11 +168,41 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
     return o.reshape(B, S, Hq, value.shape[-1]), None
 
 
+# A vision tower's attention (Qwen2-VL's family: each image, or each window of one, a sequence seen whole): the name
+# holds "flash", so transformers hands it ``cu_seq_lens_q`` and calls it once a block instead of once a window.
+VISION_NAME = "flash_torch_varlen_bidirectional"
+
+
+def bidirectional_varlen_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
+                                   cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """``query``/``key``/``value`` ``[1, H, T, D]``, the sequences ``cu_seq_lens_q``, not causal; returns
+    ``([1, T, H, D], None)``: ``varlen_attn`` on CUDA, a loop of SDPA calls on a CPU."""
+    if dropout:
+        raise ValueError(f"{VISION_NAME}: attention dropout is not supported")
+    if cu_seq_lens_q is None or query.shape[0] != 1:
+        raise ValueError(f"{VISION_NAME}: expected one row [1, H, T, D] and cu_seq_lens_q, got {tuple(query.shape)}")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    if q.is_cuda:
+        if varlen_attn is None:
+            raise RuntimeError(f"{VISION_NAME}: torch {torch.__version__} has no varlen_attn")
+        whole = {"is_causal": False} if "is_causal" in _PARAMS else {"window_size": (-1, -1)}
+        longest = int(max_length_q) if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
+        o = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, longest, longest, scale=scaling, **whole)
+    else:
+        bounds = cu_seq_lens_q.tolist()
+        o = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), scale=scaling).transpose(0, 1)
+            for s, e in zip(bounds[:-1], bounds[1:])])
+    return o.to(query.dtype)[None], None
+
+
 def register() -> str:
-    """Register the implementation and its mask function with transformers (idempotent); returns its name."""
+    """Register the implementations and the mask function with transformers (idempotent); returns the causal one's
+    name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
+    AttentionInterface.register(VISION_NAME, bidirectional_varlen_attention)
     AttentionInterface.register(NAME, torch_varlen_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, flash_attention_mask)
     return NAME
