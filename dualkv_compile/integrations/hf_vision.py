@@ -14,7 +14,8 @@ bitwise, so a collision only costs a second run), and each original image's outp
 tensors, so the features are equal to the unwrapped call's and their gradient is the sum over every row that used
 the image. An output field it cannot expand raises ``ValueError`` naming it; a call with nothing repeated runs the
 original. The wrapper runs outside Dynamo (``torch._dynamo.disable``: the hashing reads the pixels on the host),
-so the tower runs eagerly and the language model's graphs after it get the features as inputs.
+and calls the tower compiled (``backend``, Inductor by default) or eagerly; the language model's graphs after it
+get the features as inputs.
 """
 
 from __future__ import annotations
@@ -49,10 +50,14 @@ def is_vision_language(model: torch.nn.Module) -> bool:
     return any(callable(getattr(type(m), f, None)) for m in model.modules() for f in _METHODS)
 
 
-def images_once(model: torch.nn.Module) -> ImagesOnce:
-    """Wrap every ``get_image_features`` / ``get_video_features`` of ``model``'s modules (see the module docstring)."""
+def images_once(model: torch.nn.Module, backend: Optional[str] = "inductor") -> ImagesOnce:
+    """Wrap every ``get_image_features`` / ``get_video_features`` of ``model``'s modules (see the module docstring);
+    the tower runs compiled with ``backend`` (what ``torch.compile`` would have run it with: dualkv leaves a vision
+    tower's graphs to its inner compiler), or eagerly with ``None`` / ``"eager"``."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"images_once(model): expected a torch.nn.Module, got {type(model).__name__}")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"images_once(backend=...): expected a torch.compile backend name or None, got {backend!r}")
     found = getattr(model, _MARK, None)
     if found is not None:
         return found
@@ -71,7 +76,7 @@ def images_once(model: torch.nn.Module) -> ImagesOnce:
         module = has[path]
         for method in _METHODS:
             if callable(getattr(type(module), method, None)):
-                setattr(module, method, _wrap(getattr(module, method), counter))
+                setattr(module, method, _wrap(getattr(module, method), counter, backend))
                 names.append(f"{path or type(module).__name__}.{method}")
         setattr(module, _MARK, counter)
     counter.wrapped = tuple(names)
@@ -80,7 +85,10 @@ def images_once(model: torch.nn.Module) -> ImagesOnce:
     return counter
 
 
-def _wrap(original, counter: ImagesOnce):
+def _wrap(method, counter: ImagesOnce, backend: Optional[str]):
+    # A compiled call made from the disabled wrapper at run time: Dynamo traces the tower as torch.compile would.
+    original = method if backend in (None, "eager") else torch.compile(method, backend=backend)
+
     @torch._dynamo.disable
     def features_once(pixel_values: torch.Tensor, grid_thw: Optional[torch.Tensor] = None, *args, **kwargs):
         pieces = _split_images(pixel_values, grid_thw)
@@ -99,7 +107,7 @@ def _wrap(original, counter: ImagesOnce):
         sizes = [int(pieces[i].shape[0]) for i in keep] if grid_thw is not None else None
         return _expand(out, index, len(keep), sizes)
 
-    features_once.__name__ = getattr(original, "__name__", "features_once")
+    features_once.__name__ = getattr(method, "__name__", "features_once")
     return features_once
 
 

@@ -139,7 +139,8 @@ def compile_scoring_forward(model: torch.nn.Module, **options: Any) -> torch.nn.
 
         lm.generate = generate
     if is_vision_language(body):
-        images_once(body)  # each distinct image of a scoring call once through the vision tower
+        # Each distinct image of a scoring call once through the vision tower, compiled as dualkv's inner compiler.
+        images_once(body, backend=DualKVConfig.from_options(options).inner)
     log.debug("dualkv: routed %s's backbone (%s) through the dualkv backend", type(model).__name__, type(body).__name__)
     return model
 
