@@ -17,12 +17,16 @@ order: the rho of the unshuffled batch). At the end it compares every metric TRL
 rewards, entropy, clip ratios, ...) between the two runs and ends with ``trl_grpo: OK`` when they agree
 (float32: 1e-5 relative; with ``--bf16``, mixed precision, 2e-2) and every scoring forward ran packed.
 
+With ``--vlm`` the model is a tiny Qwen2.5-VL with its processor (one random 56 x 56 image a prompt): each distinct
+image runs once through the vision tower (``images_once``, which ``enable`` turns on), and the layout's oracle
+counts an image's tokens as shared only between rows that show the same image.
+
 With ``--lora`` TRL trains LoRA adapters (``GRPOTrainer(..., peft_config=LoraConfig(...))``: TRL wraps the model
 with PEFT, turns on ``enable_input_require_grads`` for its gradient checkpointing, and patches the PEFT model's base
 model). With ``--enable-before`` dualkv is turned on before the trainer is built, on the bare model
 (``compile_scoring_forward(model)``), so TRL patches (and, with ``--lora``, wraps) a model already routed.
 
-    python examples/trl_grpo.py [--steps 2] [--prompts 4] [--generations 4] [--bf16] [--lora] [--enable-before]
+    python examples/trl_grpo.py [--steps 2] [--prompts 4] [--generations 4] [--bf16] [--lora] [--enable-before] [--vlm]
 """
 
 from __future__ import annotations
@@ -44,15 +48,63 @@ WORDS = [f"w{i}" for i in range(96)]
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"}
 
 
-def word_tokenizer(words=WORDS):
-    """A word-level tokenizer built in code: ``<pad>`` 0, ``<eos>`` 1, then ``words`` from 2."""
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+# A prompt's image, then its text: the layout Qwen2.5-VL's own template gives a user turn with one image.
+VLM_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}"
+                "{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|> "
+                "{% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endif %}{% endfor %}")
+IMAGE_SIDE = 56  # pixels: 4 x 4 patches of 14, 4 merged tokens
+
+
+def word_tokenizer(words=WORDS, special=()):
+    """A word-level tokenizer built in code: ``<pad>`` 0, ``<eos>`` 1, then ``words`` from 2, then ``special``."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {"<pad>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    vocab.update({t: len(vocab) + i for i, t in enumerate(special)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    extra = {"additional_special_tokens": list(special)} if special else {}
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", **extra)
+
+
+def vlm_processor():
+    """Qwen2.5-VL's processor over ``word_tokenizer`` and the PIL image processor (56 x 56 images), built in code."""
+    from transformers import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    class ImageOnlyProcessor(Qwen2_5_VLProcessor):
+        """No video processor: transformers' needs torchvision, which this environment does not install."""
+
+        def check_argument_for_proper_class(self, name, arg):
+            return None if name == "video_processor" and arg is None else super().check_argument_for_proper_class(name, arg)
+
+    images = Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIDE ** 2, max_pixels=IMAGE_SIDE ** 2, patch_size=14,
+                                      temporal_patch_size=2, merge_size=2)
+    tok = word_tokenizer(special=VISION_TOKENS)
+    tok.padding_side = "left"  # TRL left-pads its prompts; its processor call must pad them the same way
+    return ImageOnlyProcessor(image_processor=images, tokenizer=tok, chat_template=VLM_TEMPLATE)
+
+
+def tiny_qwen2_5_vl(tok, seed: int = 0, layers: int = 2):
+    import transformers
+
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                         eos_token_id=1, bos_token_id=1,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=56, out_hidden_size=64,
+                           fullatt_block_indexes=[1], in_channels=3),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return transformers.Qwen2_5_VLForConditionalGeneration(cfg)
 
 
 def tiny_qwen3(vocab: int, seed: int = 0, layers: int = 2):
@@ -68,8 +120,13 @@ def tiny_qwen3(vocab: int, seed: int = 0, layers: int = 2):
 
 
 def reward_short_words(completions, **kwargs):
-    """A toy reward: the share of words among the first half of the vocabulary."""
-    return [sum(int(w[1:]) < len(WORDS) // 2 for w in c.split()) / max(len(c.split()), 1) for c in completions]
+    """A toy reward: the share of words among the first half of the vocabulary (text, or a conversation's last turn)."""
+    def words(c):
+        text = c if isinstance(c, str) else c[-1]["content"]
+        text = text if isinstance(text, str) else " ".join(b.get("text", "") for b in text)
+        return [w for w in text.split() if w[1:].isdigit()]
+
+    return [sum(int(w[1:]) < len(WORDS) // 2 for w in words(c)) / max(len(words(c)), 1) for c in completions]
 
 
 def distinct_prefixes(ids: torch.Tensor, mask: torch.Tensor) -> int:
@@ -97,12 +154,26 @@ class ScoringCalls:
     def _pre(self, module, args, kwargs):
         if kwargs.get("fused_lm_head"):
             self._before = {r.graph_id: r.packed_calls for r in dualkv_compile.reports()}
-            self.calls.append({"ids": kwargs["input_ids"].detach().cpu(), "mask": kwargs["attention_mask"].detach().cpu()})
+            self.calls.append({"ids": image_tagged(kwargs, module.config), "mask": kwargs["attention_mask"].detach().cpu()})
 
     def _post(self, module, args, kwargs, output):
         if kwargs.get("fused_lm_head"):
             packed = [r for r in dualkv_compile.reports() if r.packed_calls > self._before.get(r.graph_id, 0)]
             self.calls[-1]["stats"] = packed[-1].last_stats if packed else None
+
+
+def image_tagged(kwargs: dict, config) -> torch.Tensor:
+    """The call's token ids, each image placeholder replaced by a number naming its image's pixels (one image a row),
+    so that ``distinct_prefixes`` shares an image's tokens only between rows that show the same image."""
+    ids = kwargs["input_ids"].detach().cpu().clone()
+    pixels, grid = kwargs.get("pixel_values"), kwargs.get("image_grid_thw")
+    if pixels is None:
+        return ids
+    names: dict[bytes, int] = {}
+    for row, image in enumerate(torch.split(pixels.detach().cpu(), grid.prod(-1).tolist())):
+        name = names.setdefault(image.numpy().tobytes(), len(names))
+        ids[row][ids[row] == config.image_token_id] = -1 - name
+    return ids
 
 
 def interleaved(ids: torch.Tensor, mask: torch.Tensor, prompts: list[tuple[int, ...]]) -> bool:
@@ -122,11 +193,19 @@ def train(args, use_dualkv: bool):
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
-    tok = word_tokenizer()
-    model = tiny_qwen3(len(tok), layers=args.layers)
+    processor = vlm_processor() if args.vlm else None
+    tok = processor.tokenizer if args.vlm else word_tokenizer()
+    model = tiny_qwen2_5_vl(tok, layers=args.layers) if args.vlm else tiny_qwen3(len(tok), layers=args.layers)
     g = torch.Generator().manual_seed(args.seed)
     lengths = torch.randint(4, 12, (args.prompts * args.steps,), generator=g).tolist()
     prompts = [" ".join(WORDS[j] for j in torch.randint(0, len(WORDS), (n,), generator=g).tolist()) for n in lengths]
+    columns = {"prompt": prompts}
+    if args.vlm:  # one image a prompt, random pixels, and the prompt as a user turn
+        from PIL import Image
+
+        columns["image"] = [Image.fromarray((torch.rand(IMAGE_SIDE, IMAGE_SIDE, 3, generator=g) * 255).byte().numpy())
+                            for _ in prompts]
+        columns["prompt"] = [[{"role": "user", "content": text}] for text in prompts]
     config = GRPOConfig(
         output_dir=args.output_dir, per_device_train_batch_size=args.prompts * args.generations // args.steps_per_generation,
         steps_per_generation=args.steps_per_generation, num_generations=args.generations,
@@ -142,7 +221,7 @@ def train(args, use_dualkv: bool):
     if use_dualkv and args.enable_before:
         dualkv_compile.integrations.trl.compile_scoring_forward(model, inner=args.inner)  # before TRL patches it
     trainer = GRPOTrainer(model=model, reward_funcs=reward_short_words, args=config, peft_config=peft_config,
-                          train_dataset=datasets.Dataset.from_dict({"prompt": prompts}), processing_class=tok)
+                          train_dataset=datasets.Dataset.from_dict(columns), processing_class=processor or tok)
     calls = None
     if use_dualkv:
         if not args.enable_before:
@@ -150,7 +229,13 @@ def train(args, use_dualkv: bool):
         calls = ScoringCalls(trainer.model)
     start = time.perf_counter()
     trainer.train()
-    prompt_ids = [tuple(tok(text)["input_ids"]) for text in prompts]
+    if args.vlm:  # the image's tokens first, tagged as image_tagged tags them (one distinct image a prompt here)
+        merged = (IMAGE_SIDE // 14) ** 2 // 4
+        prompt_ids = [tuple([tok.convert_tokens_to_ids("<|vision_start|>")] + [-1 - i] * merged
+                            + [tok.convert_tokens_to_ids("<|vision_end|>")] + tok(text)["input_ids"])
+                      for i, text in enumerate(prompts)]
+    else:
+        prompt_ids = [tuple(tok(text)["input_ids"]) for text in prompts]
     return trainer, (calls.calls if calls else []), prompt_ids, time.perf_counter() - start
 
 
@@ -179,6 +264,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lora", action="store_true", help="LoRA adapters through TRL's peft_config (needs peft)")
     p.add_argument("--enable-before", action="store_true",
                    help="compile_scoring_forward(model) before the trainer is built instead of enable(trainer) after")
+    p.add_argument("--vlm", action="store_true", help="a tiny Qwen2.5-VL, one image a prompt, through its processor")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default=None)
@@ -223,6 +309,11 @@ def main(argv=None) -> int:
     print(f"dualkv saw {len(graphs)} graph(s): {sum(r.rewritten for r in with_attention)} of the {len(with_attention)} "
           f"with attention rewritten; {len(graphs) - len(with_attention)} without attention (pieces before a graph "
           f"break: with --lora, the embedding before the hook of PEFT's enable_input_require_grads) run as they are")
+    if args.vlm:  # images_once's count on the policy (compile_scoring_forward turned it on), generation included
+        tower = dualkv_compile.images_once(dual_run.model)
+        print(f"vision tower (images_once): ran on {tower.images} of the {tower.images_in} images it was given "
+              f"({tower.patches} of {tower.patches_in} patches)")
+        ok &= tower.images < tower.images_in
     print(f"wall time (CPU, includes compiling): plain {t_plain:.1f} s, dualkv {t_dual:.1f} s")
     ok &= bool(diffs) and all(d <= tol for d in diffs.values())
     print("trl_grpo: OK" if ok else "trl_grpo: FAILED")

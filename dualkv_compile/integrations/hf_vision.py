@@ -21,6 +21,7 @@ get the features as inputs.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from typing import Any, Optional
 
@@ -88,9 +89,17 @@ def images_once(model: torch.nn.Module, backend: Optional[str] = "inductor") -> 
 def _wrap(method, counter: ImagesOnce, backend: Optional[str]):
     # A compiled call made from the disabled wrapper at run time: Dynamo traces the tower as torch.compile would.
     original = method if backend in (None, "eager") else torch.compile(method, backend=backend)
+    signature = inspect.signature(method)
+    names = list(signature.parameters)
+    if len(names) < 2:
+        raise ValueError(f"images_once: {getattr(method, '__qualname__', method)} takes {names}, expected the pixels "
+                         "and their grid first")
+    pixels_name, grid_name = names[:2]  # pixel_values(_videos), image_grid_thw / video_grid_thw
 
     @torch._dynamo.disable
-    def features_once(pixel_values: torch.Tensor, grid_thw: Optional[torch.Tensor] = None, *args, **kwargs):
+    def features_once(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        pixel_values, grid_thw = bound.arguments[pixels_name], bound.arguments.get(grid_name)
         pieces = _split_images(pixel_values, grid_thw)
         keep, index = _distinct(pieces, grid_thw)
         counter.images_in += len(pieces)
@@ -98,16 +107,19 @@ def _wrap(method, counter: ImagesOnce, backend: Optional[str]):
         if len(keep) == len(pieces):
             counter.images += len(pieces)
             counter.patches += int(pixel_values.shape[0])
-            return original(pixel_values, grid_thw, *args, **kwargs)
-        px = torch.cat([pieces[i] for i in keep]) if grid_thw is not None else pixel_values[keep]
-        grid = None if grid_thw is None else grid_thw[keep]
+            return original(*args, **kwargs)
+        bound.arguments[pixels_name] = torch.cat([pieces[i] for i in keep]) if grid_thw is not None else pixel_values[keep]
+        if grid_thw is not None:
+            bound.arguments[grid_name] = grid_thw[keep]
         counter.images += len(keep)
-        counter.patches += int(px.shape[0])
-        out = original(px, grid, *args, **kwargs)
+        counter.patches += int(bound.arguments[pixels_name].shape[0])
+        out = original(*bound.args, **bound.kwargs)
         sizes = [int(pieces[i].shape[0]) for i in keep] if grid_thw is not None else None
         return _expand(out, index, len(keep), sizes)
 
+    # The original's name and signature: generate() picks the encoder's keyword arguments by its parameter names.
     features_once.__name__ = getattr(method, "__name__", "features_once")
+    features_once.__signature__ = signature
     return features_once
 
 

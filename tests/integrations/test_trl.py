@@ -154,6 +154,15 @@ def test_trl_grpo_example_matches_the_plain_trainer():
     assert "rows of one prompt interleaved" in out and "(equal)" in out and "RAN UNPACKED" not in out
 
 
+def test_trl_grpo_vision_language_matches_the_plain_trainer():
+    """The same with a tiny Qwen2.5-VL through its processor, one image a prompt: every scoring forward packed to
+    the distinct prefixes of its rows (an image's tokens shared only between rows showing that image), the vision
+    tower run on fewer images than it was given, every metric equal to the plain trainer's (1e-5)."""
+    out = run("trl_grpo.py", "--vlm", "--steps", "2")
+    assert "trl_grpo: OK" in out
+    assert "(equal)" in out and "RAN UNPACKED" not in out and "vision tower (images_once): ran on" in out
+
+
 def _example():
     """examples/trl_grpo.py as a module: its ``train`` runs here (no second interpreter to start)."""
     spec = importlib.util.spec_from_file_location("trl_grpo_example", os.path.join(ROOT, "examples", "trl_grpo.py"))
