@@ -1,4 +1,5 @@
-"""Vision-language models: each distinct image once through the vision tower, the language model packed (semantics 17).
+"""Vision-language models: each distinct image once through the vision tower, the language model packed
+(docs/design.md, semantics 17).
 
 CPU, float32, against the unmodified model (a copy, run eagerly): logits at every valid position and every
 parameter's gradient (the vision tower's included) within 1e-5; the tower's patch count (a hook on its input) is the
