@@ -65,3 +65,32 @@ def test_labels_named_like_input_ids_read_first_do_not_stop_packing():
     assert rel(out, expected) <= 1e-6
     report = dualkv_compile.reports()[-1]
     assert report.rewritten and report.packed_calls == 1, (report.reason, report.fallback_reasons)
+
+
+def test_multimodal_positions_are_carried_and_checked():
+    """A vision-language model's language model after the image merge: hidden states ``[B, S, H]`` and multimodal
+    rotary positions ``[3, B, S]`` from the graph before. The positions are a carried token input (b, s at axes 1
+    and 2), so two rows whose embeddings are equal share a column only where their positions are equal too: rows 0
+    and 1 share columns 0-4 and part at 5 (row 1's height positions differ from there), rows 2 and 3 share all 12.
+    Exact against the eager model; 5 + 7 + 7 + 12 = 31 packed tokens."""
+    from tests.vlm_batch import tiny_vlm
+
+    lm = tiny_vlm("qwen2_5_vl").model.language_model
+    ref = copy.deepcopy(lm)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(12, 64, generator=g), torch.randn(12, 64, generator=g)
+    emb = torch.stack([a, a, b, b]).requires_grad_()
+    pos = torch.arange(12).expand(3, 4, 12).clone()
+    pos[1, 1, 5:] += 1
+    mask = torch.ones(4, 12, dtype=torch.long)
+
+    def hidden(m, e):
+        return m(inputs_embeds=e, position_ids=pos, attention_mask=mask).last_hidden_state
+
+    torch._dynamo.reset()
+    compiled = torch.compile(functools.partial(hidden, lm), backend=functools.partial(dualkv_backend, options={"inner": "aot_eager"}))
+    out, expected = compiled(emb), hidden(ref, emb)
+    assert (out - expected).abs().max().item() <= 1e-5
+    report = next(r for r in reversed(dualkv_compile.reports()) if r.num_attention)
+    assert report.rewritten and report.packed_calls == 1, (report.reason, report.fallback_reasons)
+    assert report.last_stats.tokens_after == 31, report.last_stats
