@@ -460,6 +460,23 @@ def test_model_variants_tiny_presets_pack_and_agree_on_cpu(tmp_path):
     assert dup == packed
 
 
+def test_model_vlm_tiny_run_packs_and_agrees_on_cpu(tmp_path):
+    """``model_vlm.py --tiny`` in-process: dualkv runs the tower on the distinct images only (2 of 16 rows' images),
+    its language model packed, its loss equal to the plain model's (float32); the FLOP ideal above 1."""
+    from benchmarks.model import model_vlm
+
+    argv = ["--device", "cpu", "--tiny", "--reps", "1", "--compiler", "eager", "--layers", "2", "--out", str(tmp_path)]
+    assert model_vlm.main(argv) == 0
+    with open(tmp_path / "model_vlm.json") as f:
+        rec = json.load(f)
+    plain, dk = rec["rows"]
+    per_image = rec["meta"]["patches_per_image"]
+    assert plain["tower_patches_per_step"] == 16 * per_image and dk["tower_patches_per_step"] == 2 * per_image
+    assert dk["packed_calls"] > 0 and plain["packed_calls"] == 0
+    assert rec["results"]["loss_rel_diff"] <= 1e-4 and rec["results"]["ideal"] > 1.5, rec["results"]
+    assert "| dualkv |" in (tmp_path / "model_vlm.md").read_text()
+
+
 @pytest.mark.slow  # the suite's time; `make test-slow` runs it
 def test_model_variants_flex_block_masks_are_the_padded_models_masks():
     """The gpt-oss flex baseline's BlockMasks (document, causal, window from ``cu_seqlens``) give the row the padded

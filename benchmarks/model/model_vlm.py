@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import dualkv_compile  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.model.model_gpu import log, time_step  # noqa: E402
+from benchmarks.model.model_variants import accumulated  # noqa: E402
 from benchmarks.model.model_remove_padding import chunked_next_token_logp, clipped_token_mean, next_token_logp  # noqa: E402
 from benchmarks.ops import varlen_attention  # noqa: E402  (registers the vision tower's varlen attention)
 
@@ -189,21 +190,13 @@ def run_side(name, model, batch, args) -> dict:
         torch._dynamo.reset()
         start, losses = len(dualkv_compile.reports()), []
         if name == "dualkv":
-            counter = dualkv_compile.images_once(model)
+            counter = dualkv_compile.images_once(model, backend=args.compiler)  # the tower as everything else
             fn = dualkv_compile.policy_loss(backbone_logits_loss, inner=args.compiler)
         else:
             counter = None
             fn = torch.compile(plain_loss, dynamic=False, backend=args.compiler)
         parts = split(batch, n)
-
-        def step(m, _b):
-            total = 0.0
-            for part, w in parts:
-                loss = fn(m, part) * w
-                loss.backward()
-                total = total + loss.detach()
-            losses.append(float(total))
-            return torch.zeros((), device=batch["input_ids"].device, requires_grad=True)
+        step = accumulated(fn, parts, losses)
 
         log(f"{name}: {n} micro-batch(es): compile + warm-up + {args.reps} steps")
         try:
@@ -222,7 +215,7 @@ def run_side(name, model, batch, args) -> dict:
         n *= 2
     steps = 2 + args.reps
     reports = dualkv_compile.reports()[start:]
-    row.update(ms=ms, peak_gb=peak if cuda else None, loss=losses[-1], micro_batches=n,
+    row.update(ms=ms, peak_gb=peak if cuda else None, loss=float(losses[-1]), micro_batches=n,
                tower_patches_per_step=((counter.patches - before) / steps if counter else
                                        int(batch["image_grid_thw"].prod(-1).sum())),
                packed_calls=sum(r.packed_calls for r in reports if r.rewritten) // steps if name == "dualkv" else 0)
