@@ -108,13 +108,28 @@ def check_model(model, batches, inner="aot_eager", forward=None, tol=1e-5):
         assert rel(out[valid], ref[valid]) <= tol
         (out[valid] @ vocab_proj).sum().backward()
         (ref[valid] @ vocab_proj).sum().backward()
+        exact = None  # float64 gradients of the unmodified model, made only if a gradient misses ``tol``
         for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
             if q.grad is None:
                 assert p.grad is None or p.grad.abs().max() == 0, name
                 continue
-            assert rel(p.grad, q.grad) <= tol, name
+            if rel(p.grad, q.grad) <= tol:
+                continue
+            # An ill-conditioned sum (a scalar parameter's gradient over every token: xIELU's alpha_n) can differ
+            # between two float32 summation orders by more than tol: then dualkv must be as close to the float64
+            # gradient as the unmodified float32 model is.
+            exact = exact or _float64_grads(ref_model, forward, ids, mask, pos, valid, vocab_proj)
+            err, plain = rel(p.grad.double(), exact[name]), rel(q.grad.double(), exact[name])
+            assert err <= max(tol, plain), (name, err, plain)
         model.zero_grad(set_to_none=True)
         ref_model.zero_grad(set_to_none=True)
+
+def _float64_grads(model, forward, ids, mask, pos, valid, vocab_proj) -> dict:
+    m64 = copy.deepcopy(model).double()
+    m64.zero_grad(set_to_none=True)
+    (forward(m64, ids, mask, pos)[valid] @ vocab_proj.double()).sum().backward()
+    return {n: p.grad for n, p in m64.named_parameters() if p.grad is not None}
+
 
 def hf_model(family, impl, layers=2, head_dim=8):
     cfgs = {
