@@ -110,12 +110,6 @@ def dualkv_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = 
             hint = graph_split_hint(gm)
             if hint:
                 report.reason = f"{report.reason}; {hint}"
-        # A vision tower compiled with the model (its weights lifted as inputs named after it: "visual",
-        # "vision_tower", ...) runs on every row's copy of an image.
-        names = [n.name.lower() for n in gm.graph.find_nodes(op="placeholder")]
-        if any("_parameters_" in n and ("visual" in n or "vision" in n) for n in names):
-            report.reason = (f"{report.reason}; a vision tower's graph: it runs as it is, on every row's image; "
-                             "dualkv_compile.images_once(model) runs each distinct image once")
         log.warning("dualkv: graph %d refused, running it unchanged: %s", report.graph_id, report.reason)
         return fallback
     report.rewritten = True

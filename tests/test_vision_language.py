@@ -111,16 +111,3 @@ def test_images_once_twice_is_one_wrapper():
     assert dualkv_compile.images_once(model) is first
     assert dualkv_compile.images_once(model.model) is first
     assert first.wrapped == ("model.get_image_features", "model.get_video_features")
-
-
-def test_a_vision_tower_compiled_with_the_model_says_images_once():
-    """Without ``images_once`` the tower's graphs reach dualkv, which leaves them as they are (bidirectional
-    attention) and says how to run each distinct image once; the language model still packs."""
-    torch._dynamo.reset()
-    model = tiny_vlm("qwen2_5_vl")
-    b = batch([([1, 2], [0], [5, 6, 7]), ([3, 2], [1], [8, 9])], images(2), group_size=3)
-    before = len(reports())
-    torch.compile(model, backend="dualkv")(**b.kwargs())
-    new = reports()[before:]
-    assert any(not r.rewritten and "a vision tower's graph" in r.reason for r in new)
-    assert any(r.rewritten and r.packed_calls for r in new)
