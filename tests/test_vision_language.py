@@ -111,3 +111,43 @@ def test_images_once_twice_is_one_wrapper():
     assert dualkv_compile.images_once(model) is first
     assert dualkv_compile.images_once(model.model) is first
     assert first.wrapped == ("model.get_image_features", "model.get_video_features")
+
+
+def test_images_once_on_a_tower_of_image_batches():
+    """Gemma 3's tower takes ``[N, C, H, W]`` images and no grid (``get_image_features(pixel_values, **kwargs)``):
+    ``images_once`` runs it on the distinct images (the first axis) and hands each row its image's features; logits
+    and every gradient equal the unwrapped model's (eager: Gemma 3's language model is not packed yet, its image
+    merge ``masked_scatter`` has no token-axis rule)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = Gemma3Config(
+        text_config=dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=64),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14, num_channels=3),
+        mm_tokens_per_image=4, image_token_index=120, boi_token_index=121, eoi_token_index=122)
+    cfg._attn_implementation = "eager"
+    model = Gemma3ForConditionalGeneration(cfg).float()
+    ref = copy.deepcopy(model)
+    rows = [[2, 121] + [120] * 4 + [122, 5 + g, 6] + list(range(10, 12 + r)) for g in range(2) for r in range(3)]
+    ids = torch.zeros(6, max(map(len, rows)), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    kwargs = dict(input_ids=ids, attention_mask=mask, pixel_values=torch.randn(2, 3, 28, 28)[[0, 0, 0, 1, 1, 1]],
+                  token_type_ids=(ids == 120).long())
+    counter = dualkv_compile.images_once(model, backend=None)
+    seen = []
+    model.model.vision_tower.register_forward_pre_hook(
+        lambda mod, args, kw: seen.append(int(kw["pixel_values"].shape[0])), with_kwargs=True)
+    out, want = model(**kwargs).logits, ref(**kwargs).logits
+    assert seen == [2] and (counter.images_in, counter.images) == (6, 2)
+    valid = mask.bool()
+    assert (out[valid] - want[valid]).abs().max().item() <= TOL
+    w = torch.linspace(-1.0, 1.0, out.shape[-1])
+    (out[valid] @ w).sum().backward()
+    (want[valid] @ w).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert (p.grad - q.grad).abs().max().item() <= TOL * max(1.0, q.grad.abs().max().item()), name

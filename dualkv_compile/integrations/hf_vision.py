@@ -1,7 +1,8 @@
 """Each distinct image once through a Hugging Face vision-language model's vision tower (docs/design.md, semantics 17).
 
     counter = dualkv_compile.images_once(model)     # before or after torch.compile(model, backend="dualkv")
-    counter.patches, counter.images                 # what the tower ran on, summed over calls
+    counter.patches, counter.images                 # what the tower ran on, summed over calls (patches: rows of
+                                                    # pixel_values, images themselves for an [N, C, H, W] tower)
 
 Assumes: the model (or a submodule) has ``get_image_features(pixel_values, image_grid_thw=None, **kw)`` (and
 ``get_video_features`` alike) that the forward calls through the instance, images independent in the tower (each
@@ -90,16 +91,19 @@ def _wrap(method, counter: ImagesOnce, backend: Optional[str]):
     # A compiled call made from the disabled wrapper at run time: Dynamo traces the tower as torch.compile would.
     original = method if backend in (None, "eager") else torch.compile(method, backend=backend)
     signature = inspect.signature(method)
-    names = list(signature.parameters)
-    if len(names) < 2:
-        raise ValueError(f"images_once: {getattr(method, '__qualname__', method)} takes {names}, expected the pixels "
-                         "and their grid first")
-    pixels_name, grid_name = names[:2]  # pixel_values(_videos), image_grid_thw / video_grid_thw
+    named = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not named:
+        raise ValueError(f"images_once: {getattr(method, '__qualname__', method)} takes no pixels argument")
+    # pixel_values(_videos), then the grid where the tower takes one (image_grid_thw / video_grid_thw); a tower
+    # without one takes a batch of images on the first axis (Gemma 3's [N, C, H, W]).
+    pixels_name = named[0].name
+    grid_name = named[1].name if len(named) > 1 and "grid" in named[1].name else None
 
     @torch._dynamo.disable
     def features_once(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
-        pixel_values, grid_thw = bound.arguments[pixels_name], bound.arguments.get(grid_name)
+        pixel_values = bound.arguments[pixels_name]
+        grid_thw = bound.arguments.get(grid_name) if grid_name else None
         pieces = _split_images(pixel_values, grid_thw)
         keep, index = _distinct(pieces, grid_thw)
         counter.images_in += len(pieces)
