@@ -14,7 +14,7 @@ Guarantees: the tower runs on the distinct images only (bitwise equal pixels and
 bitwise, so a collision only costs a second run), and each original image's outputs are its distinct image's
 tensors, so the features are equal to the unwrapped call's and their gradient is the sum over every row that used
 the image. An output field it cannot expand raises ``ValueError`` naming it; a call with nothing repeated runs the
-original. The wrapper runs outside Dynamo (``torch._dynamo.disable``: the hashing reads the pixels on the host),
+original. The wrapper runs outside Dynamo (``torch._dynamo.disable``: the images' fingerprints are read on the host),
 and calls the tower compiled (``backend``, Inductor by default) or eagerly; the language model's graphs after it
 get the features as inputs.
 """
@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import logging
 from typing import Any, Optional
 
 import torch
-
-log = logging.getLogger("dualkv_compile")
 
 __all__ = ["ImagesOnce", "images_once", "is_vision_language"]
 
