@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 
@@ -93,8 +94,6 @@ def walk(fn, *args, depth: int = 2, backend_options=None) -> list[Walk]:
         finally:
             sys.setprofile(old)
             walks.append(Walk([f for f in files if f != "backend.py"] or files))
-
-    import functools
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=functools.partial(traced, options=dict(backend_options or {"inner": "aot_eager"})))

@@ -168,8 +168,9 @@ def token_major_inputs(gm, example_inputs, known: TokenInputs, B: int, S: int, f
 
 
 def _multimodal_positions(ev: torch.Tensor, B: int, S: int) -> bool:
-    """An integer ``[k, B, S]`` input, k < B or B == 1: the rotary positions of a vision-language model (Qwen's
-    M-RoPE rows: temporal, height, width, and text in newer versions), handed from the graph that computed them."""
+    """An integer ``[k, B, S]`` input, 1 < k <= 4 and k != B (a ``[B, B, S]`` one could be batch-major): the rotary
+    positions of a vision-language model (Qwen's M-RoPE rows: temporal, height, width, and text in newer versions),
+    handed from the graph that computed them."""
     if ev.dim() != 3 or ev.dtype.is_floating_point or ev.dtype is torch.bool:
         return False
     k, b, s = (hint(d) for d in ev.shape)

@@ -27,6 +27,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..layout.carried import as_bits
+
 __all__ = ["ImagesOnce", "images_once", "is_vision_language"]
 
 _MARK = "_dualkv_images_once"
@@ -137,19 +139,13 @@ def _split_images(pixel_values: torch.Tensor, grid_thw: Optional[torch.Tensor]) 
     return list(torch.split(pixel_values, sizes))
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of ``t`` as integers (so -0.0 and 0.0 differ and NaN equals itself, as the kernels see them)."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.detach().contiguous().view(ints[t.element_size()]) if t.is_floating_point() else t.detach()
-
-
 def _distinct(pieces: list[torch.Tensor], grid_thw: Optional[torch.Tensor]) -> tuple[list[int], list[int]]:
     """``keep`` (the first index of each distinct image) and ``index`` (each image's position in ``keep``)."""
     grids = grid_thw.tolist() if grid_thw is not None else [None] * len(pieces)
     # A fingerprint per image (two sums of its bits, one pass, one host transfer), then a bitwise check.
     prints = []
     for p in pieces:
-        b = _bits(p).reshape(-1).to(torch.float64)
+        b = as_bits(p.detach()).reshape(-1).to(torch.float64)
         w = torch.arange(1, b.numel() + 1, device=b.device, dtype=torch.float64).remainder_(65521)
         prints.append(torch.stack([b.sum(), (b * w).sum()]))
     prints = torch.stack(prints).tolist() if prints else []
@@ -158,7 +154,8 @@ def _distinct(pieces: list[torch.Tensor], grid_thw: Optional[torch.Tensor]) -> t
     by_key: dict[tuple, list[int]] = {}
     for i, p in enumerate(pieces):
         key = (tuple(p.shape), p.dtype, str(grids[i]), *prints[i])
-        match = next((k for k in by_key.get(key, ()) if torch.equal(_bits(pieces[keep[k]]), _bits(p))), None)
+        bits = as_bits(p.detach())
+        match = next((k for k in by_key.get(key, ()) if torch.equal(as_bits(pieces[keep[k]].detach()), bits)), None)
         if match is None:
             match = len(keep)
             keep.append(i)

@@ -33,7 +33,7 @@ import torch
 from .detect import detect, expand_runs
 from .shared_prompt import SharedPromptLayout
 
-__all__ = ["ActiveLayout", "current", "publish", "clear", "detect_from_values", "leaves"]
+__all__ = ["ActiveLayout", "as_bits", "current", "publish", "clear", "detect_from_values", "leaves"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -134,7 +134,7 @@ class ActiveLayout:
         with torch.no_grad():
             bad = []
             for _, t in todo:
-                flat = _bits(t.detach()).reshape(B * S, -1)
+                flat = as_bits(t.detach()).reshape(B * S, -1)
                 bad.append((flat.index_select(0, dst) != flat.index_select(0, src)).any())
             flags = torch.stack(bad).tolist()
         for (i, t), f in zip(todo, flags):
@@ -180,7 +180,7 @@ def _alias_key(t: torch.Tensor) -> tuple:
     return id(t.untyped_storage()), t.storage_offset(), tuple(t.shape), t.stride()
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def as_bits(t: torch.Tensor) -> torch.Tensor:
     """``t`` reinterpreted as integers of its width, so equality is bitwise (NaN == NaN, -0.0 != 0.0)."""
     if t.dtype.is_floating_point or t.dtype.is_complex:
         width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
@@ -252,7 +252,7 @@ def detect_from_values(
     with torch.no_grad():
         h = torch.zeros(2, B * S, dtype=torch.long, device=valid.device)
         for v in values:
-            flat = _bits(v.detach()).reshape(B * S, -1)
+            flat = as_bits(v.detach()).reshape(B * S, -1)
             gen = torch.Generator().manual_seed(flat.shape[1])
             w = torch.randint(1, 2**62, (2, flat.shape[1]), generator=gen).to(valid.device)
             h = h * 1000003

@@ -13,6 +13,7 @@ its fallback is compiled at once, inside the backend call, as the inner compiler
 from __future__ import annotations
 
 import itertools
+import operator
 import types
 from typing import Callable, Optional
 
@@ -67,8 +68,6 @@ def has_unbacked_sizes(gm: fx.GraphModule) -> bool:
 def indexes_by_a_boolean_mask(gm: fx.GraphModule) -> bool:
     """True if the graph indexes or assigns through a boolean tensor (``x[mask, :] = y``, Qwen3-VL's deepstack
     merge): no value of it has an unbacked size, but AOTAutograd's trace of it calls ``nonzero``."""
-    import operator
-
     def boolean(a) -> bool:
         v = ev(a) if isinstance(a, fx.Node) else None
         return isinstance(v, torch.Tensor) and v.dtype is torch.bool
